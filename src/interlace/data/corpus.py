@@ -1,0 +1,74 @@
+"""Training text: the built-in corpus or the user's files, read into one string.
+
+The built-in corpus is the Python documentation shipped inside every CPython install
+(`pydoc_data.topics`, ~465 KB of English prose and code), so a run needs no download.
+"""
+
+import os
+from pathlib import Path
+
+from interlace.errors import DataError
+
+BUILTIN_CORPUS = "builtin:pydoc_data.topics"
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+_SEPARATOR = "\n\n"
+
+
+def load_corpus(path: str | os.PathLike[str] | None = None) -> str:
+    """Return the training text: the built-in corpus for `None`, else a file or a directory.
+
+    A directory contributes every `*.txt`, `*.md` and `*.rst` file below it (recursively), in
+    sorted relative-path order, each without trailing newlines and joined by one blank line.
+    Raises `DataError` for a missing path, a directory without text files, a file that is not
+    UTF-8, or text that is empty.
+    """
+    if path is None:
+        return _builtin_text()
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"data path '{root}' does not exist")
+    if root.is_dir():
+        files = sorted(
+            (f for f in root.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
+            key=lambda f: f.relative_to(root).as_posix(),
+        )
+        if not files:
+            raise DataError(
+                f"data directory '{root}' holds no text files "
+                f"({', '.join('*' + s for s in TEXT_SUFFIXES)})"
+            )
+    else:
+        files = [root]
+    text = _SEPARATOR.join(_read_text(f).rstrip("\n") for f in files)
+    if not text.strip():
+        raise DataError(f"data path '{root}' holds no text (only empty or blank files)")
+    return text
+
+
+def describe_corpus(path: str | os.PathLike[str] | None = None) -> str:
+    """Return a short name of the corpus for reports: `BUILTIN_CORPUS` or the path as given."""
+    return BUILTIN_CORPUS if path is None else os.fspath(path)
+
+
+def _builtin_text() -> str:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:
+        raise DataError(
+            "the built-in corpus needs the standard library's pydoc_data package, which this "
+            "Python install lacks: pass a data path instead"
+        ) from exc
+    return _SEPARATOR.join(topics[key].rstrip("\n") for key in sorted(topics))
+
+
+def _read_text(file: Path) -> str:
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read data file '{file}': {exc.strerror}") from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"data file '{file}' is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from exc

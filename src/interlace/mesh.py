@@ -1,0 +1,97 @@
+"""Mesh: named process groups for every parallel dimension, on torch's DeviceMesh.
+
+Rank order, outermost to innermost: `pp`, `dp`, then tensor parallel — `tp` for 1D, or
+`tp_z`, `tp_y`, `tp_x` for 3D (x varies fastest). The innermost dimensions hold the chattiest
+groups, so consecutive ranks (one node) share a tensor parallel group. Global rank
+    r = ((pp_i · dp + dp_i) · tp_size) + tp_i           (1D)
+    r = (((pp_i · dp + dp_i) · z + z_i) · y + y_i) · x + x_i   (3D)
+Expert parallel groups (`ep`) are carved from `dp` with ep innermost; they arrive with the expert
+parallel module.
+
+The backend follows the device: gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from interlace.comm import Group
+from interlace.errors import PlanError
+from interlace.plan import Plan
+
+
+def default_device() -> torch.device:
+    """This process's device: its local CUDA device when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for `device`: 'nccl' for CUDA, 'gloo' otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(names, sizes) of the mesh dimensions for `plan`, outermost first."""
+    if plan.tp3d is not None:
+        x, y, z = plan.tp3d
+        return ("pp", "dp", "tp_z", "tp_y", "tp_x"), (plan.pp, plan.dp, z, y, x)
+    return ("pp", "dp", "tp"), (plan.pp, plan.dp, plan.tp)
+
+
+@dataclass
+class Mesh:
+    """The DeviceMesh of a plan plus its named groups. `group('dp')` etc. give `comm.Group`s."""
+
+    plan: Plan
+    device_mesh: DeviceMesh
+    device: torch.device
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """Dimension names, outermost first."""
+        names = self.device_mesh.mesh_dim_names
+        assert names is not None
+        return tuple(names)
+
+    def group(self, name: str) -> Group:
+        """The process group of dimension `name` that contains this rank."""
+        if name not in self.dims:
+            raise KeyError(f"mesh has no dimension '{name}'; it has {', '.join(self.dims)}")
+        sub = self.device_mesh[name]
+        return Group(name=name, pg=sub.get_group(), size=sub.size(), rank=sub.get_local_rank())
+
+    def size(self, name: str) -> int:
+        """Ranks in dimension `name`."""
+        return self.device_mesh[name].size()
+
+    def rank(self, name: str) -> int:
+        """This rank's index inside dimension `name`."""
+        return self.device_mesh[name].get_local_rank()
+
+
+def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
+    """Build the Mesh for `plan` inside an initialised default process group.
+
+    `device` defaults to `default_device()`. Raises PlanError if the world size differs from the
+    plan's.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_mesh needs torch.distributed initialised (launch with "
+            "`interlace train --nproc N` or torchrun)"
+        )
+    world = dist.get_world_size()
+    if world != plan.world_size:
+        raise PlanError(
+            f"plan '{plan}' needs {plan.world_size} ranks but the world size is {world}"
+        )
+    device = device or default_device()
+    names, sizes = mesh_dims(plan)
+    device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+    return Mesh(plan=plan, device_mesh=device_mesh, device=device)

@@ -1,0 +1,292 @@
+"""The Plan: every parallel choice of a training run in one frozen, validated, serialisable value.
+
+A Plan says how `world_size = dp · pp · tp_size` ranks cooperate: data parallel degree `dp`,
+pipeline stages `pp`, tensor parallel degree (`tp` for Megatron-style 1D, or `tp3d = (x, y, z)`
+for AxoNN-style 3D), expert parallel degree `ep` (carved out of `dp`), pipeline `micro_batches`,
+`schedule`, `recompute`, the `overlap` options, `grad_compression` and `moe_balance`.
+
+`Plan.parse("dp=2,tp=2,tp_subbatches=2")` reads the CLI form; nested options are addressed by
+their leaf name. `str(plan)` writes that form back (non-default fields only), so
+`Plan.parse(str(plan)) == plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from interlace.errors import PlanError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
+RECOMPUTE_MODES = ("none", "full", "stage-aware")
+GRAD_COMPRESSIONS = ("none", "sketch", "powersgd", "topk")
+MOE_BALANCES = ("none", "dropless", "shadow", "prophet")
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How communication is hidden under computation.
+
+    dp_overlap: all-reduce gradient buckets during backward (DDP); False = one all-reduce after
+        backward (the no-overlap baseline).
+    dp_bucket_mb: DDP bucket size in MiB.
+    tp_subbatches: sub-batches per micro-batch for overlapped tensor parallelism (1 = off).
+    """
+
+    dp_overlap: bool = True
+    dp_bucket_mb: float = 25.0
+    tp_subbatches: int = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every parallel choice of a run. Construct freely; `validate` decides whether it can run."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    tp3d: tuple[int, int, int] | None = None
+    ep: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    overlap: Overlap = field(default_factory=Overlap)
+    grad_compression: str = "none"
+    moe_balance: str = "none"
+
+    # ----------------------------------------------------------------- derived sizes
+    @property
+    def tp_size(self) -> int:
+        """Ranks in one tensor parallel group: `tp`, or x·y·z for 3D."""
+        return math.prod(self.tp3d) if self.tp3d is not None else self.tp
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs: dp · pp · tp_size (ep lives inside dp)."""
+        return self.dp * self.pp * self.tp_size
+
+    # ----------------------------------------------------------------- validation
+    def validate(self, world_size: int, spec: Any = None) -> Plan:
+        """Check the plan can run on `world_size` ranks (and on model `spec`, a GPTConfig-like
+        object with d_model, n_heads, vocab_size, n_layers, ffn_dim, n_experts). Returns self;
+        raises PlanError naming the bad value and a valid alternative."""
+        self._check_values()
+        self._check_implemented()
+        if self.world_size != world_size:
+            raise PlanError(
+                f"plan '{self}' needs {self.world_size} ranks but the world size is {world_size}; "
+                f"{self._world_size_fix(world_size)}"
+            )
+        if spec is not None:
+            self._check_spec(spec)
+        return self
+
+    def _check_values(self) -> None:
+        for name in ("dp", "pp", "tp", "ep", "micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")
+        if self.overlap.tp_subbatches < 1:
+            raise PlanError(f"tp_subbatches={self.overlap.tp_subbatches} must be >= 1 (1 = off)")
+        if self.overlap.dp_bucket_mb <= 0:
+            raise PlanError(f"dp_bucket_mb={self.overlap.dp_bucket_mb} must be > 0, e.g. 25")
+        if self.tp3d is not None:
+            if len(self.tp3d) != 3 or any(not isinstance(d, int) or d < 1 for d in self.tp3d):
+                raise PlanError(f"tp3d={self.tp3d!r} must be three positive integers, e.g. 2x2x1")
+            if self.tp != 1:
+                raise PlanError(
+                    f"tp={self.tp} and tp3d={_fmt_tp3d(self.tp3d)} are exclusive; use one of them"
+                )
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
+        if self.dp % self.ep:
+            raise PlanError(
+                f"ep={self.ep} must divide dp={self.dp} (expert groups are carved out of the "
+                f"data parallel ranks); use ep in {_divisors(self.dp)}"
+            )
+
+    def _check_implemented(self) -> None:
+        pending = [
+            (self.pp > 1, f"pp={self.pp} (pipeline parallelism)", "pp=1"),
+            (self.tp > 1, f"tp={self.tp} (tensor parallelism)", "tp=1"),
+            (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
+            (self.ep > 1, f"ep={self.ep} (expert parallelism)", "ep=1"),
+            (self.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped TP)", "tp_subbatches=1"),
+            (self.recompute != "none", f"recompute={self.recompute}", "recompute=none"),
+            (
+                self.grad_compression != "none",
+                f"grad_compression={self.grad_compression}",
+                "grad_compression=none",
+            ),
+            (self.moe_balance != "none", f"moe_balance={self.moe_balance}", "moe_balance=none"),
+        ]
+        for active, what, fix in pending:
+            if active:
+                raise PlanError(f"{what} is not implemented yet; use {fix}")
+
+    def _world_size_fix(self, world_size: int) -> str:
+        others = self.pp * self.tp_size
+        if world_size % others == 0:
+            return f"use dp={world_size // others} for {world_size} ranks"
+        return f"launch {self.world_size} ranks (--nproc {self.world_size})"
+
+    def _check_spec(self, spec: Any) -> None:
+        tp = self.tp_size
+        if spec.d_model % spec.n_heads:
+            raise PlanError(
+                f"hidden size d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}; "
+                f"use n_heads in {_divisors(spec.d_model)[-6:]}"
+            )
+        for name, value in (
+            ("n_heads", spec.n_heads),
+            ("d_model", spec.d_model),
+            ("ffn_dim", spec.ffn_dim),
+            ("vocab_size", spec.vocab_size),
+        ):
+            if value % tp:
+                raise PlanError(
+                    f"{name}={value} is not divisible by the tensor parallel degree {tp}; "
+                    f"use a degree in {_divisors(value)[:6]}"
+                )
+        if spec.n_layers < self.pp:
+            raise PlanError(
+                f"pp={self.pp} exceeds n_layers={spec.n_layers}; use pp<={spec.n_layers}"
+            )
+        if self.ep > 1 and spec.n_experts % self.ep:
+            raise PlanError(
+                f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
+                f"use ep in {_divisors(spec.n_experts)}"
+            )
+
+    # ----------------------------------------------------------------- text and JSON
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """Read 'dp=2,tp=2,tp_subbatches=2' (nested options by leaf name). Empty text = defaults."""
+        top: dict[str, Any] = {}
+        nested: dict[str, Any] = {}
+        for item in (part.strip() for part in text.split(",")):
+            if not item:
+                continue
+            if "=" not in item:
+                raise PlanError(f"plan item '{item}' is not field=value, e.g. 'dp=2'")
+            key, raw = (s.strip() for s in item.split("=", 1))
+            target = nested if key in _OVERLAP_FIELDS else top
+            if key not in _OVERLAP_FIELDS and key not in _PLAN_FIELDS:
+                raise PlanError(
+                    f"unknown plan field '{key}'{_did_you_mean(key)}; valid fields: "
+                    f"{', '.join(_ALL_FIELDS)}"
+                )
+            if key in target:
+                raise PlanError(f"plan field '{key}' is given twice")
+            target[key] = _parse_value(key, raw)
+        return cls(**top, overlap=Overlap(**nested))
+
+    def __str__(self) -> str:
+        items = [f"{k}={_fmt(v)}" for k, v in self._non_defaults().items()]
+        return ",".join(items) if items else "dp=1"
+
+    def _non_defaults(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "overlap":
+                continue
+            value = getattr(self, f.name)
+            if value != _PLAN_DEFAULTS[f.name]:
+                out[f.name] = value
+        for f in dataclasses.fields(Overlap):
+            value = getattr(self.overlap, f.name)
+            if value != f.default:
+                out[f.name] = value
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field (nested overlap options as a dict)."""
+        data = dataclasses.asdict(self)
+        data["tp3d"] = list(self.tp3d) if self.tp3d is not None else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Inverse of to_dict; unknown keys raise PlanError."""
+        data = dict(data)
+        overlap = data.pop("overlap", {}) or {}
+        unknown = (set(data) - set(_PLAN_FIELDS)) | (set(overlap) - set(_OVERLAP_FIELDS))
+        if unknown:
+            raise PlanError(f"unknown plan fields {sorted(unknown)}")
+        if data.get("tp3d") is not None:
+            data["tp3d"] = tuple(data["tp3d"])
+        return cls(**data, overlap=Overlap(**overlap))
+
+    def to_json(self) -> str:
+        """JSON text of to_dict()."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of to_json."""
+        return cls.from_dict(json.loads(text))
+
+
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "overlap")
+_OVERLAP_FIELDS = tuple(f.name for f in dataclasses.fields(Overlap))
+_ALL_FIELDS = _PLAN_FIELDS + _OVERLAP_FIELDS
+_PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Plan) if f.name != "overlap"}
+_FIELD_TYPES = {
+    **{f.name: f.type for f in dataclasses.fields(Plan)},
+    **{f.name: f.type for f in dataclasses.fields(Overlap)},
+}
+
+
+def _parse_value(key: str, raw: str) -> Any:
+    kind = _FIELD_TYPES[key]
+    try:
+        if key == "tp3d":
+            dims = tuple(int(d) for d in raw.lower().split("x"))
+            if len(dims) != 3:
+                raise ValueError
+            return dims
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes")
+    except ValueError:
+        example = {"tp3d": "2x2x1", "int": "2", "float": "25", "bool": "true"}
+        hint = example.get(key, example.get(kind, ""))
+        raise PlanError(f"{key}={raw!r} is not a valid {kind}; e.g. {key}={hint}") from None
+    return raw
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, tuple):
+        return _fmt_tp3d(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _fmt_tp3d(dims: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in dims)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, _ALL_FIELDS, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
