@@ -9,8 +9,6 @@ The collectives themselves are torch.distributed's (c10d for eager/async calls, 
 collectives for lazily-waited tensors); this module only adds the accounting, which torch lacks.
 """
 
-from __future__ import annotations
-
 import time
 from collections import defaultdict
 from dataclasses import dataclass

@@ -139,7 +139,8 @@ class GPTConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(
-                f"unknown GPTConfig field(s) {unknown}; valid fields are: {', '.join(sorted(known))}"
+                f"unknown GPTConfig field(s) {unknown}; "
+                f"valid fields are: {', '.join(sorted(known))}"
             )
         required = {f.name for f in fields if f.default is dataclasses.MISSING}
         missing = sorted(required - set(data))

@@ -68,7 +68,7 @@ class TopKRouter(nn.Module):
         self.proj = nn.Linear(d_model, n_experts, bias=False)
 
     def capacity(self, num_tokens: int) -> int | None:
-        """Slots per expert for a batch of num_tokens: ceil(factor · N · k / E); None if dropless."""
+        """Slots per expert for num_tokens tokens: ceil(factor · N · k / E), None if dropless."""
         if self.dropless:
             return None
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.n_experts)

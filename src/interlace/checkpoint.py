@@ -1,0 +1,202 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP), atomic and verified.
+
+Layout of `<run>/checkpoints/`:
+    step-00000100/            one finished checkpoint
+        .metadata, *.distcp   DCP's files: model + optimizer state, written by every rank
+        rng-rank<r>.pt        each rank's RNG state
+        meta.json             step, Plan, model config, train config, data state, world size
+        manifest.json         size and SHA-256 of every file above (written last)
+    latest                    name of the newest finished checkpoint
+
+A checkpoint is first written to `step-XXXXXXXX.tmp/` and renamed when complete, so a crash
+leaves either the previous checkpoint or a new complete one, never a half-written one. Loading
+verifies the manifest and that the checkpoint belongs to this run (same plan, model, data)
+before touching any tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from interlace.errors import CheckpointError
+
+_META = "meta.json"
+_MANIFEST = "manifest.json"
+_LATEST = "latest"
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of the checkpoint after `step` optimizer steps."""
+    return f"step-{step:08d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write the checkpoint of `step` under `root` (collective: every rank calls it).
+
+    `meta` (JSON-able) is stored as meta.json with `step` added. Keeps the newest `keep`
+    checkpoints. Returns the final folder.
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f"{checkpoint_name(step)}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        (tmp / _META).write_text(json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
+        (tmp / _MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic(root / _LATEST, final.name)
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint folder meant by `path`: a checkpoint itself, a `checkpoints/` folder or a
+    run folder (both resolved through `latest`). Raises CheckpointError if there is none."""
+    path = Path(path)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / _MANIFEST).exists() or (candidate / _META).exists():
+            return candidate
+        latest = candidate / _LATEST
+        if latest.exists():
+            return candidate / latest.read_text().strip()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path '{path}' does not exist")
+    raise CheckpointError(f"'{path}' holds no checkpoint (no {_META}, no checkpoints/{_LATEST})")
+
+
+def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
+    """Check the folder's files against its manifest and its meta against `expect` (keys of
+    meta.json that must be equal, e.g. plan, model, data). Returns meta; raises CheckpointError
+    naming the first problem."""
+    path = Path(path)
+    manifest_file = path / _MANIFEST
+    if not manifest_file.exists():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete or corrupt: no {_MANIFEST}")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        meta = json.loads((path / _META).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint '{path}' is corrupt: cannot read its metadata ({exc})"
+        ) from None
+    for name, entry in manifest.items():
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: file '{name}' is missing")
+        if file.stat().st_size != entry["size"] or _sha256(file) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint '{path}' is corrupt: file '{name}' does not match "
+                "its recorded size/checksum"
+            )
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise CheckpointError(
+                f"checkpoint '{path}' does not match this run: its {key} is "
+                f"{_short(meta.get(key))}, this run's is {_short(value)}"
+            )
+    return meta
+
+
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, expect: dict[str, Any]
+) -> dict[str, Any]:
+    """Verify, then load model, optimizer and this rank's RNG state in place (collective).
+    Returns the checkpoint's meta (with `step`)."""
+    path = Path(path)
+    meta = verify_checkpoint(path, expect)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    rng_file = path / f"rng-rank{_rank()}.pt"
+    if not rng_file.exists():
+        raise CheckpointError(
+            f"checkpoint '{path}' has no RNG state for rank {_rank()} "
+            f"(saved with world size {meta.get('world_size')})"
+        )
+    _set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    return {
+        file.relative_to(folder).as_posix(): {"size": file.stat().st_size, "sha256": _sha256(file)}
+        for file in sorted(folder.rglob("*"))
+        if file.is_file() and file.name != _MANIFEST
+    }
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_atomic(file: Path, text: str) -> None:
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, file)
+
+
+def _prune(root: Path, keep: int) -> None:
+    finished = sorted(p for p in root.glob("step-*") if not p.name.endswith(".tmp"))
+    for old in finished[:-keep]:
+        shutil.rmtree(old)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,335 @@
+"""The `interlace` command line: `train` and `plan` (each with complete `--help`).
+
+Bad input is reported as one line on stderr with exit code 2, before anything is written or any
+rank is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from interlace import __version__
+from interlace.errors import ConfigError, InterlaceError
+from interlace.models import PRESETS, get_preset
+from interlace.plan import Plan
+from interlace.report import LOSS_PLOT, METRICS, REPORT
+from interlace.train_config import TrainConfig
+
+_DEFAULTS = TrainConfig()
+_RUN_FILES = (METRICS, REPORT, LOSS_PLOT, "checkpoints")
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=_DEFAULTS.model,
+        metavar="PRESET",
+        help=f"model preset (default: {_DEFAULTS.model}); see `interlace plan --list`",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks to start on this machine (default: 1; ignored under torchrun)",
+    )
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="parallel plan, e.g. 'dp=4' or 'dp=2,dp_overlap=false' (default: dp=<nproc>)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="text file or folder of .txt/.md/.rst files (default: the Python "
+        "documentation shipped with Python, pydoc_data.topics)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=_DEFAULTS.tokenizer,
+        choices=("byte", "bpe"),
+        help="byte-level (256 ids) or a BPE trained on the data (needs interlace[hf])",
+    )
+    p.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=_DEFAULTS.global_batch,
+        help="sequences per optimizer step over all ranks (default: %(default)s)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per rank per forward; smaller values accumulate gradients "
+        "(default: global-batch / dp)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)"
+    )
+    p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
+    p.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=_DEFAULTS.min_lr_ratio,
+        help="final learning rate as a fraction of the peak (cosine decay)",
+    )
+    p.add_argument("--warmup-steps", type=int, default=_DEFAULTS.warmup_steps)
+    p.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay)
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=_DEFAULTS.grad_clip,
+        help="clip the global gradient norm (0 = off)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=_DEFAULTS.eval_every,
+        help="held-out evaluation every N steps and at the end (0 = never)",
+    )
+    p.add_argument("--eval-batches", type=int, default=_DEFAULTS.eval_batches)
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=_DEFAULTS.ckpt_every,
+        help="checkpoint every N steps (0 = only at the end)",
+    )
+    p.add_argument("--keep-checkpoints", type=int, default=_DEFAULTS.keep_checkpoints)
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    p.add_argument(
+        "--out",
+        default=_DEFAULTS.out,
+        metavar="DIR",
+        help="run folder: metrics.jsonl, report.json, loss.png, checkpoints/",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="CKPT",
+        help="continue from CKPT (a checkpoint or run folder; default: the newest "
+        "checkpoint in --out)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run's files in --out instead of refusing",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=args.model,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        steps=args.steps,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        ckpt_every=args.ckpt_every,
+        keep_checkpoints=args.keep_checkpoints,
+        seed=args.seed,
+        out=args.out,
+        progress=not args.no_progress,
+    )
+
+
+def _checkpoint_to_resume(args: argparse.Namespace) -> Path | None:
+    from interlace.checkpoint import resolve_checkpoint
+
+    if args.resume is None:
+        return None
+    return resolve_checkpoint(Path(args.resume or args.out))
+
+
+def _check_out_dir(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out '{out}' exists and is not a folder")
+    earlier = [name for name in _RUN_FILES if (out / name).exists()]
+    if earlier and args.resume is None and not args.overwrite:
+        raise ConfigError(
+            f"--out '{out}' already holds a run ({', '.join(earlier)}); pass "
+            "--resume to continue it, --overwrite to replace it, or another --out"
+        )
+
+
+def _clear_out_dir(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.overwrite and args.resume is None:
+        for name in _RUN_FILES:
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.launch import in_launched_rank, launch_local
+
+    if in_launched_rank():
+        return _train_rank(args)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc={args.nproc} must be >= 1")
+    plan = Plan.parse(args.plan or f"dp={args.nproc}")
+    config = _config_from_args(args)
+    from interlace.train import Trainer, prepare_run
+
+    setup = prepare_run(config, plan, args.nproc)
+    _check_out_dir(args)
+    checkpoint = _checkpoint_to_resume(args)
+    if checkpoint is not None:
+        from interlace.checkpoint import verify_checkpoint
+        from interlace.train import run_identity
+
+        verify_checkpoint(checkpoint, run_identity(setup))
+    _clear_out_dir(args)
+    if args.nproc > 1:
+        launch_local(args.nproc, ["interlace.train", *argv])
+        return 0
+    trainer = Trainer(setup)
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
+    _print_summary(trainer.fit(), args.out)
+    return 0
+
+
+def _train_rank(args: argparse.Namespace) -> int:
+    """One rank under torchrun or `interlace train --nproc N`."""
+    import torch.distributed as dist
+
+    from interlace.launch import init_from_env
+    from interlace.mesh import build_mesh
+    from interlace.train import Trainer, prepare_run
+
+    device = init_from_env()
+    try:
+        plan = Plan.parse(args.plan or f"dp={dist.get_world_size()}")
+        setup = prepare_run(_config_from_args(args), plan, dist.get_world_size())
+        if dist.get_rank() == 0:
+            _check_out_dir(args)
+            _clear_out_dir(args)
+        dist.barrier()
+        trainer = Trainer(setup, build_mesh(plan, device))
+        checkpoint = _checkpoint_to_resume(args)
+        if checkpoint is not None:
+            trainer.resume(checkpoint)
+        report = trainer.fit()
+        if dist.get_rank() == 0:
+            _print_summary(report, args.out)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _print_summary(report: dict, out: str) -> None:
+    eval_loss = report.get("final_eval_loss")
+    tail = f", held-out {eval_loss:.3f}" if eval_loss is not None else ""
+    print(
+        f"done: {report['steps']} steps, loss {report['first_loss']:.3f} -> "
+        f"{report['final_loss']:.3f}{tail}, {report['mean_tokens_per_s']:.0f} tokens/s; "
+        f"report in {out}/"
+    )
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_DEFAULTS.model, metavar="PRESET", help="model preset")
+    p.add_argument("--plan", default=None, help="plan to check (default: dp=<nproc>)")
+    p.add_argument("--nproc", type=int, default=1, help="world size to check the plan against")
+    p.add_argument("--list", action="store_true", help="list the model presets and exit")
+
+
+def _plan(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.mesh import mesh_dims
+
+    if args.list:
+        for name, cfg in PRESETS.items():
+            kind = f"MoE {cfg.n_experts} experts top-{cfg.top_k}" if cfg.is_moe else "dense"
+            print(
+                f"{name:18s} {cfg.num_params() / 1e6:12,.1f} M params  {cfg.n_layers:3d} layers"
+                f"  d={cfg.d_model:<6d} heads={cfg.n_heads:<4d} {kind}"
+            )
+        return 0
+    model = get_preset(args.model)
+    plan = Plan.parse(args.plan or f"dp={args.nproc}").validate(args.nproc, model)
+    names, sizes = mesh_dims(plan)
+    params = model.num_params()
+    shard = plan.pp * plan.tp_size
+    print(f"plan        {plan}")
+    print(
+        f"mesh        {' x '.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))} "
+        "(outermost first)"
+    )
+    print(f"model       {args.model}: {params:,} parameters")
+    print(
+        f"memory/rank {params * 16 / shard / 2**30:.2f} GiB for fp32 weights + grads + AdamW "
+        "state (activations not included)"
+    )
+    return 0
+
+
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "train": ("train a model (the main job)", _add_train_args, _train),
+    "plan": ("check a plan against a model and world size, and describe it", _add_plan_args, _plan),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser: `interlace <command> [options]`."""
+    parser = argparse.ArgumentParser(
+        prog="interlace",
+        description="Hybrid-parallel training of dense and Mixture-of-Experts transformers.",
+    )
+    parser.add_argument("--version", action="version", version=f"interlace {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_args, _) in _COMMANDS.items():
+        add_args(
+            sub.add_parser(
+                name,
+                help=help_text,
+                description=help_text,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            )
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `interlace` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from interlace.launch import LaunchFailed
+
+    try:
+        return _COMMANDS[args.command][2](args, argv[argv.index(args.command) + 1 :])
+    except InterlaceError as exc:
+        print(f"interlace: error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchFailed as exc:
+        print(f"interlace: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interlace: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""A GPT-2 style decoder, dense or Mixture-of-Experts, readable top to bottom.
+
+    idx [B, T] → wte(idx) + wpe(0..T-1) → n_layers × Block → ln_f → lm_head → logits [B, T, V]
+    Block: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))    (pre-LayerNorm)
+
+The structure is what parallel code looks for: attention holds separate `q_proj`, `k_proj`,
+`v_proj` (column-parallel) and `out_proj` (row-parallel) Linears and reshapes heads with
+`view(B, T, -1, head_dim)`, so column-sharded q/k/v work unchanged; the FFN is an `MLP` with
+`up` and `down`, or an `interlace.moe.MoELayer` whose experts are that same MLP. The LM head
+shares its weight with the token embedding.
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interlace.errors import ConfigError
+from interlace.models.config import GPTConfig
+from interlace.models.mlp import MLP
+from interlace.models.presets import get_preset
+from interlace.moe.layer import MoELayer
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, [B, T, d_model] → [B, T, d_model]."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.attn_dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d_model] → [B, T, d_model]; the head count follows from the q/k/v widths."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.out_proj(y))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block, [B, T, d_model] → [B, T, d_model]."""
+
+    def __init__(self, config: GPTConfig, moe: bool):
+        super().__init__()
+        d = config.d_model
+        self.ln_1 = nn.LayerNorm(d, bias=config.bias)
+        self.attn = CausalSelfAttention(d, config.n_heads, config.bias, config.dropout)
+        self.ln_2 = nn.LayerNorm(d, bias=config.bias)
+        if moe:
+            self.mlp = MoELayer(
+                d,
+                config.ffn_dim,
+                config.n_experts,
+                config.top_k,
+                config.capacity_factor,
+                config.dropless,
+                config.bias,
+                config.dropout,
+            )
+        else:
+            self.mlp = MLP(d, config.ffn_dim, config.bias, config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d_model] → [B, T, d_model]."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model; `forward(idx, targets)` → (logits [B, T, V], loss or None).
+
+    `aux_loss` holds the last forward's summed MoE load-balancing loss (0 for a dense model):
+    every block FFN that sets an `aux_loss` attribute in its forward contributes to it.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        moe_layers = set(config.moe_layers)
+        self.blocks = nn.ModuleList(Block(config, i in moe_layers) for i in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.aux_loss = torch.zeros(())
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Tie lm_head to wte and apply GPT-2 init: N(0, init_std) weights, zero biases, unit
+        LayerNorm scales, residual projections (out_proj, down) N(0, init_std / sqrt(2·n_layers)).
+
+        Call it after `to_empty(device=...)` to materialise a model built on the meta device.
+        """
+        self.lm_head.weight = self.wte.weight
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "down.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids idx [B, T] (T <= seq_len) → (logits [B, T, vocab_size], loss).
+
+        loss = mean cross-entropy against targets [B, T] + aux_loss_coef · aux_loss when
+        targets are given, else None.
+        """
+        length = idx.shape[1]
+        if length > self.config.seq_len:
+            raise ConfigError(
+                f"input has T={length} tokens but the model's seq_len={self.config.seq_len}; "
+                f"crop the input to at most {self.config.seq_len} tokens or build the model "
+                f"with seq_len>={length}"
+            )
+        positions = torch.arange(length, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+
+        aux_losses = [b.mlp.aux_loss for b in self.blocks if hasattr(b.mlp, "aux_loss")]
+        self.aux_loss = sum(aux_losses, torch.zeros((), device=logits.device))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss + self.config.aux_loss_coef * self.aux_loss
+
+
+def build_model(config: GPTConfig | str, device: torch.device | str | None = None) -> GPT:
+    """Validate a config (or preset name) and build its GPT on `device`.
+
+    `device="meta"` allocates no memory: parameters get shapes only, so paper-scale models
+    can be inspected and partitioned, then materialised with `to_empty(device=...)`.
+    """
+    if isinstance(config, str):
+        config = get_preset(config)
+    config.validate()
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return GPT(config)

@@ -1,0 +1,68 @@
+"""Named model configurations: tiny ones for tests and CPU runs, paper-scale ones for planning.
+
+Paper-scale presets reproduce published shapes (GPT-2, Megatron-LM, GPT-NeoX, GPT-3) or, where
+a paper gives only a size, a standard shape of that size; `num_params()` of each is within a
+few percent of the size in its name. They are meant to be built on the `meta` device.
+"""
+
+from dataclasses import replace
+
+from interlace.errors import ConfigError
+from interlace.models.config import GPTConfig
+
+_TINY = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4)
+_DEMO = GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4)
+_GPT2_124M = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
+
+PRESETS: dict[str, GPTConfig] = {
+    # Dense.
+    "tiny": _TINY,
+    "demo": _DEMO,
+    "gpt2-124m": _GPT2_124M,
+    "gpt2-350m": replace(_GPT2_124M, d_model=1024, n_layers=24, n_heads=16),
+    "gpt2-1.5b": replace(_GPT2_124M, d_model=1600, n_layers=48, n_heads=25),
+    # Megatron-LM (Shoeybi et al. 2019) table 1 shapes, vocabulary padded to 51200.
+    "megatron-2.5b": GPTConfig(
+        vocab_size=51200, seq_len=1024, d_model=1920, n_layers=54, n_heads=20
+    ),
+    "megatron-8.3b": GPTConfig(
+        vocab_size=51200, seq_len=1024, d_model=3072, n_layers=72, n_heads=32
+    ),
+    # GPT-NeoX-20B shape (with a tied LM head).
+    "gpt-20b": GPTConfig(vocab_size=50432, seq_len=2048, d_model=6144, n_layers=44, n_heads=64),
+    # AxoNN's 80B GPT: 12·L·d² ≈ 80.5B for L=64, d=10240, plus 0.5B embeddings.
+    "axonn-80b": GPTConfig(vocab_size=51200, seq_len=2048, d_model=10240, n_layers=64, n_heads=80),
+    "gpt3-175b": GPTConfig(vocab_size=50257, seq_len=2048, d_model=12288, n_layers=96, n_heads=96),
+    # Mixture-of-Experts.
+    "moe-tiny": replace(_TINY, n_experts=4, top_k=2, moe_every=2),
+    "moe-demo": replace(_DEMO, n_experts=8, top_k=1, moe_every=2),
+    # Pro-Prophet's MoE-GPT: 12 layers, hidden 1024, 16 experts, every FFN an MoE layer.
+    "moe-gpt-12l": GPTConfig(
+        vocab_size=50257,
+        seq_len=1024,
+        d_model=1024,
+        n_layers=12,
+        n_heads=16,
+        n_experts=16,
+        top_k=1,
+        moe_every=1,
+    ),
+    # Switch-Base-128 decoder: GPT-2 base width, 128 experts on every other FFN.
+    "switch-base-like": GPTConfig(
+        vocab_size=32128,
+        seq_len=512,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_experts=128,
+        top_k=1,
+        moe_every=2,
+    ),
+}
+
+
+def get_preset(name: str) -> GPTConfig:
+    """The GPTConfig registered as `name`; ConfigError listing the valid names otherwise."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]

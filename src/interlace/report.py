@@ -1,0 +1,108 @@
+"""The run report: per-step metrics as JSONL, a summary `report.json` and a `loss.png`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+REPORT = "report.json"
+LOSS_PLOT = "loss.png"
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `<out>/metrics.jsonl` (rank 0 only writes)."""
+
+    def __init__(self, out: Path, resume_step: int | None) -> None:
+        self.file = Path(out) / METRICS
+        if resume_step is None:
+            self.file.write_text("")
+        else:  # drop lines from beyond the checkpoint, which the resumed run will redo
+            kept = [row for row in read_metrics(self.file) if row.get("step", 0) <= resume_step]
+            self.file.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append `row` and flush, so a crash loses at most the current line."""
+        with self.file.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def read_metrics(file: Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file (empty list if it does not exist)."""
+    file = Path(file)
+    if not file.exists():
+        return []
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Summary numbers of a run from its metric rows: first/final loss, last eval loss, mean
+    step time and tokens/s (first step excluded as warm-up), mean comm bytes per group."""
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    steady = train[1:] or train
+    groups = sorted({g for r in steady for g in r.get("comm_bytes", {})})
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "first_loss": train[0]["loss"] if train else None,
+        "final_loss": train[-1]["loss"] if train else None,
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "mean_step_time_s": _mean([r["step_time_s"] for r in steady]),
+        "mean_tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
+        "comm_bytes_per_step": {
+            g: _mean([r.get("comm_bytes", {}).get(g, 0) for r in steady]) for g in groups
+        },
+    }
+
+
+def write_report(out: Path, report: dict[str, Any]) -> list[str]:
+    """Write `report.json` and `loss.png` into `out`; returns notes about anything skipped."""
+    out = Path(out)
+    notes = []
+    rows = read_metrics(out / METRICS)
+    try:
+        plot_loss(rows, out / LOSS_PLOT, title=report.get("title", "training loss"))
+    except ImportError:
+        notes.append(
+            "loss.png skipped: matplotlib is not installed (pip install 'interlace[bench]')"
+        )
+    tmp = out / (REPORT + ".tmp")
+    tmp.write_text(json.dumps({**report, "notes": notes}, indent=1, sort_keys=True))
+    os.replace(tmp, out / REPORT)
+    return notes
+
+
+def plot_loss(rows: list[dict[str, Any]], file: Path, title: str) -> None:
+    """Train loss per step and eval loss points, to a PNG. Raises ImportError without
+    matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            label="held-out",
+            ms=4,
+        )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(file, dpi=110)
+    plt.close(fig)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

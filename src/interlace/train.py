@@ -1,0 +1,304 @@
+"""The Trainer: data-parallel training loop with accumulation, clipping, evaluation, metrics,
+checkpoints and a run report.
+
+Data parallelism is torch's DDP (gradient buckets all-reduced during backward) with a metered
+comm hook; `plan.overlap.dp_overlap=false` instead all-reduces one flat gradient buffer after
+backward (the no-overlap baseline). Every rank draws the same global batch and takes its slice,
+so a run on R ranks follows the same trajectory as one process on the whole batch.
+
+Run as `torchrun --nproc-per-node N -m interlace.train [train options]` for many nodes; the
+options are those of `interlace train`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from interlace import __version__, comm
+from interlace.checkpoint import load_checkpoint, save_checkpoint
+from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
+from interlace.data import load_corpus as read_corpus
+from interlace.mesh import Mesh
+from interlace.models import GPTConfig, build_model, get_preset
+from interlace.optim import build_optimizer, lr_at
+from interlace.plan import Plan
+from interlace.report import MetricsLog, summarize, write_report
+from interlace.train_config import TrainConfig
+
+
+@dataclasses.dataclass
+class RunSetup:
+    """What a run needs before any rank starts: the checked config, plan, model config, data."""
+
+    config: TrainConfig
+    plan: Plan
+    model_config: GPTConfig
+    data: TokenData
+    corpus: str
+
+
+def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
+    """Check everything that can be checked before training (config, preset, data, plan against
+    world size and model) and build the tokenized data. Raises an InterlaceError subclass."""
+    config.validate()
+    model_config = get_preset(config.model)
+    text = read_corpus(config.data)
+    tokenizer = get_tokenizer(config.tokenizer, text)
+    model_config = dataclasses.replace(
+        model_config,
+        vocab_size=tokenizer.vocab_size,
+        seq_len=config.seq_len or model_config.seq_len,
+    )
+    model_config.validate()
+    plan.validate(world_size, model_config)
+    config.accumulation(plan.dp)
+    data = TokenData.from_text(text, tokenizer, model_config.seq_len)
+    TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
+    return RunSetup(config, plan, model_config, data, describe_corpus(config.data))
+
+
+def run_identity(setup: RunSetup) -> dict[str, Any]:
+    """What a checkpoint must share with a run to resume it: plan, model, data and sampling."""
+    return {
+        "plan": setup.plan.to_dict(),
+        "model": setup.model_config.to_dict(),
+        "data": {
+            "fingerprint": setup.data.fingerprint,
+            "global_batch": setup.config.global_batch,
+            "seed": setup.config.seed,
+        },
+    }
+
+
+class Trainer:
+    """Trains `setup`'s model under its plan on `mesh` (None = one process, no distribution)."""
+
+    def __init__(self, setup: RunSetup, mesh: Mesh | None = None) -> None:
+        self.setup = setup
+        self.config = setup.config
+        self.plan = setup.plan
+        self.mesh = mesh
+        self.device = mesh.device if mesh is not None else torch.device("cpu")
+        self.dp = mesh.group("dp") if mesh is not None else None
+        self.dp_size = self.dp.size if self.dp is not None else 1
+        self.dp_rank = self.dp.rank if self.dp is not None else 0
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.accum = self.config.accumulation(self.dp_size)
+
+        torch.manual_seed(self.config.seed)
+        self.model: nn.Module = build_model(setup.model_config, device=self.device)
+        self.train_model = self._wrap_data_parallel(self.model)
+        self.optimizer = build_optimizer(self.model, self.config.lr, self.config.weight_decay)
+        self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
+        self.step = 0
+        self.out = Path(self.config.out) if self.config.out else None
+
+    # ------------------------------------------------------------------ set-up
+    def _wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        if self.dp is None or self.dp.size == 1:
+            return model
+        if not self.plan.overlap.dp_overlap:
+            for param in model.parameters():
+                comm.broadcast(param.data, 0, self.dp)
+            return model
+        ddp = DistributedDataParallel(
+            model,
+            process_group=self.dp.pg,
+            bucket_cap_mb=self.plan.overlap.dp_bucket_mb,
+            device_ids=None,
+        )
+        ddp.register_comm_hook(self.dp, comm.ddp_allreduce_hook)
+        return ddp
+
+    def resume(self, checkpoint: Path) -> None:
+        """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
+        meta = load_checkpoint(checkpoint, self.model, self.optimizer, run_identity(self.setup))
+        self.step = meta["step"]
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over the global batch of `self.step`; returns its metrics."""
+        comm.meter.reset()
+        start = time.perf_counter()
+        lr = lr_at(
+            self.step,
+            self.config.steps,
+            self.config.lr,
+            self.config.warmup_steps,
+            self.config.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.train_model.train()
+        micro = self.batches.micro_batches(self.step, self.dp_rank, self.dp_size, self.accum)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            with self._no_sync() if not last else contextlib.nullcontext():
+                _, loss = self.train_model(x.to(self.device), y.to(self.device))
+                (loss / self.accum).backward()
+            loss_sum += loss.detach()
+        self._sync_gradients_after_backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(),
+            self.config.grad_clip if self.config.grad_clip > 0 else float("inf"),
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_mean = self._dp_mean(loss_sum / self.accum)
+        seconds = time.perf_counter() - start
+        self.step += 1
+        tokens = self.config.global_batch * self.setup.model_config.seq_len
+        return {
+            "step": self.step,
+            "loss": loss_mean,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "step_time_s": seconds,
+            "tokens_per_s": tokens / seconds,
+            "comm_bytes": comm.meter.bytes_per_group(),
+        }
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        if isinstance(self.train_model, DistributedDataParallel):
+            return self.train_model.no_sync()
+        return contextlib.nullcontext()
+
+    def _sync_gradients_after_backward(self) -> None:
+        """The no-overlap baseline: one all-reduce of all gradients, flattened, after backward."""
+        if self.dp is None or self.dp.size == 1 or self.train_model is not self.model:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp.size)
+        comm.all_reduce(flat, self.dp)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.dp is not None and self.dp.size > 1:
+            value = value.clone()
+            comm.all_reduce(value, self.dp)
+            value /= self.dp.size
+        return float(value)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over `eval_batches` batches, averaged over data-parallel ranks."""
+        self.model.eval()
+        batch = max(1, self.config.global_batch // self.dp_size)
+        total, rows = torch.zeros((), device=self.device), 0
+        for x, y in eval_batches(
+            self.setup.data, batch, self.config.eval_batches, self.dp_rank, self.dp_size
+        ):
+            total += self.model(x.to(self.device), y.to(self.device))[1] * len(x)
+            rows += len(x)
+        return self._dp_mean(total / rows)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, Any]:
+        """Train to `config.steps`, evaluating, logging, checkpointing; returns the report."""
+        cfg = self.config
+        log = MetricsLog(self.out, self.step or None) if self.out and self.is_main else None
+        bar = self._progress_bar()
+        history: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        while self.step < cfg.steps:
+            row = self.train_step()
+            final = self.step == cfg.steps
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or final):
+                row["eval_loss"] = self.evaluate()
+            history.append(row)
+            if log:
+                log.write(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(_postfix(row), refresh=False)
+            if self.out and ((cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or final):
+                self.save()
+        if bar is not None:
+            bar.close()
+        return self._finish(history, time.perf_counter() - started)
+
+    def save(self) -> Path:
+        """Checkpoint the current step under `<out>/checkpoints/` (collective)."""
+        assert self.out is not None
+        meta = {
+            **run_identity(self.setup),
+            "world_size": self.plan.world_size,
+            "train": self.config.to_dict(),
+            "interlace": __version__,
+        }
+        return save_checkpoint(
+            self.out / "checkpoints",
+            self.step,
+            self.model,
+            self.optimizer,
+            meta,
+            self.config.keep_checkpoints,
+        )
+
+    def _progress_bar(self):
+        if not (self.is_main and self.config.progress):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.config.steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5 if sys.stderr.isatty() else 5.0,
+        )
+
+    def _finish(self, history: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+        model_config = self.setup.model_config
+        report = {
+            "title": f"{self.config.model} · {self.plan} · {self.setup.corpus}",
+            "plan": self.plan.to_dict(),
+            "plan_str": str(self.plan),
+            "model": {**model_config.to_dict(), "params": model_config.num_params()},
+            "train": self.config.to_dict(),
+            "world_size": self.plan.world_size,
+            "device": str(self.device),
+            "torch": torch.__version__,
+            "interlace": __version__,
+            "corpus": self.setup.corpus,
+            "train_tokens": self.setup.data.split,
+            "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
+            "wall_time_s": seconds,
+            **summarize(history),
+        }
+        if self.out and self.is_main:
+            report["notes"] = write_report(self.out, report)
+        return report
+
+
+def _postfix(row: dict[str, Any]) -> dict[str, str]:
+    post = {
+        "loss": f"{row['loss']:.3f}",
+        "lr": f"{row['lr']:.1e}",
+        "tok/s": f"{row['tokens_per_s']:.0f}",
+    }
+    if "eval_loss" in row:
+        post["eval"] = f"{row['eval_loss']:.3f}"
+    return post
+
+
+if __name__ == "__main__":
+    from interlace.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
