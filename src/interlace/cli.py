@@ -198,7 +198,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         from interlace.checkpoint import verify_checkpoint
         from interlace.train import run_identity
 
-        verify_checkpoint(checkpoint, run_identity(setup))
+        done = verify_checkpoint(checkpoint, run_identity(setup))["step"]
+        if done >= args.steps:
+            raise ConfigError(
+                f"checkpoint '{checkpoint}' is already at step {done}, so --steps={args.steps} "
+                f"leaves nothing to train; pass --steps greater than {done}"
+            )
     _clear_out_dir(args)
     if args.nproc > 1:
         launch_local(args.nproc, ["interlace.train", *argv])

@@ -211,7 +211,10 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to `config.steps`, evaluating, logging, checkpointing; returns the report."""
         cfg = self.config
-        log = MetricsLog(self.out, self.step or None) if self.out and self.is_main else None
+        log = None
+        if self.out and self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            log = MetricsLog(self.out, self.step or None)
         bar = self._progress_bar()
         history: list[dict[str, Any]] = []
         started = time.perf_counter()

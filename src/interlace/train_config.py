@@ -25,8 +25,8 @@ class TrainConfig:
     model: str = "demo"
     data: str | None = None
     tokenizer: str = "byte"
-    steps: int = 300
-    global_batch: int = 16
+    steps: int = 400
+    global_batch: int = 32
     micro_batch: int | None = None
     seq_len: int | None = None
     lr: float = 2e-3

@@ -5,7 +5,9 @@ a paper gives only a size, a standard shape of that size; `num_params()` of each
 few percent of the size in its name. They are meant to be built on the `meta` device.
 """
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
@@ -62,7 +64,19 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def get_preset(name: str) -> GPTConfig:
-    """The GPTConfig registered as `name`; ConfigError listing the valid names otherwise."""
+    """The GPTConfig registered as `name`, or read from `name` if it is a `.json` file of
+    GPTConfig fields; ConfigError naming the valid presets otherwise."""
+    if name.endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"model config file '{name}' does not exist")
+        try:
+            return GPTConfig.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model config file '{name}' is not valid JSON: {exc}") from None
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise ConfigError(
+            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} "
+            "(or a .json file of GPTConfig fields)"
+        )
     return PRESETS[name]
