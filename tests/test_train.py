@@ -21,8 +21,16 @@ from interlace.train_config import TrainConfig
 # near zero turns float rounding (different summation order over ranks) into an update
 # difference proportional to lr. lr=5e-4 keeps that below 1e-5 after 3 steps; the gradients
 # themselves are compared at 1e-6 in test_data_parallel_gradients_equal_serial.
-BASE = TrainConfig(model="tiny", steps=3, global_batch=8, eval_every=0, out=None, progress=False,
-                   warmup_steps=1, lr=5e-4)
+BASE = TrainConfig(
+    model="tiny",
+    steps=3,
+    global_batch=8,
+    eval_every=0,
+    out=None,
+    progress=False,
+    warmup_steps=1,
+    lr=5e-4,
+)
 
 
 def _train(config: TrainConfig, plan_text: str, world_size: int, resume_from=None):
@@ -37,24 +45,31 @@ def _train(config: TrainConfig, plan_text: str, world_size: int, resume_from=Non
         rows = read_metrics(Path(config.out) / "metrics.jsonl")
     else:
         rows = [trainer.train_step() for _ in range(config.steps - trainer.step)]
-    return {"rows": rows, "params": {k: v.detach().clone()
-                                     for k, v in trainer.model.state_dict().items()},
-            "num_params": setup.model_config.num_params()}
+    return {
+        "rows": rows,
+        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "num_params": setup.model_config.num_params(),
+    }
 
 
 def _assert_same_run(a, b, atol=1e-5):
-    assert [r["loss"] for r in a["rows"]] == pytest.approx([r["loss"] for r in b["rows"]],
-                                                          abs=atol)
+    assert [r["loss"] for r in a["rows"]] == pytest.approx([r["loss"] for r in b["rows"]], abs=atol)
     assert a["params"].keys() == b["params"].keys()
     for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], atol=atol, rtol=0,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            a["params"][name],
+            b["params"][name],
+            atol=atol,
+            rtol=0,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
 
 
 def _first_step_gradients(config: TrainConfig, plan_text: str, world_size: int):
     plan = Plan.parse(plan_text)
-    trainer = Trainer(prepare_run(config, plan, world_size),
-                      build_mesh(plan) if world_size > 1 else None)
+    trainer = Trainer(
+        prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
+    )
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
     trainer.train_step()
     return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
@@ -67,8 +82,9 @@ def test_data_parallel_gradients_equal_serial(plan_text):
     for grads in run_ranks(world_size, _first_step_gradients, BASE, plan_text, world_size):
         assert grads.keys() == serial_grads.keys()
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, serial_grads[name], atol=1e-6, rtol=1e-5,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                grad, serial_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +138,9 @@ def _dropout_model(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_continues_the_same_trajectory(tmp_path, world_size):
     # dropout > 0 so the restored RNG state matters
-    config = dataclasses.replace(BASE, model=_dropout_model(tmp_path), steps=6, ckpt_every=3,
-                                 out=str(tmp_path / "full"))
+    config = dataclasses.replace(
+        BASE, model=_dropout_model(tmp_path), steps=6, ckpt_every=3, out=str(tmp_path / "full")
+    )
     plan = f"dp={world_size}"
 
     def run(cfg, resume_from=None):

@@ -16,10 +16,13 @@ before touching any tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +74,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    with _single_process_is_intended():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -142,7 +146,8 @@ def load_checkpoint(
     meta = verify_checkpoint(path, expect)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -154,6 +159,14 @@ def load_checkpoint(
         )
     _set_rng_state(torch.load(rng_file, weights_only=False))
     return meta
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: one process is a valid run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rng_state() -> dict[str, Any]:

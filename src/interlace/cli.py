@@ -11,6 +11,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from interlace import __version__
 from interlace.errors import ConfigError, InterlaceError
@@ -18,6 +19,9 @@ from interlace.models import PRESETS, get_preset
 from interlace.plan import Plan
 from interlace.report import LOSS_PLOT, METRICS, REPORT
 from interlace.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from interlace.train import RunSetup
 
 _DEFAULTS = TrainConfig()
 _RUN_FILES = (METRICS, REPORT, LOSS_PLOT, "checkpoints")
@@ -148,12 +152,22 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _checkpoint_to_resume(args: argparse.Namespace) -> Path | None:
-    from interlace.checkpoint import resolve_checkpoint
+def _checkpoint_to_resume(args: argparse.Namespace, setup: RunSetup) -> Path | None:
+    """The verified checkpoint `--resume` names (None without --resume); CheckpointError if it
+    is corrupt or from another run, ConfigError if it leaves nothing to train."""
+    from interlace.checkpoint import resolve_checkpoint, verify_checkpoint
+    from interlace.train import run_identity
 
     if args.resume is None:
         return None
-    return resolve_checkpoint(Path(args.resume or args.out))
+    checkpoint = resolve_checkpoint(Path(args.resume or args.out))
+    done = verify_checkpoint(checkpoint, run_identity(setup))["step"]
+    if done >= args.steps:
+        raise ConfigError(
+            f"checkpoint '{checkpoint}' is already at step {done}, so --steps={args.steps} "
+            f"leaves nothing to train; pass --steps greater than {done}"
+        )
+    return checkpoint
 
 
 def _check_out_dir(args: argparse.Namespace) -> None:
@@ -193,17 +207,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
     setup = prepare_run(config, plan, args.nproc)
     _check_out_dir(args)
-    checkpoint = _checkpoint_to_resume(args)
-    if checkpoint is not None:
-        from interlace.checkpoint import verify_checkpoint
-        from interlace.train import run_identity
-
-        done = verify_checkpoint(checkpoint, run_identity(setup))["step"]
-        if done >= args.steps:
-            raise ConfigError(
-                f"checkpoint '{checkpoint}' is already at step {done}, so --steps={args.steps} "
-                f"leaves nothing to train; pass --steps greater than {done}"
-            )
+    checkpoint = _checkpoint_to_resume(args, setup)
     _clear_out_dir(args)
     if args.nproc > 1:
         launch_local(args.nproc, ["interlace.train", *argv])
@@ -227,12 +231,12 @@ def _train_rank(args: argparse.Namespace) -> int:
     try:
         plan = Plan.parse(args.plan or f"dp={dist.get_world_size()}")
         setup = prepare_run(_config_from_args(args), plan, dist.get_world_size())
+        checkpoint = _checkpoint_to_resume(args, setup)
         if dist.get_rank() == 0:
             _check_out_dir(args)
             _clear_out_dir(args)
         dist.barrier()
         trainer = Trainer(setup, build_mesh(plan, device))
-        checkpoint = _checkpoint_to_resume(args)
         if checkpoint is not None:
             trainer.resume(checkpoint)
         report = trainer.fit()
