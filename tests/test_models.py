@@ -135,6 +135,7 @@ def test_preset_builds_on_meta_with_num_params_equal_to_its_parameter_count(name
 @pytest.mark.parametrize(
     ("name", "size"),
     [
+        ("bench-25m", 25e6),
         ("gpt2-124m", 124e6),
         ("gpt2-350m", 350e6),
         ("gpt2-1.5b", 1.5e9),

@@ -103,6 +103,8 @@ def test_invalid_values_are_rejected(plan, words):
     "plan, word",
     [
         (Plan(pp=2), "pp=2"),
+        (Plan(micro_batches=4), "micro_batches=4"),
+        (Plan(schedule="gpipe"), "schedule=gpipe"),
         (Plan(tp=2), "tp=2"),
         (Plan(tp3d=(2, 1, 1)), "tp3d"),
         (Plan(dp=2, ep=2), "ep=2"),

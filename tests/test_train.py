@@ -177,3 +177,20 @@ def test_fit_writes_metrics_report_and_final_checkpoint(tmp_path):
     assert saved["final_eval_loss"] == rows[-1]["eval_loss"]
     assert (tmp_path / "checkpoints" / checkpoint_name(4) / "manifest.json").exists()
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _eval_loss(config: TrainConfig, world_size: int) -> float:
+    plan = Plan(dp=world_size)
+    trainer = Trainer(
+        prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
+    )
+    return trainer.evaluate()
+
+
+def test_held_out_loss_does_not_depend_on_the_rank_count():
+    config = dataclasses.replace(BASE, eval_batches=2)
+    serial = _eval_loss(config, 1)
+    for world_size in (2, 4):
+        assert run_ranks(world_size, _eval_loss, config, world_size) == pytest.approx(
+            [serial] * world_size, abs=1e-6
+        )

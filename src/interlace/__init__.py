@@ -13,8 +13,18 @@ from interlace.errors import CheckpointError, ConfigError, DataError, InterlaceE
 from interlace.mesh import Mesh, build_mesh
 from interlace.models import GPT, GPTConfig, build_model, get_preset
 from interlace.plan import Plan
-from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
+
+
+def __getattr__(name: str) -> object:
+    """`Trainer` and `prepare_run` load on first use, so `python -m interlace.train` (torchrun)
+    does not find its own module imported already."""
+    if name in ("Trainer", "prepare_run"):
+        from interlace import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module 'interlace' has no attribute '{name}'")
+
 
 __all__ = [
     "GPT",

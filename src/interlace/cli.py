@@ -7,6 +7,7 @@ rank is started.
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -32,13 +33,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--model",
         default=_DEFAULTS.model,
         metavar="PRESET",
-        help=f"model preset (default: {_DEFAULTS.model}); see `interlace plan --list`",
+        help="model preset, or a .json file of GPTConfig fields; see `interlace plan --list`",
     )
     p.add_argument(
         "--nproc",
         type=int,
         default=1,
-        help="ranks to start on this machine (default: 1; ignored under torchrun)",
+        help="ranks to start on this machine (ignored under torchrun)",
     )
     p.add_argument(
         "--plan",
@@ -63,7 +64,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--global-batch",
         type=int,
         default=_DEFAULTS.global_batch,
-        help="sequences per optimizer step over all ranks (default: %(default)s)",
+        help="sequences per optimizer step over all ranks",
     )
     p.add_argument(
         "--micro-batch",
@@ -82,8 +83,18 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.min_lr_ratio,
         help="final learning rate as a fraction of the peak (cosine decay)",
     )
-    p.add_argument("--warmup-steps", type=int, default=_DEFAULTS.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay)
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=_DEFAULTS.warmup_steps,
+        help="steps of linear learning-rate warmup from 0",
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=_DEFAULTS.weight_decay,
+        help="AdamW decoupled weight decay (matrices and embeddings only)",
+    )
     p.add_argument(
         "--grad-clip",
         type=float,
@@ -96,15 +107,30 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.eval_every,
         help="held-out evaluation every N steps and at the end (0 = never)",
     )
-    p.add_argument("--eval-batches", type=int, default=_DEFAULTS.eval_batches)
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=_DEFAULTS.eval_batches,
+        help="held-out batches (of --global-batch sequences) per evaluation",
+    )
     p.add_argument(
         "--ckpt-every",
         type=int,
         default=_DEFAULTS.ckpt_every,
         help="checkpoint every N steps (0 = only at the end)",
     )
-    p.add_argument("--keep-checkpoints", type=int, default=_DEFAULTS.keep_checkpoints)
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=_DEFAULTS.keep_checkpoints,
+        help="newest checkpoints to keep; older ones are deleted",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=_DEFAULTS.seed,
+        help="seed of the initial weights and of the data order",
+    )
     p.add_argument(
         "--out",
         default=_DEFAULTS.out,
@@ -295,9 +321,65 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="benchmark to run, or 'list'")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="ranks in the emulated cluster (default: the benchmark's, usually 2)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        default="1gbit",
+        help="shaped rate of every rank's link, e.g. 1gbit, 200mbit; 'loopback' for no shaping",
+    )
+    p.add_argument(
+        "--out",
+        default="benchmarks/results",
+        metavar="DIR",
+        help="folder for <name>.json and <name>.png",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of the benchmark's options (see `interlace bench list`)",
+    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.bench import REGISTRY, get_benchmark
+    from interlace.bench.runner import run_benchmark
+
+    if args.name == "list":
+        for name in REGISTRY:
+            bench = get_benchmark(name)
+            options = " ".join(f"{k}={v}" for k, v in bench.options.items())
+            print(f"{name:12s} {bench.summary}\n{'':12s} options: {options or '-'}")
+        return 0
+    run_benchmark(
+        args.name,
+        args.ranks,
+        args.bandwidth,
+        Path(args.out),
+        args.set,
+        command="interlace bench " + shlex.join(argv),
+        timeout_s=args.timeout,
+    )
+    return 0
+
+
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model (the main job)", _add_train_args, _train),
     "plan": ("check a plan against a model and world size, and describe it", _add_plan_args, _plan),
+    "bench": (
+        "measure side by side on an emulated, bandwidth-shaped cluster",
+        _add_bench_args,
+        _bench,
+    ),
 }
 
 
@@ -325,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `interlace` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    from interlace.bench.runner import BenchFailed
     from interlace.launch import LaunchFailed
 
     try:
@@ -332,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     except InterlaceError as exc:
         print(f"interlace: error: {exc}", file=sys.stderr)
         return 2
-    except LaunchFailed as exc:
+    except (LaunchFailed, BenchFailed) as exc:
         print(f"interlace: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

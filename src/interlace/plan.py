@@ -114,6 +114,13 @@ class Plan:
     def _check_implemented(self) -> None:
         pending = [
             (self.pp > 1, f"pp={self.pp} (pipeline parallelism)", "pp=1"),
+            (
+                self.micro_batches > 1,
+                f"micro_batches={self.micro_batches} (pipeline micro-batches; for gradient "
+                "accumulation use the trainer's micro_batch)",
+                "micro_batches=1",
+            ),
+            (self.schedule != "1f1b", f"schedule={self.schedule} (pipeline schedules)", "1f1b"),
             (self.tp > 1, f"tp={self.tp} (tensor parallelism)", "tp=1"),
             (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
             (self.ep > 1, f"ep={self.ep} (expert parallelism)", "ep=1"),

@@ -25,14 +25,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace import __version__, comm
-from interlace.checkpoint import load_checkpoint, save_checkpoint
+from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
-from interlace.mesh import Mesh
+from interlace.mesh import Mesh, default_device
 from interlace.models import GPTConfig, build_model, get_preset
 from interlace.optim import build_optimizer, lr_at
 from interlace.plan import Plan
-from interlace.report import MetricsLog, summarize, write_report
+from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.train_config import TrainConfig
 
 
@@ -88,15 +88,16 @@ class Trainer:
         self.config = setup.config
         self.plan = setup.plan
         self.mesh = mesh
-        self.device = mesh.device if mesh is not None else torch.device("cpu")
+        self.device = mesh.device if mesh is not None else default_device()
         self.dp = mesh.group("dp") if mesh is not None else None
         self.dp_size = self.dp.size if self.dp is not None else 1
         self.dp_rank = self.dp.rank if self.dp is not None else 0
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.accum = self.config.accumulation(self.dp_size)
 
-        torch.manual_seed(self.config.seed)
+        torch.manual_seed(self.config.seed)  # the same initial weights on every rank
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
+        torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
         self.train_model = self._wrap_data_parallel(self.model)
         self.optimizer = build_optimizer(self.model, self.config.lr, self.config.weight_decay)
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
@@ -121,7 +122,9 @@ class Trainer:
         return ddp
 
     def resume(self, checkpoint: Path) -> None:
-        """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
+        """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
+        optimizer, RNG and data position."""
+        checkpoint = resolve_checkpoint(checkpoint)
         meta = load_checkpoint(checkpoint, self.model, self.optimizer, run_identity(self.setup))
         self.step = meta["step"]
 
@@ -198,10 +201,14 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean held-out loss over `eval_batches` batches, averaged over data-parallel ranks."""
         self.model.eval()
-        batch = max(1, self.config.global_batch // self.dp_size)
         total, rows = torch.zeros((), device=self.device), 0
+        # batches of the serial size: the evaluated windows do not depend on the rank count
         for x, y in eval_batches(
-            self.setup.data, batch, self.config.eval_batches, self.dp_rank, self.dp_size
+            self.setup.data,
+            self.config.global_batch,
+            self.config.eval_batches,
+            self.dp_rank,
+            self.dp_size,
         ):
             total += self.model(x.to(self.device), y.to(self.device))[1] * len(x)
             rows += len(x)
@@ -267,6 +274,12 @@ class Trainer:
             mininterval=0.5 if sys.stderr.isatty() else 5.0,
         )
 
+    def _whole_run(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every step's metrics, including those before a resume (from metrics.jsonl)."""
+        if self.out and self.is_main:
+            return read_metrics(self.out / METRICS)
+        return history
+
     def _finish(self, history: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         model_config = self.setup.model_config
         report = {
@@ -283,7 +296,7 @@ class Trainer:
             "train_tokens": self.setup.data.split,
             "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
             "wall_time_s": seconds,
-            **summarize(history),
+            **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:
             report["notes"] = write_report(self.out, report)

@@ -20,6 +20,9 @@ PRESETS: dict[str, GPTConfig] = {
     # Dense.
     "tiny": _TINY,
     "demo": _DEMO,
+    # Byte-level, sized so a data-parallel step is balanced between compute and a 1 Gbit/s
+    # gradient all-reduce on a CPU: the `ddp` benchmark's default.
+    "bench-25m": GPTConfig(vocab_size=256, seq_len=128, d_model=512, n_layers=8, n_heads=8),
     "gpt2-124m": _GPT2_124M,
     "gpt2-350m": replace(_GPT2_124M, d_model=1024, n_layers=24, n_heads=16),
     "gpt2-1.5b": replace(_GPT2_124M, d_model=1600, n_layers=48, n_heads=25),

@@ -1,0 +1,53 @@
+"""What a benchmark is: a function run on every rank, a table, a plot and a page section."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from interlace.comm import Group
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a benchmark's rank function gets: its world group, the link rate (bits/s, None on
+    loopback), the interface gloo uses, and the benchmark's options."""
+
+    group: Group
+    rate_bps: float | None
+    ifname: str
+    options: dict[str, Any]
+
+    def tx_bytes(self) -> int:
+        """Bytes this rank's interface has sent so far (kernel counter, headers included)."""
+        return int(Path(f"/sys/class/net/{self.ifname}/statistics/tx_bytes").read_text())
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One `interlace bench <name>`.
+
+    run_rank: runs on every rank of the cluster (distributed=True) and returns a JSON-able dict;
+        rank 0's dict becomes the result, every rank's is kept as raw data.
+    run_local: for single-process benchmarks (distributed=False): options → result dict.
+    table: result → text table printed after the run.
+    plot: (result, png path) → None.
+    describe: what it measures and what the physical limit is (BENCHMARKS.md's prose).
+    """
+
+    name: str
+    summary: str
+    describe: str
+    table: Callable[[dict[str, Any]], str]
+    plot: Callable[[dict[str, Any], Path], None]
+    run_rank: Callable[[RankContext], dict[str, Any]] | None = None
+    run_local: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    default_ranks: int = 2
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        """True when it runs on the emulated cluster's ranks."""
+        return self.run_rank is not None

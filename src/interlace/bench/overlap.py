@@ -1,0 +1,155 @@
+"""`overlap`: how much of a collective hides under a compute kernel running at the same time.
+
+For a compute kernel of length C and an all-reduce of length M (each measured alone), running
+both together takes B. The hidden fraction is (C + M − B) / min(C, M): 0 when they serialise
+(B = C + M), 1 when the shorter one disappears entirely (B = max(C, M)). It is measured for an
+all-reduce of about 0.5×, 1× and 2× the compute time, with both ways torch offers to overlap:
+an async c10d call (`async_op=True`, wait after the compute) and a functional collective (lazy
+tensor, waited on first use).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlace import comm
+from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.timing import median, sample
+
+_METER = comm.CommMeter()
+_MECHANISMS = ("async_c10d", "functional")
+
+
+def _matmuls(a: torch.Tensor, b: torch.Tensor, count: int) -> None:
+    for _ in range(count):
+        torch.mm(a, b)
+
+
+def _calibrate_compute(target_s: float, group: comm.Group) -> tuple[int, torch.Tensor]:
+    a = torch.randn(512, 512)
+    _matmuls(a, a, 3)
+    start = time.perf_counter()
+    _matmuls(a, a, 10)
+    per_call = (time.perf_counter() - start) / 10
+    count = torch.tensor([max(1, round(target_s / per_call))])
+    comm.all_reduce(count, group, op=torch.distributed.ReduceOp.MIN, meter=_METER)
+    return int(count), a
+
+
+def _calibrate_comm_rate(group: comm.Group) -> float:
+    probe = torch.ones(2 * 2**20)  # 8 MB
+    seconds = median(
+        sample(lambda: comm.all_reduce(probe, group, meter=_METER), group, min_seconds=0.2)
+    )
+    return probe.nbytes / seconds
+
+
+def hidden_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """(C + M − B) / min(C, M), clipped to [0, 1]."""
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
+
+
+def run_rank(ctx: RankContext) -> dict[str, Any]:
+    """Measure compute alone, all-reduce alone and both together for each size ratio."""
+    group = ctx.group
+    count, a = _calibrate_compute(ctx.options["compute_s"], group)
+    compute = lambda: _matmuls(a, a, count)  # noqa: E731
+    compute_s = median(sample(compute, group))
+    bytes_per_s = _calibrate_comm_rate(group)
+    rows = []
+    for ratio in (float(r) for r in ctx.options["ratios"].split(",")):
+        elements = max(1, int(ratio * compute_s * bytes_per_s / 4))
+        buffer = torch.ones(elements)
+        alone = median(sample(lambda b=buffer: comm.all_reduce(b, group, meter=_METER), group))
+        for mechanism in _MECHANISMS:
+
+            def both(b=buffer, how=mechanism) -> None:
+                if how == "async_c10d":
+                    work = comm.all_reduce(b, group, async_op=True, meter=_METER)
+                    compute()
+                    work.wait()
+                else:
+                    reduced = comm.lazy_all_reduce(b, group, meter=_METER)
+                    compute()
+                    reduced.add_(0)  # first use waits
+
+            both_s = median(sample(both, group))
+            rows.append(
+                {
+                    "mechanism": mechanism,
+                    "ratio": ratio,
+                    "bytes": buffer.nbytes,
+                    "compute_s": compute_s,
+                    "comm_s": alone,
+                    "both_s": both_s,
+                    "serial_s": compute_s + alone,
+                    "ideal_s": max(compute_s, alone),
+                    "hidden_fraction": hidden_fraction(compute_s, alone, both_s),
+                }
+            )
+    return {"rows": rows, "matmuls": count, "matmul_shape": list(a.shape)}
+
+
+def table(doc: dict[str, Any]) -> str:
+    """One row per mechanism and size ratio."""
+    lines = [
+        f"{'mechanism':11s} {'comm/compute':>12s} {'size':>9s} {'compute s':>9s} "
+        f"{'comm s':>7s} {'both s':>7s} {'serial s':>8s} {'hidden':>7s}"
+    ]
+    for r in doc["result"]["rows"]:
+        lines.append(
+            f"{r['mechanism']:11s} {r['comm_s'] / r['compute_s']:12.2f} "
+            f"{r['bytes'] / 2**20:7.1f}MB {r['compute_s']:9.3f} {r['comm_s']:7.3f} "
+            f"{r['both_s']:7.3f} {r['serial_s']:8.3f} {r['hidden_fraction']:7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Bars: serial, measured and ideal time per ratio and mechanism."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["result"]["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.25 for x in xs], [r["serial_s"] for r in rows], 0.25, label="serial (C + M)")
+    ax.bar(list(xs), [r["both_s"] for r in rows], 0.25, label="measured, overlapped")
+    ax.bar([x + 0.25 for x in xs], [r["ideal_s"] for r in rows], 0.25, label="ideal max(C, M)")
+    ax.set_xticks(
+        list(xs),
+        [
+            f"{r['mechanism']}\nM/C={r['comm_s'] / r['compute_s']:.1f}\n"
+            f"hidden {r['hidden_fraction']:.2f}"
+            for r in rows
+        ],
+        fontsize=7,
+    )
+    ax.set_ylabel("seconds")
+    ax.set_title(f"overlap of all_reduce and matmul, {doc['environment']['network']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+BENCHMARK = Benchmark(
+    name="overlap",
+    summary="fraction of an all-reduce hidden under a concurrent matmul kernel",
+    describe=(
+        "A matmul loop of about `compute_s` seconds and an all-reduce sized to 0.5x, 1x and 2x "
+        "its length, alone and together. Hidden fraction = (C + M - B) / min(C, M): 0 means "
+        "serial, 1 means the shorter one is fully hidden, which is the physical limit. "
+        "Measured for async c10d calls and for functional collectives."
+    ),
+    table=table,
+    plot=plot,
+    run_rank=run_rank,
+    options={"compute_s": 0.5, "ratios": "0.5,1,2"},
+)

@@ -1,0 +1,221 @@
+"""Run one benchmark on the emulated cluster and write `<out>/<name>.json` and `<name>.png`.
+
+The JSON holds the command, the environment (network, link rate, ranks, versions), the options,
+the result of rank 0 and every rank's raw result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlace import __version__
+from interlace.bench import get_benchmark
+from interlace.bench.base import Benchmark
+from interlace.bench.cluster import Cluster, parse_rate
+from interlace.errors import ConfigError
+
+
+class BenchFailed(RuntimeError):
+    """A rank of the benchmark failed or timed out; the message holds its stderr tail."""
+
+
+def parse_options(bench: Benchmark, pairs: list[str]) -> dict[str, Any]:
+    """Apply `key=value` overrides to the benchmark's default options (typed like the default);
+    ConfigError for unknown keys or bad values."""
+    options = dict(bench.options)
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in options:
+            raise ConfigError(
+                f"option '{pair}' is not key=value with a key of '{bench.name}': "
+                f"{', '.join(f'{k}={v}' for k, v in bench.options.items()) or 'none'}"
+            )
+        default = options[key]
+        try:
+            options[key] = (
+                raw.lower() in ("1", "true", "yes")
+                if isinstance(default, bool)
+                else type(default)(raw)
+                if default is not None
+                else raw
+            )
+        except ValueError:
+            raise ConfigError(f"option {key}={raw!r} is not a {type(default).__name__}") from None
+    return options
+
+
+def run_benchmark(
+    name: str,
+    ranks: int | None,
+    bandwidth: str,
+    out: Path,
+    option_pairs: list[str],
+    command: str,
+    timeout_s: float = 3600,
+) -> dict[str, Any]:
+    """Run benchmark `name` on `ranks` ranks linked at `bandwidth` ('1gbit', ... or
+    'loopback'); write JSON + PNG into `out`, print the table; return the JSON document.
+    `command` is recorded as the command line that made the figures."""
+    bench = get_benchmark(name)
+    options = parse_options(bench, option_pairs)
+    ranks = ranks or bench.default_ranks
+    if bench.distributed and not 1 <= ranks <= 8:
+        raise ConfigError(f"--ranks {ranks} must be between 1 and 8 (2-4 fit this machine)")
+    rate = None if bandwidth == "loopback" else parse_rate(bandwidth)
+    started = time.time()
+    environment: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "interlace": __version__,
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    per_rank: list[dict[str, Any]] = []
+    with _terminate_as_interrupt():
+        if bench.distributed:
+            with Cluster(ranks, rate) as cluster:
+                environment.update(
+                    network=cluster.network,
+                    ranks=ranks,
+                    link_rate_gbps=rate / 1e9 if cluster.shaped else None,
+                    fallback_reason=cluster.fallback_reason,
+                )
+                if cluster.fallback_reason and rate is not None:
+                    print(
+                        f"interlace bench: no shaped network ({cluster.fallback_reason}); "
+                        "measuring on loopback",
+                        file=sys.stderr,
+                    )
+                per_rank = _launch(
+                    cluster, bench, options, timeout_s, rate if cluster.shaped else None
+                )
+            result = per_rank[0]
+        else:
+            environment.update(network="single process", ranks=1)
+            result = bench.run_local(options)
+    environment["seconds"] = time.time() - started
+    document = {
+        "benchmark": name,
+        "command": command,
+        "environment": environment,
+        "options": options,
+        "result": result,
+        "per_rank": per_rank,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, out / f"{name}.json")
+    bench.plot(document, out / f"{name}.png")
+    print(f"{name} on {environment['network']}, {environment['ranks']} rank(s)")
+    print(bench.table(document))
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
+    return document
+
+
+def _launch(
+    cluster: Cluster,
+    bench: Benchmark,
+    options: dict[str, Any],
+    timeout_s: float,
+    rate_bps: float | None,
+) -> list[dict[str, Any]]:
+    port = 29531 if cluster.shaped else _free_port()
+    threads = max(1, (os.cpu_count() or 1) // cluster.ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory(prefix="interlace-bench-") as tmp:
+        procs = []
+        for rank in range(cluster.ranks):
+            argv = [
+                sys.executable,
+                "-m",
+                "interlace.bench.worker",
+                bench.name,
+                "--rank",
+                str(rank),
+                "--world",
+                str(cluster.ranks),
+                "--master",
+                cluster.master_addr,
+                "--port",
+                str(port),
+                "--ifname",
+                cluster.ifname,
+                "--options",
+                json.dumps(options),
+                "--result",
+                f"{tmp}/rank{rank}.json",
+            ]
+            if rate_bps is not None:
+                argv += ["--rate-bps", str(rate_bps)]
+            stderr = open(f"{tmp}/rank{rank}.err", "w")  # noqa: SIM115 (closed below)
+            procs.append(
+                (
+                    subprocess.Popen(
+                        cluster.rank_command(rank, argv),
+                        env=env,
+                        stderr=stderr,
+                        stdout=subprocess.DEVNULL,
+                    ),
+                    stderr,
+                )
+            )
+        try:
+            _wait(procs, tmp, timeout_s)
+        finally:
+            for proc, stderr in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                stderr.close()
+        return [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(cluster.ranks)]
+
+
+def _wait(procs: list, tmp: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [proc.poll() for proc, _ in procs]
+        failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            time.sleep(0.5)
+            tail = Path(f"{tmp}/rank{failed[0]}.err").read_text()[-3000:]
+            raise BenchFailed(f"rank {failed[0]} failed (exit code {codes[failed[0]]}):\n{tail}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            raise BenchFailed(f"benchmark still running after {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _terminate_as_interrupt:
+    """Turn SIGTERM into KeyboardInterrupt so the cluster is torn down on `kill` too."""
+
+    def __enter__(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
