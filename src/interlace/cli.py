@@ -322,7 +322,12 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="benchmark to run, or 'list'")
+    p.add_argument(
+        "name",
+        help="benchmark to run; 'list' lists them, 'report' writes "
+        "BENCHMARKS.md from the JSON in --out",
+    )
+    p.add_argument("--page", default="BENCHMARKS.md", help="page that 'report' writes")
     p.add_argument(
         "--ranks",
         type=int,
@@ -348,12 +353,24 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="override one of the benchmark's options (see `interlace bench list`)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run it N times; the JSON keeps every run and their spread",
+    )
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from interlace.bench import REGISTRY, get_benchmark
     from interlace.bench.runner import run_benchmark
 
+    if args.name == "report":
+        from interlace.bench.markdown import write_page
+
+        write_page(Path(args.out), Path(args.page))
+        print(f"wrote {args.page} from {args.out}/*.json")
+        return 0
     if args.name == "list":
         for name in REGISTRY:
             bench = get_benchmark(name)
@@ -368,6 +385,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         args.set,
         command="interlace bench " + shlex.join(argv),
         timeout_s=args.timeout,
+        repeat=args.repeat,
     )
     return 0
 

@@ -34,6 +34,10 @@ class Benchmark:
     run_local: for single-process benchmarks (distributed=False): options → result dict.
     table: result → text table printed after the run.
     plot: (result, png path) → None.
+    check: options → None, raising ConfigError for a bad option before any rank starts.
+    key_numbers: result (rank 0's dict) → the figures whose spread over repeated runs tells
+        whether the benchmark is reproducible.
+    headline: result → the one-line claim the benchmark exists to test, for BENCHMARKS.md.
     describe: what it measures and what the physical limit is (BENCHMARKS.md's prose).
     """
 
@@ -44,6 +48,9 @@ class Benchmark:
     plot: Callable[[dict[str, Any], Path], None]
     run_rank: Callable[[RankContext], dict[str, Any]] | None = None
     run_local: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    check: Callable[[dict[str, Any]], None] | None = None
+    headline: Callable[[dict[str, Any]], str] | None = None
+    key_numbers: Callable[[dict[str, Any]], dict[str, float]] | None = None
     default_ranks: int = 2
     options: dict[str, Any] = field(default_factory=dict)
 

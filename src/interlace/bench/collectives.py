@@ -16,6 +16,7 @@ import torch
 from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.timing import median, sample
+from interlace.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 _METER = comm.CommMeter()
@@ -117,6 +118,39 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def check(options: dict[str, Any]) -> None:
+    """Known ops, positive sizes."""
+    unknown = set(options["ops"].split(",")) - set(OPS)
+    if unknown:
+        raise ConfigError(f"ops {sorted(unknown)} unknown; choose from {','.join(OPS)}")
+    if not 0 < options["min_size"] <= options["max_size"]:
+        raise ConfigError(
+            f"need 0 < min_size <= max_size, got {options['min_size']} and {options['max_size']}"
+        )
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """Largest all_reduce's share of the link (target >= 85%)."""
+    rows = [r for r in doc["result"]["rows"] if r["op"] == "all_reduce"]
+    if not rows or rows[-1]["link_fraction"] is None:
+        return "no shaped all_reduce measured"
+    top = rows[-1]
+    verdict = "meets" if top["link_fraction"] >= 0.85 else "misses"
+    return (
+        f"all_reduce of {_size(top['bytes'])} reaches {top['link_fraction']:.0%} of the "
+        f"link rate ({top['busbw_gbps']:.3f} Gbit/s bus bandwidth): {verdict} the 85% target"
+    )
+
+
+def key_numbers(result: dict[str, Any]) -> dict[str, float]:
+    """Bus bandwidth of each op at the largest size."""
+    return {
+        f"{r['op']} busbw": r["busbw_gbps"]
+        for r in result["rows"]
+        if r["bytes"] == max(x["bytes"] for x in result["rows"] if x["op"] == r["op"])
+    }
+
+
 BENCHMARK = Benchmark(
     name="collectives",
     summary="bus bandwidth of all_reduce, all_gather, reduce_scatter, all_to_all, broadcast",
@@ -129,5 +163,8 @@ BENCHMARK = Benchmark(
     table=table,
     plot=plot,
     run_rank=run_rank,
+    check=check,
+    headline=headline,
+    key_numbers=key_numbers,
     options={"min_size": 1024, "max_size": 256 * 2**20, "ops": ",".join(OPS), "min_seconds": 0.5},
 )

@@ -20,7 +20,9 @@ from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
+from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
+from interlace.models import get_preset
 from interlace.plan import Overlap, Plan
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
@@ -150,6 +152,31 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def check(options: dict[str, Any]) -> None:
+    """A known model and positive counts."""
+    get_preset(options["model"])
+    if options["micro_batch"] < 1 or options["steps"] < 1:
+        raise ConfigError("micro_batch and steps must be >= 1")
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """DDP's step vs the no-overlap step, and measured bytes vs the ring formula."""
+    r = doc["result"]
+    ddp, after = r["modes"]["ddp_overlap"], r["modes"]["after_backward"]
+    tx = median(ddp["tx_bytes"])
+    return (
+        f"DDP step {ddp['step_median_s']:.3f} s vs {after['step_median_s']:.3f} s without "
+        f"overlap ({after['step_median_s'] / ddp['step_median_s']:.2f}x), "
+        f"{ddp['hidden_fraction']:.2f} of the communication hidden; bytes on the wire "
+        f"{tx / r['formula_wire_bytes']:.3f}x the formula 2(p-1)/p*params*4"
+    )
+
+
+def key_numbers(result: dict[str, Any]) -> dict[str, float]:
+    """Median step time of each mode."""
+    return {f"{name} step_s": m["step_median_s"] for name, m in result["modes"].items()}
+
+
 BENCHMARK = Benchmark(
     name="ddp",
     summary="data-parallel GPT step: DDP bucketed overlap vs all-reduce after backward",
@@ -163,5 +190,8 @@ BENCHMARK = Benchmark(
     table=table,
     plot=plot,
     run_rank=run_rank,
+    check=check,
+    headline=headline,
+    key_numbers=key_numbers,
     options={"model": "bench-25m", "micro_batch": 4, "steps": 3},
 )

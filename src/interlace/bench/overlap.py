@@ -19,6 +19,7 @@ import torch
 from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.timing import median, sample
+from interlace.errors import ConfigError
 
 _METER = comm.CommMeter()
 _MECHANISMS = ("async_c10d", "functional")
@@ -61,7 +62,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     compute_s = median(sample(compute, group))
     bytes_per_s = _calibrate_comm_rate(group)
     rows = []
-    for ratio in (float(r) for r in ctx.options["ratios"].split(",")):
+    for ratio in _ratios(ctx.options):
         elements = max(1, int(ratio * compute_s * bytes_per_s / 4))
         buffer = torch.ones(elements)
         alone = median(sample(lambda b=buffer: comm.all_reduce(b, group, meter=_METER), group))
@@ -139,6 +140,40 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _ratios(options: dict[str, Any]) -> list[float]:
+    return [float(r) for r in options["ratios"].split(",")]
+
+
+def check(options: dict[str, Any]) -> None:
+    """Positive compute time and size ratios."""
+    try:
+        ratios = _ratios(options)
+    except ValueError:
+        raise ConfigError(f"ratios={options['ratios']!r} must be numbers like 0.5,1,2") from None
+    if options["compute_s"] <= 0 or any(r <= 0 for r in ratios):
+        raise ConfigError("compute_s and every ratio must be > 0")
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """Hidden fraction of the all-reduce closest to the compute's length (target >= 0.8)."""
+    rows = doc["result"]["rows"]
+    parts = []
+    for mechanism in _MECHANISMS:
+        mine = [r for r in rows if r["mechanism"] == mechanism]
+        row = min(mine, key=lambda r: abs(r["comm_s"] / r["compute_s"] - 1))
+        verdict = "meets" if row["hidden_fraction"] >= 0.8 else "misses"
+        parts.append(
+            f"{mechanism}: {row['hidden_fraction']:.2f} hidden at comm/compute "
+            f"{row['comm_s'] / row['compute_s']:.2f} ({verdict} the 0.8 target)"
+        )
+    return "; ".join(parts)
+
+
+def key_numbers(result: dict[str, Any]) -> dict[str, float]:
+    """Overlapped time per mechanism and ratio (hidden fractions near 0 make poor ratios)."""
+    return {f"{r['mechanism']} x{r['ratio']:g} both_s": r["both_s"] for r in result["rows"]}
+
+
 BENCHMARK = Benchmark(
     name="overlap",
     summary="fraction of an all-reduce hidden under a concurrent matmul kernel",
@@ -151,5 +186,8 @@ BENCHMARK = Benchmark(
     table=table,
     plot=plot,
     run_rank=run_rank,
+    check=check,
+    headline=headline,
+    key_numbers=key_numbers,
     options={"compute_s": 0.5, "ratios": "0.5,1,2"},
 )

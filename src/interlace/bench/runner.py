@@ -11,6 +11,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,18 @@ def parse_options(bench: Benchmark, pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+def spread(results: list[dict[str, Any]], bench: Benchmark) -> dict[str, float]:
+    """(max − min) / median of each key number over repeated results."""
+    if bench.key_numbers is None or len(results) < 2:
+        return {}
+    values = [bench.key_numbers(r) for r in results]
+    return {
+        key: (max(v[key] for v in values) - min(v[key] for v in values))
+        / statistics.median(v[key] for v in values)
+        for key in values[0]
+    }
+
+
 def run_benchmark(
     name: str,
     ranks: int | None,
@@ -64,15 +77,21 @@ def run_benchmark(
     option_pairs: list[str],
     command: str,
     timeout_s: float = 3600,
+    repeat: int = 1,
 ) -> dict[str, Any]:
-    """Run benchmark `name` on `ranks` ranks linked at `bandwidth` ('1gbit', ... or
-    'loopback'); write JSON + PNG into `out`, print the table; return the JSON document.
-    `command` is recorded as the command line that made the figures."""
+    """Run benchmark `name` `repeat` times on `ranks` ranks linked at `bandwidth` ('1gbit',
+    ... or 'loopback'); write JSON + PNG into `out`, print the table; return the JSON document.
+    `command` is recorded as the command line that made the figures. The document's `result`
+    is the first run's; `repeats` holds every run's and `spread` their relative spread."""
     bench = get_benchmark(name)
     options = parse_options(bench, option_pairs)
+    if bench.check is not None:
+        bench.check(options)
     ranks = ranks or bench.default_ranks
     if bench.distributed and not 1 <= ranks <= 8:
         raise ConfigError(f"--ranks {ranks} must be between 1 and 8 (2-4 fit this machine)")
+    if repeat < 1:
+        raise ConfigError(f"--repeat {repeat} must be >= 1")
     rate = None if bandwidth == "loopback" else parse_rate(bandwidth)
     started = time.time()
     environment: dict[str, Any] = {
@@ -84,7 +103,7 @@ def run_benchmark(
         "platform": platform.platform(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    per_rank: list[dict[str, Any]] = []
+    runs: list[list[dict[str, Any]]] = []
     with _terminate_as_interrupt():
         if bench.distributed:
             with Cluster(ranks, rate) as cluster:
@@ -100,31 +119,44 @@ def run_benchmark(
                         "measuring on loopback",
                         file=sys.stderr,
                     )
-                per_rank = _launch(
-                    cluster, bench, options, timeout_s, rate if cluster.shaped else None
-                )
-            result = per_rank[0]
+                shaped_rate = rate if cluster.shaped else None
+                runs = [
+                    _launch(cluster, bench, options, timeout_s, shaped_rate) for _ in range(repeat)
+                ]
         else:
             environment.update(network="single process", ranks=1)
-            result = bench.run_local(options)
+            runs = [[bench.run_local(options)] for _ in range(repeat)]
     environment["seconds"] = time.time() - started
+    results = [per_rank[0] for per_rank in runs]
     document = {
         "benchmark": name,
         "command": command,
         "environment": environment,
         "options": options,
-        "result": result,
-        "per_rank": per_rank,
+        "result": results[0],
+        "per_rank": runs[0] if bench.distributed else [],
+        "repeats": results,
+        "spread": spread(results, bench),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{name}.json.tmp"
-    tmp.write_text(json.dumps(document, indent=1))
-    os.replace(tmp, out / f"{name}.json")
-    bench.plot(document, out / f"{name}.png")
+    _write(document, bench, out)
     print(f"{name} on {environment['network']}, {environment['ranks']} rank(s)")
     print(bench.table(document))
+    if document["spread"]:
+        worst = max(document["spread"].items(), key=lambda kv: kv[1])
+        print(f"spread over {repeat} runs: largest {worst[1]:.1%} ({worst[0]})")
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return document
+
+
+def _write(document: dict[str, Any], bench: Benchmark, out: Path) -> None:
+    """JSON and PNG, each written to a temporary name and renamed when complete."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = document["benchmark"]
+    tmp_json, tmp_png = out / f".{name}.json.tmp", out / f".{name}.tmp.png"
+    tmp_json.write_text(json.dumps(document, indent=1))
+    bench.plot(document, tmp_png)
+    os.replace(tmp_json, out / f"{name}.json")
+    os.replace(tmp_png, out / f"{name}.png")
 
 
 def _launch(
