@@ -147,17 +147,22 @@ def test_leftovers_of_a_crashed_run_are_removed_on_the_next_start():
     assert leftover_namespaces() == []
 
 
+def _pids_in(namespace: str) -> list[str]:
+    return subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
+    ).stdout.split()
+
+
 def _kill_rank_when_running(rank: int) -> None:
+    """Wait until rank `rank`'s worker runs, give it a second, then SIGKILL it."""
     namespace = f"{PREFIX}r{rank}"
-    for _ in range(400):
-        pids = subprocess.run(
-            ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
-        ).stdout.split()
-        if pids:
-            time.sleep(1.0)  # let it get into the benchmark
-            subprocess.run(["kill", "-9", *pids], check=False)
-            return
+    deadline = time.monotonic() + 60
+    while not _pids_in(namespace) and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(1.0)
+    while (pids := _pids_in(namespace)) and time.monotonic() < deadline:
+        subprocess.run(["kill", "-9", *pids], capture_output=True, check=False)
+        time.sleep(0.2)
 
 
 @needs_netns
