@@ -105,6 +105,11 @@ class Plan:
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
         _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
+        if self.grad_compression != "none" and not self.overlap.dp_overlap:
+            raise PlanError(
+                f"grad_compression={self.grad_compression} is a DDP comm hook and needs "
+                "dp_overlap=true; drop dp_overlap=false"
+            )
         if self.dp % self.ep:
             raise PlanError(
                 f"ep={self.ep} must divide dp={self.dp} (expert groups are carved out of the "
@@ -126,11 +131,6 @@ class Plan:
             (self.ep > 1, f"ep={self.ep} (expert parallelism)", "ep=1"),
             (self.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped TP)", "tp_subbatches=1"),
             (self.recompute != "none", f"recompute={self.recompute}", "recompute=none"),
-            (
-                self.grad_compression != "none",
-                f"grad_compression={self.grad_compression}",
-                "grad_compression=none",
-            ),
             (self.moe_balance != "none", f"moe_balance={self.moe_balance}", "moe_balance=none"),
         ]
         for active, what, fix in pending:

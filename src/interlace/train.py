@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from interlace import __version__, comm
 from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from interlace.compress import make_comm_hook
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
 from interlace.mesh import Mesh, default_device
@@ -93,6 +94,7 @@ class Trainer:
         self.dp_size = self.dp.size if self.dp is not None else 1
         self.dp_rank = self.dp.rank if self.dp is not None else 0
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.compression = None  # the sketch / top-k hook's state, whose summary is logged
         self.accum = self.config.accumulation(self.dp_size)
 
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
@@ -112,13 +114,15 @@ class Trainer:
             for param in model.parameters():
                 comm.broadcast(param.data, 0, self.dp)
             return model
+        kind = self.plan.grad_compression
+        state, hook = make_comm_hook("dense" if kind == "none" else kind, self.dp)
+        # torch's PowerSGD hook hangs on gloo with more than one bucket (torch 2.13)
+        bucket_mb = 1e6 if kind == "powersgd" else self.plan.overlap.dp_bucket_mb
         ddp = DistributedDataParallel(
-            model,
-            process_group=self.dp.pg,
-            bucket_cap_mb=self.plan.overlap.dp_bucket_mb,
-            device_ids=None,
+            model, process_group=self.dp.pg, bucket_cap_mb=bucket_mb, device_ids=None
         )
-        ddp.register_comm_hook(self.dp, comm.ddp_allreduce_hook)
+        ddp.register_comm_hook(state, hook)
+        self.compression = state if hasattr(state, "summary") else None
         return ddp
 
     def resume(self, checkpoint: Path) -> None:
@@ -162,7 +166,7 @@ class Trainer:
         seconds = time.perf_counter() - start
         self.step += 1
         tokens = self.config.global_batch * self.setup.model_config.seq_len
-        return {
+        row = {
             "step": self.step,
             "loss": loss_mean,
             "lr": lr,
@@ -171,6 +175,9 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "comm_bytes": comm.meter.bytes_per_group(),
         }
+        if self.compression is not None:  # cumulative: compressed bytes / dense bytes
+            row["compression_ratio"] = self.compression.summary()["ratio"]
+        return row
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.train_model, DistributedDataParallel):

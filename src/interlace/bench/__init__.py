@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "collectives": "interlace.bench.collectives",
     "overlap": "interlace.bench.overlap",
     "ddp": "interlace.bench.ddp",
+    "sketch": "interlace.bench.sketch",
 }
 
 

@@ -39,6 +39,7 @@ class GPTConfig:
     capacity_factor: float = 1.25
     dropless: bool = False
     aux_loss_coef: float = 0.01
+    tie_embeddings: bool = True
 
     @property
     def ffn_dim(self) -> int:
@@ -114,7 +115,7 @@ class GPTConfig:
             )
 
     def num_params(self) -> int:
-        """Number of distinct parameters of the built model (the tied LM head counted once)."""
+        """Number of distinct parameters of the built model (a tied LM head counted once)."""
         d, f = self.d_model, self.ffn_dim
         has_bias = int(self.bias)
         layer_norm = d * (1 + has_bias)
@@ -124,7 +125,7 @@ class GPTConfig:
         n_moe = len(self.moe_layers)
         blocks = self.n_layers * (2 * layer_norm + attention) + n_moe * moe
         blocks += (self.n_layers - n_moe) * mlp
-        embeddings = (self.vocab_size + self.seq_len) * d
+        embeddings = (self.vocab_size * (1 if self.tie_embeddings else 2) + self.seq_len) * d
         return embeddings + blocks + layer_norm
 
     def to_dict(self) -> dict[str, Any]:

@@ -100,12 +100,14 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Tie lm_head to wte and apply GPT-2 init: N(0, init_std) weights, zero biases, unit
-        LayerNorm scales, residual projections (out_proj, down) N(0, init_std / sqrt(2·n_layers)).
+        """Tie lm_head to wte (if `tie_embeddings`) and apply GPT-2 init: N(0, init_std)
+        weights, zero biases, unit LayerNorm scales, residual projections (out_proj, down)
+        N(0, init_std / sqrt(2·n_layers)).
 
         Call it after `to_empty(device=...)` to materialise a model built on the meta device.
         """
-        self.lm_head.weight = self.wte.weight
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
