@@ -221,3 +221,22 @@ def test_report_page_quotes_the_json_figures(tmp_path, capsys):
     assert "Reproducibility: 2 runs" in text
     assert "![collectives](results/collectives.png)" in text
     assert "## ddp\n" in text and "_Not measured yet._" in text
+
+
+@pytest.mark.slow  # ~20-50 s: eight DDP set-ups in fresh interpreters; CI runs it
+def test_sketch_benchmark_runs_every_mode_and_quotes_bytes(tmp_path):
+    doc = run_benchmark(
+        "sketch",
+        2,
+        "loopback",
+        tmp_path,
+        ["workloads=click", "steps=2", "warmup=0"],
+        command="interlace bench t",
+    )
+    click = doc["result"]["workloads"]["click"]
+    assert set(click["modes"]) == {"dense", "powersgd", "topk", "sketch"}
+    for mode in click["modes"].values():
+        assert len(mode["losses"]) == 2 and mode["step_median_s"] > 0
+    assert click["codec"]["nnz"] < click["codec"]["numel"]  # really sparse
+    summary = click["modes"]["sketch"]["hook_summary"]
+    assert summary["bytes_sent"] < 0.2 * summary["dense_bytes"]
