@@ -300,3 +300,14 @@ def test_resuming_a_run_that_already_reached_its_steps_is_refused(capsys, run_co
         capsys, train_args(run_copy, 2, "--resume"), "already at step 2", "--steps=2"
     )
     assert run_files(run_copy) == before
+
+
+def test_svm_command_fits_a_libsvm_file(capsys):
+    from interlace.svm.benchmark import data_dir
+
+    train = data_dir() / "heart_scale.tr"
+    if not train.exists():
+        pytest.skip(f"{train} is not present")
+    assert main(["svm", str(train), "--test", str(data_dir() / "heart_scale.t")]) == 0
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and "non-zeros" in out

@@ -390,9 +390,22 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _add_svm_args(p: argparse.ArgumentParser) -> None:
+    from interlace.svm.cli import add_svm_args
+
+    add_svm_args(p)
+
+
+def _svm(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.svm.cli import run_svm
+
+    return run_svm(args)
+
+
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model (the main job)", _add_train_args, _train),
     "plan": ("check a plan against a model and world size, and describe it", _add_plan_args, _plan),
+    "svm": ("fit a sparse SVM with a nonconvex penalty by ADMM", _add_svm_args, _svm),
     "bench": (
         "measure side by side on an emulated, bandwidth-shaped cluster",
         _add_bench_args,

@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     "overlap": "interlace.bench.overlap",
     "ddp": "interlace.bench.ddp",
     "sketch": "interlace.bench.sketch",
+    "svm": "interlace.bench.svm",
 }
 
 

@@ -1,0 +1,20 @@
+"""Sparse linear SVMs with nonconvex penalties (SCAD, MCP, LSP, capped-ℓ1), fitted by ADMM.
+
+`NonconvexSVC` is the scikit-learn estimator; `regularization_path` fits a decreasing λ sequence
+with warm starts; `interlace.svm.consensus.fit_consensus` splits the rows across torch.distributed
+ranks. Needs the `svm` extra (scikit-learn, scipy).
+"""
+
+try:
+    import scipy  # noqa: F401
+    import sklearn  # noqa: F401
+except ModuleNotFoundError as missing:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError(
+        f"interlace.svm needs {missing.name!r}: install the svm extra, pip install 'interlace[svm]'"
+    ) from missing
+
+from interlace.svm.estimator import NonconvexSVC
+from interlace.svm.path import RegularizationPath, regularization_path
+from interlace.svm.penalties import PENALTIES
+
+__all__ = ["PENALTIES", "NonconvexSVC", "RegularizationPath", "regularization_path"]
