@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from interlace.plotting import new_figure, save_figure
+
 METRICS = "metrics.jsonl"
 REPORT = "report.json"
 LOSS_PLOT = "loss.png"
@@ -77,12 +79,7 @@ def write_report(out: Path, report: dict[str, Any]) -> list[str]:
 def plot_loss(rows: list[dict[str, Any]], file: Path, title: str) -> None:
     """Train loss per step and eval loss points, to a PNG. Raises ImportError without
     matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
@@ -99,9 +96,7 @@ def plot_loss(rows: list[dict[str, Any]], file: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(file, dpi=110)
-    plt.close(fig)
+    save_figure(fig, file, dpi=110)
 
 
 def _mean(values: list[float]) -> float | None:

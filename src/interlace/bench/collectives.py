@@ -17,6 +17,7 @@ from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
+from interlace.plotting import new_figure, save_figure
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 _METER = comm.CommMeter()
@@ -84,12 +85,7 @@ def table(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Bus bandwidth vs size per op, with the link rate as the physical limit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = new_figure(figsize=(7, 4.2))
     rows = doc["result"]["rows"]
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = [r for r in rows if r["op"] == op]
@@ -106,9 +102,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _size(nbytes: int) -> str:

@@ -24,6 +24,7 @@ from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models import get_preset
 from interlace.plan import Overlap, Plan
+from interlace.plotting import new_figure, save_figure
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
@@ -124,11 +125,6 @@ def table(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Step time per mode against compute alone, serial sum and the ideal max."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     r = doc["result"]
     labels = ["compute alone", "all-reduce alone", *r["modes"], "serial sum", "ideal max"]
     values = [
@@ -138,7 +134,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         r["compute_s"] + r["comm_s"],
         max(r["compute_s"], r["comm_s"]),
     ]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
     ax.bar(labels, values, color=["C0", "C1", "C2", "C3", "0.6", "0.8"])
     ax.set_ylabel("seconds per step")
     ax.set_title(
@@ -147,9 +143,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         fontsize=9,
     )
     ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def check(options: dict[str, Any]) -> None:

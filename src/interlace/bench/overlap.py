@@ -20,6 +20,7 @@ from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
+from interlace.plotting import new_figure, save_figure
 
 _METER = comm.CommMeter()
 _MECHANISMS = ("async_c10d", "functional")
@@ -112,13 +113,8 @@ def table(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Bars: serial, measured and ideal time per ratio and mechanism."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = doc["result"]["rows"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
     xs = range(len(rows))
     ax.bar([x - 0.25 for x in xs], [r["serial_s"] for r in rows], 0.25, label="serial (C + M)")
     ax.bar(list(xs), [r["both_s"] for r in rows], 0.25, label="measured, overlapped")
@@ -135,9 +131,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("seconds")
     ax.set_title(f"overlap of all_reduce and matmul, {doc['environment']['network']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _ratios(options: dict[str, Any]) -> list[float]:

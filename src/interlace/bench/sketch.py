@@ -25,6 +25,7 @@ from interlace.bench.timing import median, slowest
 from interlace.compress import make_comm_hook, sketch
 from interlace.compress.workloads import Workload, click_workload, gpt_workload
 from interlace.errors import ConfigError
+from interlace.plotting import new_figure, save_figure
 
 MODES = ("dense", "powersgd", "topk", "sketch")
 WORKLOADS = {"click": click_workload, "gpt": gpt_workload}
@@ -149,13 +150,8 @@ def table(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Loss curves and bytes/step time bars per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     workloads = doc["result"]["workloads"]
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(10, 3.4 * len(workloads)), squeeze=False)
+    fig, axes = new_figure(len(workloads), 2, figsize=(10, 3.4 * len(workloads)))
     for row, (name, w) in enumerate(workloads.items()):
         curves, bars = axes[row]
         for mode, m in w["modes"].items():
@@ -187,9 +183,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         f"{doc['environment']['network']}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def check(options: dict[str, Any]) -> None:
