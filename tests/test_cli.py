@@ -250,7 +250,10 @@ def test_unknown_preset_is_refused_and_valid_ones_are_named(capsys, tmp_path):
 def test_unimplemented_plan_feature_is_refused_before_launching(capsys, tmp_path):
     out = tmp_path / "never"
     expect_usage_error(
-        capsys, train_args(out, 2, "--plan", "tp=2", "--nproc", "2"), "tp=2", "not implemented yet"
+        capsys,
+        train_args(out, 2, "--plan", "tp3d=2x1x1", "--nproc", "2"),
+        "tp3d",
+        "not implemented yet",
     )
     assert not out.exists()
 

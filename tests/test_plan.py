@@ -84,6 +84,8 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(schedule="zigzag"), ["schedule='zigzag'", "1f1b"]),
         (Plan(recompute="some"), ["recompute='some'", "stage-aware"]),
         (Plan(grad_compression="zip"), ["grad_compression='zip'", "sketch"]),
+        (Plan(grad_compression="sketch"), ["grad_compression=sketch", "needs dp > 1"]),
+        (Plan(sequence_parallel=True), ["sequence_parallel=true needs", "tp > 1"]),
         (
             Plan(dp=2, grad_compression="sketch", overlap=Overlap(dp_overlap=False)),
             ["grad_compression=sketch is a DDP comm hook", "dp_overlap"],
@@ -109,7 +111,6 @@ def test_invalid_values_are_rejected(plan, words):
         (Plan(pp=2), "pp=2"),
         (Plan(micro_batches=4), "micro_batches=4"),
         (Plan(schedule="gpipe"), "schedule=gpipe"),
-        (Plan(tp=2), "tp=2"),
         (Plan(tp3d=(2, 1, 1)), "tp3d"),
         (Plan(dp=2, ep=2), "ep=2"),
         (Plan(overlap=Overlap(tp_subbatches=2)), "tp_subbatches"),
@@ -150,3 +151,10 @@ def test_valid_plan_returns_itself():
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(PlanError, match="unknown plan fields"):
         Plan.from_dict({"dp": 1, "zz": 2})
+
+
+def test_sequence_parallel_needs_seq_len_divisible_by_tp():
+    plan = Plan(tp=4, sequence_parallel=True)
+    with pytest.raises(PlanError, match=r"seq_len=66 is not divisible by tp=4"):
+        plan.validate(4, spec(seq_len=66))
+    assert plan.validate(4, spec(seq_len=64)) is plan

@@ -227,3 +227,39 @@ def test_held_out_loss_does_not_depend_on_the_rank_count():
         assert run_ranks(world_size, _eval_loss, config, world_size) == pytest.approx(
             [serial] * world_size, abs=1e-6
         )
+
+
+def _tensor_parallel_run(config: TrainConfig, plan_text: str, world_size: int):
+    from interlace.parallel import gather_full, sharded_parameter_names
+
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan)
+    trainer = Trainer(prepare_run(config, plan, world_size), mesh)
+    rows = [trainer.train_step() for _ in range(config.steps)]
+    specs = sharded_parameter_names(trainer.model)
+    full = {
+        name: gather_full(p, specs[name], mesh.group("tp")) if name in specs else p.detach()
+        for name, p in trainer.model.state_dict(keep_vars=True).items()
+    }
+    return {"rows": rows, "params": {k: v.clone() for k, v in full.items()}}
+
+
+@pytest.mark.parametrize("plan_text", ["tp=2", "tp=4", "dp=2,tp=2", "tp=2,sequence_parallel=true"])
+def test_tensor_parallel_training_equals_serial(serial, plan_text):
+    world_size = Plan.parse(plan_text).world_size
+    for result in run_ranks(world_size, _tensor_parallel_run, BASE, plan_text, world_size):
+        _assert_same_run(result, serial)
+        assert [r["grad_norm"] for r in result["rows"]] == pytest.approx(
+            [r["grad_norm"] for r in serial["rows"]], rel=1e-5
+        )
+
+
+def test_tensor_parallel_resume_continues_the_same_trajectory(tmp_path):
+    config = dataclasses.replace(BASE, steps=4, ckpt_every=2, out=str(tmp_path / "full"))
+    full = run_ranks(2, _train, config, "tp=2", 2)
+    checkpoint = tmp_path / "full" / "checkpoints" / checkpoint_name(2)
+    resumed_config = dataclasses.replace(config, out=str(tmp_path / "resumed"))
+    resumed = run_ranks(2, _train, resumed_config, "tp=2", 2, checkpoint)
+    for before, after in zip(full, resumed, strict=True):
+        assert [r["step"] for r in after["rows"]] == [3, 4]
+        _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)

@@ -53,6 +53,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _renamed(state: dict[str, Any], optim: dict[str, Any], keys: dict[str, str]):
+    """Model and optimizer state dicts with the tensors of parameters in `keys` stored under
+    the mapped name: each tensor-parallel shard gets its own key, so DCP keeps every rank's
+    piece. `param_groups` keep the parameter names, which every rank shares."""
+    model_state = {keys.get(k, k): v for k, v in state.items()}
+    optim_state = {**optim, "state": {keys.get(k, k): v for k, v in optim["state"].items()}}
+    return model_state, optim_state
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -60,11 +69,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     keep: int,
+    shard_keys: dict[str, str] | None = None,
 ) -> Path:
     """Write the checkpoint of `step` under `root` (collective: every rank calls it).
 
-    `meta` (JSON-able) is stored as meta.json with `step` added. Keeps the newest `keep`
-    checkpoints. Returns the final folder.
+    `meta` (JSON-able) is stored as meta.json with `step` added. `shard_keys` maps the names
+    of parameters this rank holds only a piece of to a key unique to that piece. Keeps the
+    newest `keep` checkpoints. Returns the final folder.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -73,7 +84,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _renamed(*get_state_dict(model, optimizer), shard_keys or {})
     with _single_process_is_intended():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
@@ -138,19 +149,24 @@ def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, expect: dict[str, Any]
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    expect: dict[str, Any],
+    shard_keys: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Verify, then load model, optimizer and this rank's RNG state in place (collective).
-    Returns the checkpoint's meta (with `step`)."""
+    """Verify, then load model, optimizer and this rank's RNG state in place (collective);
+    `shard_keys` as given to save_checkpoint. Returns the checkpoint's meta (with `step`)."""
     path = Path(path)
     meta = verify_checkpoint(path, expect)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    keys = shard_keys or {}
+    model_state, optim_state = _renamed(*get_state_dict(model, optimizer), keys)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    back = {stored: name for name, stored in keys.items()}
+    model_state, optim_state = _renamed(state["model"], state["optim"], back)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     rng_file = path / f"rng-rank{_rank()}.pt"
     if not rng_file.exists():
         raise CheckpointError(

@@ -1,4 +1,4 @@
-"""The `interlace` command line: `train` and `plan` (each with complete `--help`).
+"""The `interlace` command line: `train`, `plan`, `svm` and `bench` (each with `--help`).
 
 Bad input is reported as one line on stderr with exit code 2, before anything is written or any
 rank is started.
@@ -391,14 +391,19 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _add_svm_args(p: argparse.ArgumentParser) -> None:
-    from interlace.svm.cli import add_svm_args
-
+    try:
+        from interlace.svm.cli import add_svm_args
+    except ModuleNotFoundError:  # without the svm extra the other commands still work
+        p.add_argument("args", nargs="*", help="needs the svm extra: pip install 'interlace[svm]'")
+        return
     add_svm_args(p)
 
 
 def _svm(args: argparse.Namespace, argv: list[str]) -> int:
-    from interlace.svm.cli import run_svm
-
+    try:
+        from interlace.svm.cli import run_svm
+    except ModuleNotFoundError as missing:
+        raise ConfigError(str(missing)) from None
     return run_svm(args)
 
 

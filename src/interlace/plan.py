@@ -2,7 +2,8 @@
 
 A Plan says how `world_size = dp · pp · tp_size` ranks cooperate: data parallel degree `dp`,
 pipeline stages `pp`, tensor parallel degree (`tp` for Megatron-style 1D, or `tp3d = (x, y, z)`
-for AxoNN-style 3D), expert parallel degree `ep` (carved out of `dp`), pipeline `micro_batches`,
+for AxoNN-style 3D, with `sequence_parallel` for 1D), expert parallel degree `ep` (carved out of
+`dp`), pipeline `micro_batches`,
 `schedule`, `recompute`, the `overlap` options, `grad_compression` and `moe_balance`.
 
 `Plan.parse("dp=2,tp=2,tp_subbatches=2")` reads the CLI form; nested options are addressed by
@@ -54,6 +55,7 @@ class Plan:
     micro_batches: int = 1
     schedule: str = "1f1b"
     recompute: str = "none"
+    sequence_parallel: bool = False
     overlap: Overlap = field(default_factory=Overlap)
     grad_compression: str = "none"
     moe_balance: str = "none"
@@ -105,11 +107,18 @@ class Plan:
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
         _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
+        if self.grad_compression != "none" and self.dp == 1:
+            raise PlanError(
+                f"grad_compression={self.grad_compression} compresses the data-parallel "
+                "gradient all-reduce and needs dp > 1"
+            )
         if self.grad_compression != "none" and not self.overlap.dp_overlap:
             raise PlanError(
                 f"grad_compression={self.grad_compression} is a DDP comm hook and needs "
                 "dp_overlap=true; drop dp_overlap=false"
             )
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
         if self.dp % self.ep:
             raise PlanError(
                 f"ep={self.ep} must divide dp={self.dp} (expert groups are carved out of the "
@@ -126,7 +135,6 @@ class Plan:
                 "micro_batches=1",
             ),
             (self.schedule != "1f1b", f"schedule={self.schedule} (pipeline schedules)", "1f1b"),
-            (self.tp > 1, f"tp={self.tp} (tensor parallelism)", "tp=1"),
             (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
             (self.ep > 1, f"ep={self.ep} (expert parallelism)", "ep=1"),
             (self.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped TP)", "tp_subbatches=1"),
@@ -161,6 +169,11 @@ class Plan:
                     f"{name}={value} is not divisible by the tensor parallel degree {tp}; "
                     f"use a degree in {_divisors(value)[:6]}"
                 )
+        if self.sequence_parallel and spec.seq_len % tp:
+            raise PlanError(
+                f"seq_len={spec.seq_len} is not divisible by tp={tp}, as sequence_parallel "
+                f"needs; use a seq_len that is a multiple of {tp}"
+            )
         if spec.n_layers < self.pp:
             raise PlanError(
                 f"pp={self.pp} exceeds n_layers={spec.n_layers}; use pp<={spec.n_layers}"

@@ -32,6 +32,8 @@ from interlace.data import load_corpus as read_corpus
 from interlace.mesh import Mesh, default_device
 from interlace.models import GPTConfig, build_model, get_preset
 from interlace.optim import build_optimizer, lr_at
+from interlace.parallel import clip_grad_norm_, sharded_parameter_names
+from interlace.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.train_config import TrainConfig
@@ -97,8 +99,18 @@ class Trainer:
         self.compression = None  # the sketch / top-k hook's state, whose summary is logged
         self.accum = self.config.accumulation(self.dp_size)
 
+        self.tp = mesh.group("tp") if mesh is not None and self.plan.tp > 1 else None
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
+        if mesh is not None:  # tensor parallel first; data parallel wraps the result
+            parallelize(self.model, self.plan, mesh, sequence_parallel=self.plan.sequence_parallel)
+        self.shard_keys = (
+            {  # each tensor-parallel piece gets its own checkpoint key
+                name: f"{name}.tp{self.tp.rank}" for name in sharded_parameter_names(self.model)
+            }
+            if self.tp is not None
+            else {}
+        )
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
         self.train_model = self._wrap_data_parallel(self.model)
         self.optimizer = build_optimizer(self.model, self.config.lr, self.config.weight_decay)
@@ -129,7 +141,9 @@ class Trainer:
         """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
         optimizer, RNG and data position."""
         checkpoint = resolve_checkpoint(checkpoint)
-        meta = load_checkpoint(checkpoint, self.model, self.optimizer, run_identity(self.setup))
+        meta = load_checkpoint(
+            checkpoint, self.model, self.optimizer, run_identity(self.setup), self.shard_keys
+        )
         self.step = meta["step"]
 
     # ------------------------------------------------------------------ one step
@@ -156,10 +170,11 @@ class Trainer:
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
         self._sync_gradients_after_backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(),
-            self.config.grad_clip if self.config.grad_clip > 0 else float("inf"),
-        )
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        if self.tp is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:  # the norm of the whole model: shard norms summed over the tensor group
+            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
@@ -265,6 +280,7 @@ class Trainer:
             self.optimizer,
             meta,
             self.config.keep_checkpoints,
+            self.shard_keys,
         )
 
     def _progress_bar(self):
@@ -303,6 +319,7 @@ class Trainer:
             "train_tokens": self.setup.data.split,
             "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
             "wall_time_s": seconds,
+            "parallel": getattr(self.model, "parallel_report", []),
             **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:

@@ -36,7 +36,7 @@ def _mode_options(mode: str, options: dict[str, Any]) -> dict[str, Any]:
     if mode == "topk":
         return {"fraction": options["topk_fraction"]}
     if mode == "powersgd":
-        return {"matrix_approximation_rank": options["powersgd_rank"], "start_powerSGD_iter": 2}
+        return {"matrix_approximation_rank": options["powersgd_rank"]}
     return {}
 
 

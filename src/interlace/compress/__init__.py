@@ -33,6 +33,11 @@ from interlace.errors import ConfigError
 HOOK_KINDS = ("dense", "sketch", "topk", "powersgd")
 
 
+POWERSGD_DEFAULTS = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2}
+"""interlace's PowerSGD settings where the caller gives none: torch's own defaults (rank 1, plain
+all-reduce for the first 1000 iterations) would not compress a short run at all."""
+
+
 def make_comm_hook(kind: str, group: comm.Group, **options: Any) -> tuple[Any, Callable]:
     """(state, hook) to pass to `ddp.register_comm_hook` for gradient compression `kind`.
 
@@ -51,6 +56,7 @@ def make_comm_hook(kind: str, group: comm.Group, **options: Any) -> tuple[Any, C
         return TopKState(group, **options), topk_hook
     if kind == "powersgd":
         _check_options(kind, options, _option_names(powersgd.PowerSGDState))
+        options = {**POWERSGD_DEFAULTS, **options}
         return powersgd.PowerSGDState(group.pg, **options), powersgd.powerSGD_hook
     raise ConfigError(f"grad compression {kind!r} is unknown; use one of {', '.join(HOOK_KINDS)}")
 

@@ -1,6 +1,6 @@
 """Count-sketch math of the S2 Reducer: bitmaps, their union across ranks, encode and decode.
 
-A flat gradient g [d] is summed over p ranks in two collectives (REFERENCE.md §5):
+A flat gradient g [d] is summed over p ranks in two collectives (S2 Reducer, arXiv 2110.02140):
 
 1. **Union of supports.** b = (g ≠ 0) on each rank; B = OR over ranks. `union_positions` offers
    three ways, all bit-exact: `"bor"` packs b into ceil(d/8) bytes and all-reduces with bitwise

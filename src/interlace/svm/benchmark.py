@@ -3,7 +3,7 @@
 For every dataset: a stratified 70/30 train/test split; λ (ours) or C (LIBLINEAR, via
 scikit-learn's `LinearSVC`) chosen by stratified k-fold cross-validated accuracy on the train part
 with `GridSearchCV`; then a refit on the whole train part, timed (median of a few refits), and the
-test accuracy and the number of non-zero weights. The issue's targets, per penalty, against
+test accuracy and the number of non-zero weights. The targets, per penalty, against
 `LinearSVC(penalty="l1", loss="squared_hinge", dual=False)`: test accuracy at least as high, fewer
 non-zero weights, fit time at most 3× — each reported as met or not, with the numbers.
 
@@ -40,7 +40,7 @@ BASELINES = ("liblinear_l1", "liblinear_l2")
 """Names of the LIBLINEAR methods in the results (ℓ1: squared hinge, primal; ℓ2: default)."""
 
 TIME_TARGET = 3.0
-"""The issue's target: fit time at most this multiple of LIBLINEAR-ℓ1's."""
+"""The target: fit time at most this multiple of LIBLINEAR-ℓ1's."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,73 @@
+"""`parallelize(model, plan, mesh)`: turn a model into its parallel form for a Plan, in place.
+
+The steps run in a fixed order, each the work of one module under `interlace/parallel/`:
+
+    1. tensor parallel, 1D (`plan.tp`, mesh group "tp")    parallel/tensor.py
+
+Data parallelism (DDP over the mesh's "dp" group) is applied afterwards by the Trainer, on the
+already tensor-parallel model. Pipeline, expert and 3D tensor parallelism arrive with their
+modules and take their place in this order; until then a plan asking for them is refused.
+
+Every part is found by module structure (`interlace.parallel.detect`); what is not recognised
+stays replicated, and `model.parallel_report` (also logged on "interlace.parallel") lists, one
+line per module, what was split and what was left replicated and why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from interlace.errors import PlanError
+from interlace.mesh import Mesh
+from interlace.parallel.detect import find_structure
+from interlace.parallel.tensor import apply_tensor_parallel, check_divisible
+from interlace.plan import Plan
+
+logger = logging.getLogger("interlace.parallel")
+
+
+def parallelize(
+    model: nn.Module, plan: Plan, mesh: Mesh, *, sequence_parallel: bool = False
+) -> nn.Module:
+    """Apply `plan`'s parallel dimensions to `model` on `mesh` and return it (same object).
+
+    With `plan.tp > 1`, attention and feed-forward blocks become column → row parallel, the
+    token embedding and LM head vocab-parallel, over the mesh's "tp" group (see
+    `interlace.parallel.tensor`); `sequence_parallel=True` also splits the activations between
+    blocks along the sequence. Every rank must pass the same full model (same seed). The
+    built-in GPT then returns (this rank's logits [B, T, V/tp], full loss); other models return
+    full logits. Raises PlanError, before modifying anything, if the plan asks for a dimension
+    not implemented here or a model size is not divisible by `plan.tp`.
+    """
+    _check_supported(plan, mesh)
+    report: list[str] = []
+    if plan.tp > 1:
+        try:
+            structure = find_structure(model)
+        except ValueError as exc:
+            raise PlanError(f"tp={plan.tp}: {exc}") from None
+        check_divisible(structure, plan.tp)
+        report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
+    for line in report:
+        logger.info(line)
+    model.parallel_report = report
+    return model
+
+
+def _check_supported(plan: Plan, mesh: Mesh) -> None:
+    pending = [
+        (plan.tp3d is not None, "tp3d (3D tensor parallelism)"),
+        (plan.pp > 1, f"pp={plan.pp} (pipeline parallelism)"),
+        (plan.ep > 1, f"ep={plan.ep} (expert parallelism)"),
+        (plan.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped tensor parallelism)"),
+    ]
+    for active, what in pending:
+        if active:
+            raise PlanError(f"parallelize does not apply {what} yet; drop it from the plan")
+    if plan.tp > 1 and mesh.size("tp") != plan.tp:
+        raise PlanError(
+            f"plan tp={plan.tp} but the mesh's tp group has {mesh.size('tp')} ranks; build the "
+            "mesh from the same plan (build_mesh(plan))"
+        )
