@@ -86,6 +86,7 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(grad_compression="zip"), ["grad_compression='zip'", "sketch"]),
         (Plan(grad_compression="sketch"), ["grad_compression=sketch", "needs dp > 1"]),
         (Plan(sequence_parallel=True), ["sequence_parallel=true needs", "tp > 1"]),
+        (Plan(moe_balance="prophet"), ["moe_balance=prophet places experts", "ep > 1"]),
         (
             Plan(dp=2, grad_compression="sketch", overlap=Overlap(dp_overlap=False)),
             ["grad_compression=sketch is a DDP comm hook", "dp_overlap"],
@@ -112,10 +113,9 @@ def test_invalid_values_are_rejected(plan, words):
         (Plan(micro_batches=4), "micro_batches=4"),
         (Plan(schedule="gpipe"), "schedule=gpipe"),
         (Plan(tp3d=(2, 1, 1)), "tp3d"),
-        (Plan(dp=2, ep=2), "ep=2"),
+        (Plan(dp=2, ep=2, tp=2), "ep=2 combined with tensor parallelism"),
         (Plan(overlap=Overlap(tp_subbatches=2)), "tp_subbatches"),
         (Plan(recompute="full"), "recompute=full"),
-        (Plan(moe_balance="prophet"), "moe_balance=prophet"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):
@@ -158,3 +158,9 @@ def test_sequence_parallel_needs_seq_len_divisible_by_tp():
     with pytest.raises(PlanError, match=r"seq_len=66 is not divisible by tp=4"):
         plan.validate(4, spec(seq_len=66))
     assert plan.validate(4, spec(seq_len=64)) is plan
+
+
+def test_expert_parallelism_needs_a_moe_model():
+    with pytest.raises(PlanError, match=r"need a Mixture-of-Experts model"):
+        Plan(dp=2, ep=2).validate(2, spec())
+    assert Plan(dp=4, ep=2, moe_balance="prophet").validate(4, spec(n_experts=4))

@@ -3,6 +3,8 @@
 The steps run in a fixed order, each the work of one module under `interlace/parallel/`:
 
     1. tensor parallel, 1D (`plan.tp`, mesh group "tp")    parallel/tensor.py
+    2. expert parallel (`plan.ep`, `plan.moe_balance`;      parallel/expert.py
+       groups "ep" / "ep_dp" carved from "dp")              parallel/expert_groups.py
 
 Data parallelism (DDP over the mesh's "dp" group) is applied afterwards by the Trainer, on the
 already tensor-parallel model. Pipeline, expert and 3D tensor parallelism arrive with their
@@ -22,6 +24,8 @@ from torch import nn
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
 from interlace.parallel.detect import find_structure
+from interlace.parallel.expert import parallelize_experts
+from interlace.parallel.expert_groups import build_expert_groups
 from interlace.parallel.tensor import apply_tensor_parallel, check_divisible
 from interlace.plan import Plan
 
@@ -50,6 +54,10 @@ def parallelize(
             raise PlanError(f"tp={plan.tp}: {exc}") from None
         check_divisible(structure, plan.tp)
         report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
+    if plan.ep > 1 or plan.moe_balance != "none":
+        ep_group, ep_dp_group = build_expert_groups(mesh, plan.ep)  # collective
+        report += parallelize_experts(model, ep_group, plan.moe_balance)
+        model.expert_groups = (ep_group, ep_dp_group)
     for line in report:
         logger.info(line)
     model.parallel_report = report
@@ -60,7 +68,7 @@ def _check_supported(plan: Plan, mesh: Mesh) -> None:
     pending = [
         (plan.tp3d is not None, "tp3d (3D tensor parallelism)"),
         (plan.pp > 1, f"pp={plan.pp} (pipeline parallelism)"),
-        (plan.ep > 1, f"ep={plan.ep} (expert parallelism)"),
+        (plan.ep > 1 and plan.tp > 1, f"ep={plan.ep} with tp={plan.tp}"),
         (plan.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped tensor parallelism)"),
     ]
     for active, what in pending:

@@ -117,6 +117,11 @@ class Plan:
                 f"grad_compression={self.grad_compression} is a DDP comm hook and needs "
                 "dp_overlap=true; drop dp_overlap=false"
             )
+        if self.moe_balance in ("shadow", "prophet") and self.ep == 1:
+            raise PlanError(
+                f"moe_balance={self.moe_balance} places experts across an expert parallel "
+                "group; use ep > 1 (ep divides dp)"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
         if self.dp % self.ep:
@@ -136,10 +141,13 @@ class Plan:
             ),
             (self.schedule != "1f1b", f"schedule={self.schedule} (pipeline schedules)", "1f1b"),
             (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
-            (self.ep > 1, f"ep={self.ep} (expert parallelism)", "ep=1"),
             (self.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped TP)", "tp_subbatches=1"),
             (self.recompute != "none", f"recompute={self.recompute}", "recompute=none"),
-            (self.moe_balance != "none", f"moe_balance={self.moe_balance}", "moe_balance=none"),
+            (
+                self.ep > 1 and self.tp_size > 1,
+                f"ep={self.ep} combined with tensor parallelism",
+                "ep=1 or tp=1",
+            ),
         ]
         for active, what, fix in pending:
             if active:
@@ -177,6 +185,11 @@ class Plan:
         if spec.n_layers < self.pp:
             raise PlanError(
                 f"pp={self.pp} exceeds n_layers={spec.n_layers}; use pp<={spec.n_layers}"
+            )
+        if (self.ep > 1 or self.moe_balance != "none") and not spec.n_experts:
+            raise PlanError(
+                f"ep={self.ep}, moe_balance={self.moe_balance} need a Mixture-of-Experts model; "
+                "the model has no experts (use e.g. --model moe-tiny)"
             )
         if self.ep > 1 and spec.n_experts % self.ep:
             raise PlanError(

@@ -33,6 +33,7 @@ from interlace.mesh import Mesh, default_device
 from interlace.models import GPTConfig, build_model, get_preset
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel import clip_grad_norm_, sharded_parameter_names
+from interlace.parallel import expert as expert_parallel
 from interlace.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
@@ -104,6 +105,9 @@ class Trainer:
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
         if mesh is not None:  # tensor parallel first; data parallel wraps the result
             parallelize(self.model, self.plan, mesh, sequence_parallel=self.plan.sequence_parallel)
+        # experts split over an expert parallel group: (ep group, group of their replicas)
+        self.experts = getattr(self.model, "expert_groups", None)
+        self.expert_names = set(expert_parallel.expert_parameter_names(self.model))
         self.shard_keys = (
             {  # each tensor-parallel piece gets its own checkpoint key
                 name: f"{name}.tp{self.tp.rank}" for name in sharded_parameter_names(self.model)
@@ -123,9 +127,14 @@ class Trainer:
         if self.dp is None or self.dp.size == 1:
             return model
         if not self.plan.overlap.dp_overlap:
-            for param in model.parameters():
-                comm.broadcast(param.data, 0, self.dp)
+            for name, param in model.named_parameters():
+                if name not in self.expert_names:  # experts differ over the ep group
+                    comm.broadcast(param.data, 0, self.dp)
             return model
+        # experts are reduced over their replicas only (reduce_expert_gradients)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted(self.expert_names)
+        )
         kind = self.plan.grad_compression
         state, hook = make_comm_hook("dense" if kind == "none" else kind, self.dp)
         # torch's PowerSGD hook hangs on gloo with more than one bucket (torch 2.13)
@@ -171,10 +180,14 @@ class Trainer:
             loss_sum += loss.detach()
         self._sync_gradients_after_backward()
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        if self.tp is None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        else:  # the norm of the whole model: shard norms summed over the tensor group
+        if self.tp is not None:  # the norm of the whole model: shard norms summed over tp
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp)
+        elif self.experts is not None:
+            ep_group, ep_dp_group = self.experts
+            expert_parallel.reduce_expert_gradients(self.model, ep_dp_group, self.dp_size)
+            grad_norm = expert_parallel.clip_grad_norm_(self.model, max_norm, ep_group)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
@@ -192,6 +205,12 @@ class Trainer:
         }
         if self.compression is not None:  # cumulative: compressed bytes / dense bytes
             row["compression_ratio"] = self.compression.summary()["ratio"]
+        if self.experts is not None:
+            row["moe"] = [
+                m.balance_summary()
+                for m in self.model.modules()
+                if isinstance(m, expert_parallel.ExpertParallelMoE)
+            ]
         return row
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
@@ -203,7 +222,11 @@ class Trainer:
         """The no-overlap baseline: one all-reduce of all gradients, flattened, after backward."""
         if self.dp is None or self.dp.size == 1 or self.train_model is not self.model:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [
+            p.grad
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and name not in self.expert_names
+        ]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp.size)
         comm.all_reduce(flat, self.dp)
         offset = 0

@@ -1,0 +1,468 @@
+"""Expert parallelism: the experts of each MoE layer split over the ranks of an `ep` group.
+
+An expert group of D ranks shares the E experts of a layer, E/D each: expert e lives on rank
+e // (E/D) (its owner). The router is replicated. Each rank routes its own tokens, then
+
+    1. all-gathers its [E] routing counts → the [D, E] count matrix on every rank (token
+       counts per source rank and expert; also the routing statistics, `routing_history`);
+    2. sorts its kept assignments by expert (so by owner) and all-to-alls the token rows to
+       the owners, uneven splits read off the count matrix (dispatch);
+    3. each owner runs its experts on what it received (grouped by expert);
+    4. all-to-alls the results back (combine), weights them by the gates and adds them into
+       token order: y_n = Σ_j keep[n, j] · gate[n, j] · expert_{e[n, j]}(x_n), as `MoELayer`.
+
+Both all-to-alls are autograd functions whose backward is the reverse all-to-all; each is
+written here over `interlace.comm` (rather than taken from functional collectives) so that the
+meter counts both directions.
+
+**Capacity under EP.** Capacity is per rank, as in DeepSpeed: each rank applies
+C = ceil(capacity_factor · N_rank · k / E) to its own N_rank tokens, so an expert receives at
+most D · C tokens. The layer therefore computes exactly what `MoELayer` computes on each rank's
+tokens separately — the same tokens drop as in plain data parallelism with the same per-rank
+batch, whatever `ep` is. The aux loss is each rank's own, as under data parallelism.
+
+**Balancing** (`interlace.moe.balance`). A strategy may add replicas to the placement: for a
+replicated expert, the owner sends its parameters to the replica ranks (Trans, in the forward)
+and the replica ranks compute that expert on the tokens they routed to it themselves, which
+then skip the dispatch. Trans is one all-to-all of flattened parameters rather than broadcasts:
+it reaches exactly the chosen subset of ranks without a process group per subset, and moves
+every replicated expert of the layer in one call. Trans is an autograd function whose
+backward sends the replicas' gradients back and sums them into the owner's (Agg), so the owner
+alone holds the expert's gradient and optimizer state. Every token meets the same parameters as
+without replicas: output, loss and gradients equal the dropless layer's (up to the order of
+floating-point sums).
+
+**Gradients.** Router gradients are local (each rank's own tokens), like every non-expert
+parameter: average them over dp as usual. An owner's expert gradient is the sum over its expert
+group's tokens; to equal data parallelism's average over dp, sum it over the ep_dp group and
+divide by dp (`reduce_expert_gradients`), and leave expert parameters out of the dp all-reduce
+(`expert_parameter_names`). Gradient norms must count each expert once: `grad_norm` and
+`clip_grad_norm_` sum the expert squares over the ep group. Local experts are registered under
+their global index (`experts["5"]`), so checkpoint keys name the same expert on every rank and
+every `ep`.
+
+Collectives run in the same order on every rank, backward included: every rank issues the
+count all-gather, Trans (when anything is replicated), dispatch and combine in every forward,
+with empty shares where it has nothing to send.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from interlace import comm
+from interlace.comm import Group
+from interlace.errors import ConfigError, PlanError
+from interlace.moe.balance import Balancer, ExpertSize, Placement, balance_degree, make_balancer
+from interlace.moe.layer import MoELayer
+
+
+def _exchange(
+    x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    """all_to_all_single of the rows of x [Σ input_splits, ...] → [Σ output_splits, ...]."""
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    comm.all_to_all(out, x, group, output_splits, input_splits)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows to ranks by `input_splits`; backward: gradients back by the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, output_splits: list[int], input_splits: list[int]):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _exchange(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+@dataclass(frozen=True)
+class _TransRoute:
+    """Who sends which replicated expert to whom, for one placement, seen from one rank.
+
+    local: experts this rank owns; numel: parameters per expert (flattened);
+    send_rows: local expert index of each expert sent, ordered by destination rank, then expert;
+    send_numel / recv_numel: [D] elements sent to / received from each rank;
+    recv_experts: global index of each expert received, ascending (= arrival order).
+    """
+
+    local: int
+    numel: int
+    send_rows: tuple[int, ...]
+    send_numel: list[int]
+    recv_numel: list[int]
+    recv_experts: tuple[int, ...]
+
+    @classmethod
+    def build(cls, placement: Placement, rank: int, numel: int) -> _TransRoute:
+        """The route of `placement`'s replicas for `rank` (experts of `numel` parameters)."""
+        d = placement.num_devices
+        local = placement.num_experts // d
+        send_rows: list[int] = []
+        send_numel, recv_numel = [0] * d, [0] * d
+        recv_experts: list[int] = []
+        for dest in range(d):
+            for e in placement.replicated:
+                if placement.owner[e] == rank and dest in placement.replicas[e]:
+                    send_rows.append(e - rank * local)
+                    send_numel[dest] += numel
+        for e in placement.replicated:
+            if rank in placement.replicas[e]:
+                recv_experts.append(e)
+                recv_numel[placement.owner[e]] += numel
+        return cls(local, numel, tuple(send_rows), send_numel, recv_numel, tuple(recv_experts))
+
+
+class _Trans(torch.autograd.Function):
+    """Forward (Trans): owners send replicated experts' flat parameters to the replica ranks.
+    Backward (Agg): replicas send their gradients back; owners sum them into their own.
+
+    Inputs are all local experts' parameters (every rank has some, so the node exists on every
+    rank); the output is the flat parameters of the experts replicated here, [len(recv_experts)
+    · numel], ascending by expert.
+    """
+
+    @staticmethod
+    def forward(ctx, route: _TransRoute, group: Group, *params: torch.Tensor):
+        ctx.route, ctx.group = route, group
+        ctx.shapes = [p.shape for p in params]
+        per_expert = len(params) // route.local
+        pieces = [
+            p.reshape(-1) for row in route.send_rows for p in _of_expert(params, row, per_expert)
+        ]
+        send = torch.cat(pieces) if pieces else params[0].new_empty(0)
+        return _exchange(send, group, route.recv_numel, route.send_numel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        route = ctx.route
+        back = _exchange(grad, ctx.group, route.send_numel, route.recv_numel)
+        summed: dict[int, torch.Tensor] = {}  # local expert → its replicas' summed gradient
+        for row, piece in zip(route.send_rows, back.view(-1, route.numel), strict=True):
+            summed[row] = summed[row] + piece if row in summed else piece
+        per_expert = len(ctx.shapes) // route.local
+        grads: list[torch.Tensor | None] = [None] * len(ctx.shapes)
+        for row, flat in summed.items():
+            shapes = _of_expert(ctx.shapes, row, per_expert)
+            pieces = flat.split([math.prod(shape) for shape in shapes])
+            for i, (piece, shape) in enumerate(zip(pieces, shapes, strict=True)):
+                grads[row * per_expert + i] = piece.view(shape)
+        return None, None, *grads
+
+
+def _of_expert(items: list | tuple, row: int, per_expert: int) -> list | tuple:
+    """The `per_expert` consecutive entries of local expert `row` in an expert-major list."""
+    return items[row * per_expert : (row + 1) * per_expert]
+
+
+class _KeepInGraph(torch.autograd.Function):
+    """Identity on `out` that also consumes `replicas` (gradient zero), so that Trans's backward
+    (a collective) runs on every rank, even one that received no replica or used none."""
+
+    @staticmethod
+    def forward(ctx, out, replicas):
+        ctx.replica_shape = replicas.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_zeros(ctx.replica_shape)
+
+
+class ExpertParallelMoE(nn.Module):
+    """An `MoELayer` with its experts split over `group`: [B, T, d_model] → [B, T, d_model].
+
+    Built from a full local `MoELayer` (identical on every rank of the group: same seed), whose
+    router it takes over and of whose experts it keeps this rank's E/D, registered under their
+    global index in `experts` (an nn.ModuleDict). `balance` is a strategy name or a `Balancer`;
+    one that forces dropless routing sets the router's `dropless` flag.
+
+    After each forward: `aux_loss` (this rank's load-balancing loss) and
+    `last_tokens_per_expert` ([E], this rank's routed counts) as in `MoELayer`; in training mode
+    `routing_history` gains the [D, E] count matrix (tokens routed from rank s to expert e,
+    before capacity drops, on the CPU), at most `history` of them, newest last. `placement` is
+    the expert placement in use.
+    """
+
+    def __init__(
+        self,
+        layer: MoELayer,
+        group: Group,
+        balance: str | Balancer = "none",
+        history: int = 16,
+    ):
+        super().__init__()
+        n_experts = len(layer.experts)
+        if n_experts % group.size:
+            raise PlanError(
+                f"{n_experts} experts cannot be split over ep={group.size} ranks; use ep in "
+                f"{[d for d in range(1, n_experts + 1) if n_experts % d == 0]}"
+            )
+        if history < 1:
+            raise ConfigError(f"history={history} must be >= 1 (iterations of routing counts)")
+        self.group = group
+        self.balancer = make_balancer(balance) if isinstance(balance, str) else balance
+        self.router = layer.router
+        if self.balancer.dropless is not None:
+            self.router.dropless = self.balancer.dropless
+        self.num_experts = n_experts
+        self.num_local = n_experts // group.size
+        self.first_expert = group.rank * self.num_local
+        local = range(self.first_expert, self.first_expert + self.num_local)
+        self.experts = nn.ModuleDict({str(e): layer.experts[e] for e in local})
+        self.base_placement = Placement.blocked(n_experts, group.size)
+        self.placement = self.base_placement
+        self.routing_history: deque[torch.Tensor] = deque(maxlen=history)
+        self.iteration = 0
+        self.aux_loss = torch.zeros(())
+        self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
+
+        template = self._local_experts()[0]
+        self._param_names = [name for name, _ in template.named_parameters()]
+        self._numel = sum(p.numel() for p in template.parameters())
+        matmul = sum(p.numel() for p in template.parameters() if p.dim() >= 2)
+        element = next(template.parameters()).element_size()
+        d_model = self.router.proj.in_features
+        self.expert_size = ExpertSize(d_model * element, self._numel * element, 2 * matmul)
+
+    def _local_experts(self) -> list[nn.Module]:
+        return list(self.experts.values())
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d_model] → [B, T, d_model]; collective over the expert group."""
+        tokens = x.reshape(-1, x.shape[-1])
+        if self.training:
+            self._replan()
+        placement = self.placement
+        replicas, replicated_here = self._transfer(placement)
+        routing = self.router(tokens)
+        self.aux_loss = routing.aux_loss
+        self.last_tokens_per_expert = routing.tokens_per_expert.detach()
+        routed, kept = self._gather_counts(routing)
+        if self.training:
+            self.routing_history.append(routed.cpu().clone())
+            self.iteration += 1
+
+        index = torch.arange(tokens.shape[0], device=x.device).unsqueeze(1)
+        expert = routing.expert_index[routing.keep]
+        token = index.expand_as(routing.expert_index)[routing.keep]
+        gate = routing.gate_weight[routing.keep]
+        replica_mask = placement.replica_mask().to(x.device)  # [D, E]
+        here = replica_mask[self.group.rank][expert]
+        sent = torch.where(replica_mask, 0, kept)  # [D, E] tokens that travel to the owner
+
+        out = self._dispatch_and_combine(tokens, expert[~here], token[~here], gate[~here], sent)
+        if replicas is not None:
+            assignments = expert[here], token[here], gate[here]
+            self._compute_replicas(out, tokens, replicas, replicated_here, *assignments)
+            out = _KeepInGraph.apply(out, replicas)
+        return out.view_as(x)
+
+    def _gather_counts(self, routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather ([D, E] routed, [D, E] kept) counts: one [E] vector per rank when
+        dropless (they coincide), [2, E] with capacity."""
+        routed = routing.tokens_per_expert
+        shard = routed
+        if routing.capacity is not None:
+            kept = torch.bincount(routing.expert_index[routing.keep], minlength=self.num_experts)
+            shard = torch.stack([routed, kept])
+        shard = shard.reshape(-1).contiguous()
+        gathered = shard.new_empty(self.group.size * shard.numel())
+        comm.all_gather(gathered, shard, self.group)
+        matrix = gathered.view(self.group.size, -1, self.num_experts)
+        return matrix[:, 0], matrix[:, -1]
+
+    def _dispatch_and_combine(
+        self,
+        tokens: torch.Tensor,
+        expert: torch.Tensor,
+        token: torch.Tensor,
+        gate: torch.Tensor,
+        sent: torch.Tensor,
+    ) -> torch.Tensor:
+        """Send this rank's assignments (expert, token, gate) [M] to the experts' owners, run
+        the owners' experts, bring the results back and add gate · result into token order
+        [N, d]. `sent` [D, E]: assignments every rank sends to each expert's owner."""
+        d, rank, local = self.group.size, self.group.rank, self.num_local
+        input_splits = sent[rank].view(d, local).sum(dim=1).tolist()
+        received = sent[:, self.first_expert : self.first_expert + local]  # [D, local]
+        output_splits = received.sum(dim=1).tolist()
+
+        order = torch.argsort(expert, stable=True)
+        token, gate = token[order], gate[order]
+        inbox = _AllToAll.apply(tokens[token], self.group, output_splits, input_splits)
+        results = self._run_local_experts(inbox, received)
+        back = _AllToAll.apply(results, self.group, input_splits, output_splits)
+        out = torch.zeros_like(tokens)
+        out.index_add_(0, token, (back * gate.unsqueeze(1).to(back.dtype)).to(out.dtype))
+        return out
+
+    def _run_local_experts(self, inbox: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """Rows of `inbox` arrive by source rank, then local expert (counts `received`
+        [D, local]); run each local expert on its rows and return results in arrival order."""
+        local = self.num_local
+        labels = torch.arange(local, device=inbox.device).repeat(received.shape[0])
+        labels = labels.repeat_interleave(received.reshape(-1).to(inbox.device))
+        order = torch.argsort(labels, stable=True)
+        chunks = inbox[order].split(received.sum(dim=0).tolist())
+        outputs = [e(chunk) for e, chunk in zip(self._local_experts(), chunks, strict=True)]
+        return torch.cat(outputs)[torch.argsort(order)]
+
+    # ------------------------------------------------------------------ replicas
+    def _replan(self) -> None:
+        """At a planning iteration, ask the balancer for a placement from the newest counts."""
+        if self.routing_history and self.balancer.due(self.iteration):
+            counts = self.routing_history[-1]
+            self.placement = self.balancer.search(counts, self.base_placement, self.expert_size)
+
+    def _transfer(self, placement: Placement) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+        """Trans (autograd: Agg): the flat parameters of the experts replicated on this rank
+        [experts · numel] and their indices; (None, ()) when nothing is replicated anywhere."""
+        if not placement.replicated:
+            return None, ()
+        route = _TransRoute.build(placement, self.group.rank, self._numel)
+        params = [p for e in self._local_experts() for p in e.parameters()]
+        return _Trans.apply(route, self.group, *params), route.recv_experts
+
+    def _compute_replicas(
+        self,
+        out: torch.Tensor,
+        tokens: torch.Tensor,
+        replicas: torch.Tensor,
+        replicated_here: tuple[int, ...],
+        expert: torch.Tensor,
+        token: torch.Tensor,
+        gate: torch.Tensor,
+    ) -> None:
+        """Add gate · expert(token) into `out` for the assignments (expert, token, gate) to
+        experts replicated here, each run with its received flat parameters."""
+        template = self._local_experts()[0]
+        shapes = [p.shape for p in template.parameters()]
+        sizes = [math.prod(shape) for shape in shapes]
+        for flat, e in zip(replicas.view(-1, self._numel), replicated_here, strict=True):
+            pieces = flat.split(sizes)
+            params = {
+                name: piece.view(shape)
+                for name, piece, shape in zip(self._param_names, pieces, shapes, strict=True)
+            }
+            mine = token[expert == e]
+            y = functional_call(template, params, (tokens[mine],))
+            weighted = y * gate[expert == e].unsqueeze(1).to(y.dtype)
+            out.index_add_(0, mine, weighted.to(out.dtype))
+
+    # ------------------------------------------------------------------ metrics
+    def balance_summary(self) -> dict[str, float | list[int]]:
+        """For the newest count matrix: balance degree (std of tokens computed per rank) without
+        and with the current placement, and the replicated experts. Empty before any step."""
+        if not self.routing_history:
+            return {}
+        counts = self.routing_history[-1]
+        return {
+            "balance_degree_base": balance_degree(counts, self.base_placement),
+            "balance_degree": balance_degree(counts, self.placement),
+            "replicated": list(self.placement.replicated),
+        }
+
+
+def parallelize_experts(
+    model: nn.Module, group: Group, balance: str | Balancer = "none", history: int = 16
+) -> list[str]:
+    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group` (in place).
+
+    Every rank must pass the same full model. The built-in GPT keeps summing each layer's
+    `aux_loss`. Returns one report line per replaced layer.
+    """
+    balancer = make_balancer(balance) if isinstance(balance, str) else balance
+    report = []
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    for name, layer in targets:
+        parent_name, _, child = name.rpartition(".")
+        parallel = ExpertParallelMoE(layer, group, balancer, history)
+        setattr(model.get_submodule(parent_name), child, parallel)
+        last = parallel.first_expert + parallel.num_local - 1
+        report.append(
+            f"{name}: experts {parallel.first_expert}-{last} of {parallel.num_experts} on this "
+            f"rank (ep={group.size}, {group.name} group), balance={balancer.name}"
+        )
+    return report
+
+
+# ---------------------------------------------------------------------- gradients
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Qualified names of the expert parameters of every `ExpertParallelMoE` in `model` (to
+    leave out of the data parallel all-reduce, e.g. with DDP's
+    `_set_params_and_buffers_to_ignore_for_model`)."""
+    return [
+        f"{name}.experts.{pname}"
+        for name, module in model.named_modules()
+        if isinstance(module, ExpertParallelMoE)
+        for pname, _ in module.experts.named_parameters()
+    ]
+
+
+def _expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [
+        p
+        for module in model.modules()
+        if isinstance(module, ExpertParallelMoE)
+        for p in module.experts.parameters()
+    ]
+
+
+def reduce_expert_gradients(model: nn.Module, ep_dp: Group, dp_size: int) -> None:
+    """Turn each local expert's gradient (the sum over its expert group's tokens) into data
+    parallelism's average: sum over `ep_dp` (ranks holding the same experts), divide by
+    `dp_size` (the whole data parallel degree). One flat all-reduce; collective over ep_dp."""
+    grads = [p.grad for p in _expert_params(model) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if ep_dp.size > 1:
+        comm.all_reduce(flat, ep_dp)
+    flat.div_(dp_size)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(piece.view_as(g))
+
+
+def grad_norm(parameters: Iterable[nn.Parameter], model: nn.Module, ep: Group) -> torch.Tensor:
+    """Global L2 norm of the gradients of `parameters` when `model`'s experts are split over
+    `ep`: expert squares summed over the group, the rest (replicated) counted once.
+    Collective over `ep`."""
+    experts = {id(p) for p in _expert_params(model)}
+    params = [p for p in parameters if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    split = torch.zeros((), device=device)
+    replicated = torch.zeros((), device=device)
+    for p in params:
+        square = p.grad.detach().float().pow(2).sum()
+        if id(p) in experts:
+            split += square
+        else:
+            replicated += square
+    if ep.size > 1:
+        comm.all_reduce(split, ep)
+    return (split + replicated).sqrt()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, ep: Group) -> torch.Tensor:
+    """Scale `model`'s gradients in place so their global norm (`grad_norm`) is at most
+    `max_norm`, as `torch.nn.utils.clip_grad_norm_` does for one process; returns the norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = grad_norm(params, model, ep)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+    return norm

@@ -1,0 +1,163 @@
+"""MoE balancing on count matrices: placements, the performance model worked out by hand, the
+greedy searches, the strategies' replanning; and the expert-parallel layer's construction."""
+
+import pytest
+import torch
+
+from interlace.comm import Group
+from interlace.errors import ConfigError, PlanError
+from interlace.moe import MoELayer
+from interlace.moe.balance import (
+    LayerCost,
+    Placement,
+    Prophet,
+    Shadow,
+    balance_degree,
+    device_loads,
+    layer_time,
+    make_balancer,
+    prophet_search,
+    shadow_search,
+)
+from interlace.parallel.expert import ExpertParallelMoE, expert_parameter_names
+
+# Two devices, expert e on device e. Device 0 routes 6 tokens to expert 0 and 2 to expert 1;
+# device 1 routes 4 to expert 0 and none to expert 1.
+COUNTS_2 = torch.tensor([[6, 2], [4, 0]])
+COST_2 = LayerCost(token_bytes=2, expert_bytes=100, bandwidth=10, throughput=5)
+
+
+def test_device_loads_without_and_with_a_replica():
+    base = Placement.blocked(2, 2)
+    computed, received = device_loads(COUNTS_2, base)
+    assert computed.tolist() == [10, 2]  # device 0: its 6 + device 1's 4; device 1: 2
+    assert received.tolist() == [4, 2]
+    replicated = base.with_replicas(0, [1])  # device 1 computes its 4 tokens of expert 0
+    computed, received = device_loads(COUNTS_2, replicated)
+    assert computed.tolist() == [6, 6]
+    assert received.tolist() == [0, 2]
+    assert balance_degree(COUNTS_2, base) == pytest.approx(4.0)  # std of (10, 2)
+    assert balance_degree(COUNTS_2, replicated) == 0.0
+
+
+def test_performance_model_equals_hand_computation():
+    base = Placement.blocked(2, 2)
+    t = layer_time(COUNTS_2, base, COST_2)
+    # A2A = max R · token_bytes / B = 4 · 2 / 10; FEC = max H / t = 10 / 5; BEC = 2 · FEC
+    assert (t.a2a, t.fec, t.bec, t.trans, t.agg) == pytest.approx((0.8, 2.0, 4.0, 0.0, 0.0))
+    assert t.total == pytest.approx(4 * 0.8 + 2.0 + 4.0)
+
+    replicated = base.with_replicas(0, [1])
+    t = layer_time(COUNTS_2, replicated, COST_2)
+    # A2A = 2 · 2 / 10; FEC = 6 / 5; Trans = Agg = (D − n) · P / (D · B) = 2 · 100 / (2 · 10)
+    assert (t.a2a, t.fec, t.bec, t.trans, t.agg) == pytest.approx((0.4, 1.2, 2.4, 10.0, 10.0))
+    assert t.total == pytest.approx(1.6 + 1.2 + 2.4 + 10 + 10)
+
+    hidden = LayerCost(2, 100, 10, 5, fnec=5.0, bnec=3.0, overlap=True)
+    t = layer_time(COUNTS_2, replicated, hidden)
+    # Trans − FEC − FNEC = 10 − 1.2 − 5; Agg − BEC − BNEC = 10 − 2.4 − 3
+    assert (t.trans, t.agg) == pytest.approx((3.8, 4.6))
+    t = layer_time(COUNTS_2, replicated, LayerCost(2, 100, 10, 5, fnec=50.0, overlap=True))
+    assert t.trans == 0.0  # fully hidden, never negative
+
+
+def test_trans_term_is_s_times_d_minus_n_over_d_for_a_uniform_exclusion_count():
+    # D = 4; s = 2 experts each held by 3 devices (n = 1 excluded): s · (D − n) · P / (D · B)
+    placement = Placement.blocked(4, 4).with_replicas(0, [1, 2]).with_replicas(3, [0, 1])
+    cost = LayerCost(token_bytes=1, expert_bytes=40, bandwidth=2, throughput=1, grad_bytes=20)
+    t = layer_time(torch.ones(4, 4, dtype=torch.long), placement, cost)
+    assert t.trans == pytest.approx(2 * 3 * 40 / (4 * 2))
+    assert t.agg == pytest.approx(2 * 3 * 20 / (4 * 2))
+
+
+# Expert 0 (on device 0) is hot, its tokens mostly from devices 0, 1, 2; device 3 sends 1.
+SKEWED = torch.tensor([[30, 2, 2, 2], [20, 2, 2, 2], [10, 2, 2, 2], [1, 2, 2, 2]])
+COMPUTE_BOUND = LayerCost(token_bytes=1, expert_bytes=10, bandwidth=1000, throughput=1)
+LINK_BOUND = LayerCost(token_bytes=1, expert_bytes=10_000, bandwidth=1, throughput=1000)
+
+
+def test_prophet_replicates_the_hottest_expert_and_balances_the_devices():
+    base = Placement.blocked(4, 4)
+    placement = prophet_search(SKEWED, base, COMPUTE_BOUND)
+    # all three other devices: device loads (30, 28, 18, 9) beat any smaller replica set
+    assert placement.replicas == ((1, 2, 3), (), (), ())
+    assert device_loads(SKEWED, placement)[0].tolist() == [30, 28, 18, 9]
+    assert balance_degree(SKEWED, placement) < balance_degree(SKEWED, base) / 2
+    assert layer_time(SKEWED, placement, COMPUTE_BOUND).total < (
+        layer_time(SKEWED, base, COMPUTE_BOUND).total
+    )
+
+
+def test_prophet_excludes_the_devices_holding_the_fewest_tokens():
+    placement = prophet_search(SKEWED, Placement.blocked(4, 4), COMPUTE_BOUND, n_exclude=1)
+    assert placement.replicas == ((1, 2), (), (), ())  # device 3 sends only 1 token
+
+
+def test_prophet_keeps_the_best_prefix_so_a_slow_link_means_no_replicas():
+    base = Placement.blocked(4, 4)
+    assert prophet_search(SKEWED, base, LINK_BOUND) == base
+
+
+def test_prophet_stops_once_the_devices_are_balanced_enough():
+    balanced = torch.full((4, 4), 5)
+    assert prophet_search(balanced, Placement.blocked(4, 4), COMPUTE_BOUND) == (
+        Placement.blocked(4, 4)
+    )
+
+
+def test_shadow_broadcasts_hottest_experts_while_the_modelled_time_falls():
+    base = Placement.blocked(4, 4)
+    placement = shadow_search(SKEWED, base, COMPUTE_BOUND)
+    assert placement.replicas[0] == (1, 2, 3)  # the hottest, on every other device
+    assert layer_time(SKEWED, placement, COMPUTE_BOUND).total < (
+        layer_time(SKEWED, base, COMPUTE_BOUND).total
+    )
+    assert shadow_search(SKEWED, base, LINK_BOUND) == base
+
+
+def test_searches_reject_a_count_matrix_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"shape \(4, 4\)"):
+        prophet_search(torch.ones(2, 4), Placement.blocked(4, 4), COMPUTE_BOUND)
+
+
+def test_strategies_replan_every_k_iterations_from_iteration_one():
+    assert [i for i in range(10) if Prophet(replan_every=3).due(i)] == [1, 4, 7]
+    assert [i for i in range(4) if Shadow().due(i)] == [1, 2, 3]
+    assert not any(make_balancer("dropless").due(i) for i in range(4))
+    assert make_balancer("none").dropless is None  # the router's own capacity decides
+    assert make_balancer("prophet").dropless and make_balancer("shadow").dropless
+
+
+def test_make_balancer_names_valid_choices():
+    with pytest.raises(ConfigError, match="use one of none, dropless, shadow, prophet"):
+        make_balancer("fastest")
+    with pytest.raises(ConfigError, match="prophet"):
+        make_balancer("prophet", replan_evry=3)
+    with pytest.raises(ConfigError, match="bandwidth"):
+        make_balancer("shadow", bandwidth=0)
+
+
+def test_placement_needs_experts_divisible_by_devices():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        Placement.blocked(6, 4)
+
+
+def _fake_group(size: int, rank: int) -> Group:
+    return Group("ep", pg=None, size=size, rank=rank)  # construction talks to nobody
+
+
+def test_layer_keeps_its_experts_under_their_global_index():
+    layer = MoELayer(8, 16, n_experts=4, top_k=2)
+    parallel = ExpertParallelMoE(layer, _fake_group(2, 1), balance="prophet")
+    assert list(parallel.experts) == ["2", "3"]
+    assert parallel.experts["2"] is layer.experts[2]
+    assert parallel.router.dropless  # prophet is dropless
+    names = expert_parameter_names(torch.nn.Sequential(parallel))
+    assert names[0] == "0.experts.2.up.weight" and len(names) == 8
+    assert parallel.expert_size.token_bytes == 8 * 4
+    assert parallel.expert_size.expert_bytes == (2 * 8 * 16 + 16 + 8) * 4
+
+
+def test_layer_rejects_experts_not_divisible_by_the_group():
+    with pytest.raises(PlanError, match=r"3 experts cannot be split over ep=2"):
+        ExpertParallelMoE(MoELayer(8, 16, n_experts=3), _fake_group(2, 0))
