@@ -314,3 +314,15 @@ def test_svm_command_fits_a_libsvm_file(capsys):
     assert main(["svm", str(train), "--test", str(data_dir() / "heart_scale.t")]) == 0
     out = capsys.readouterr().out
     assert "test accuracy" in out and "non-zeros" in out
+
+
+def test_plan_show_stages_prints_one_row_per_pipeline_stage(capsys):
+    args = ["plan", "--model", "gpt3-175b", "--plan", "pp=8,dp=8,micro_batches=16", "--nproc", "64"]
+    assert main([*args, "--show-stages"]) == 0
+    rows = [
+        line for line in capsys.readouterr().out.splitlines() if re.match(r"^\d+\s+\d+\s", line)
+    ]
+    assert len(rows) == 8
+    assert "embed" in rows[0] and "head" in rows[-1]
+    assert main(["plan", "--show-stages"]) == 2
+    assert "needs a plan with pp > 1" in capsys.readouterr().err

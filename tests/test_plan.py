@@ -87,6 +87,10 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(grad_compression="sketch"), ["grad_compression=sketch", "needs dp > 1"]),
         (Plan(sequence_parallel=True), ["sequence_parallel=true needs", "tp > 1"]),
         (Plan(moe_balance="prophet"), ["moe_balance=prophet places experts", "ep > 1"]),
+        (Plan(micro_batches=4), ["micro_batches=4 applies to pipeline parallelism", "pp > 1"]),
+        (Plan(schedule="gpipe"), ["schedule=gpipe applies to pipeline parallelism"]),
+        (Plan(recompute="full"), ["recompute=full applies to pipeline parallelism"]),
+        (Plan(dp=2, pp=2, grad_compression="sketch"), ["a pipeline does not use"]),
         (
             Plan(dp=2, grad_compression="sketch", overlap=Overlap(dp_overlap=False)),
             ["grad_compression=sketch is a DDP comm hook", "dp_overlap"],
@@ -109,13 +113,10 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(pp=2), "pp=2"),
-        (Plan(micro_batches=4), "micro_batches=4"),
-        (Plan(schedule="gpipe"), "schedule=gpipe"),
+        (Plan(pp=2, tp=2), "pp=2 combined with tensor or expert parallelism"),
         (Plan(tp3d=(2, 1, 1)), "tp3d"),
         (Plan(dp=2, ep=2, tp=2), "ep=2 combined with tensor parallelism"),
         (Plan(overlap=Overlap(tp_subbatches=2)), "tp_subbatches"),
-        (Plan(recompute="full"), "recompute=full"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):
@@ -164,3 +165,12 @@ def test_expert_parallelism_needs_a_moe_model():
     with pytest.raises(PlanError, match=r"need a Mixture-of-Experts model"):
         Plan(dp=2, ep=2).validate(2, spec())
     assert Plan(dp=4, ep=2, moe_balance="prophet").validate(4, spec(n_experts=4))
+
+
+def test_pipeline_plans_are_checked_against_the_model():
+    with pytest.raises(PlanError, match=r"Mixture-of-Experts model is not implemented yet"):
+        Plan(pp=2, micro_batches=2).validate(2, spec(n_experts=4))
+    with pytest.raises(PlanError):  # 1F1B needs at least as many micro-batches as stages
+        Plan(pp=4, micro_batches=2).validate(4, spec(n_layers=4))
+    plan = Plan(pp=2, micro_batches=4, schedule="shifted", recompute="stage-aware")
+    assert plan.validate(2, spec(n_layers=4)) is plan

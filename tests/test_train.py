@@ -300,3 +300,40 @@ def test_expert_parallel_training_equals_serial(tmp_path, plan_text):
         for name, value in result["params"].items():  # replicated and locally held experts
             torch.testing.assert_close(value, serial_run["params"][name], atol=1e-5, rtol=0)
         assert "ep" in result["rows"][-1]["comm_bytes"]
+
+
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "pp=2,micro_batches=2",
+        "pp=2,dp=2,micro_batches=2,schedule=gpipe",
+        "pp=4,micro_batches=4,schedule=shifted,recompute=stage-aware",
+        "pp=2,micro_batches=4,schedule=interleaved,recompute=full",
+    ],
+)
+def test_pipeline_training_equals_serial(tmp_path, plan_text):
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, n_layers=4))
+    serial_run = _train(config, "dp=1", 1)
+    world_size = Plan.parse(plan_text).world_size
+    for result in run_ranks(world_size, _train, config, plan_text, world_size):
+        assert [r["loss"] for r in result["rows"]] == pytest.approx(
+            [r["loss"] for r in serial_run["rows"]], abs=1e-5
+        )
+        assert [r["grad_norm"] for r in result["rows"]] == pytest.approx(
+            [r["grad_norm"] for r in serial_run["rows"]], rel=1e-5
+        )
+        assert result["params"]  # this stage's parameters, under the serial model's names
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, serial_run["params"][name], atol=1e-5, rtol=0)
+
+
+def test_pipeline_resume_continues_the_same_trajectory(tmp_path):
+    config = dataclasses.replace(BASE, steps=4, ckpt_every=2, out=str(tmp_path / "full"))
+    plan = "pp=2,micro_batches=2"
+    full = run_ranks(2, _train, config, plan, 2)
+    checkpoint = tmp_path / "full" / "checkpoints" / checkpoint_name(2)
+    resumed_config = dataclasses.replace(config, out=str(tmp_path / "resumed"))
+    resumed = run_ranks(2, _train, resumed_config, plan, 2, checkpoint)
+    for before, after in zip(full, resumed, strict=True):
+        assert [r["step"] for r in after["rows"]] == [3, 4]
+        _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)

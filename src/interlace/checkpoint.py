@@ -17,6 +17,7 @@ before touching any tensor.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -161,9 +162,14 @@ def load_checkpoint(
     meta = verify_checkpoint(path, expect)
     keys = shard_keys or {}
     model_state, optim_state = _renamed(*get_state_dict(model, optimizer), keys)
+    # DCP keeps one copy of non-tensor values, so ranks holding different parameters (pipeline
+    # stages) would get another rank's param_groups: keep this rank's own (hyper-parameters
+    # come from the run's config, the per-parameter state from the checkpoint)
+    param_groups = copy.deepcopy(optim_state["param_groups"])
     state = {"model": model_state, "optim": optim_state}
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=path)
+    state["optim"]["param_groups"] = param_groups
     back = {stored: name for name, stored in keys.items()}
     model_state, optim_state = _renamed(state["model"], state["optim"], back)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

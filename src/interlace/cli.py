@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from interlace import __version__
 from interlace.errors import ConfigError, InterlaceError
-from interlace.models import PRESETS, get_preset
+from interlace.models import PRESETS, GPTConfig, get_preset
 from interlace.plan import Plan
 from interlace.report import LOSS_PLOT, METRICS, REPORT
 from interlace.train_config import TrainConfig
@@ -290,6 +290,17 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, help="plan to check (default: dp=<nproc>)")
     p.add_argument("--nproc", type=int, default=1, help="world size to check the plan against")
     p.add_argument("--list", action="store_true", help="list the model presets and exit")
+    p.add_argument(
+        "--show-stages",
+        action="store_true",
+        help="with pp > 1: the pipeline split, each stage's layers, cost and memory",
+    )
+    p.add_argument(
+        "--micro-batch-rows",
+        type=int,
+        default=1,
+        help="sequences per pipeline micro-batch, for the activation memory of --show-stages",
+    )
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> int:
@@ -318,7 +329,22 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         f"memory/rank {params * 16 / shard / 2**30:.2f} GiB for fp32 weights + grads + AdamW "
         "state (activations not included)"
     )
+    if args.show_stages:
+        _show_stages(model, plan, args.micro_batch_rows)
     return 0
+
+
+def _show_stages(model_config: GPTConfig, plan: Plan, rows: int) -> None:
+    """Print the partitioner's split of `model_config` (built on the meta device) for `plan`."""
+    from interlace.models import build_model
+    from interlace.parallel.pipeline import pipeline_layout
+
+    if plan.pp == 1:
+        raise ConfigError(
+            "--show-stages needs a plan with pp > 1, e.g. --plan pp=4,micro_batches=8"
+        )
+    layout = pipeline_layout(build_model(model_config, device="meta"), plan)
+    print(layout.describe(micro_batch_tokens=rows * model_config.seq_len))
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:

@@ -3,11 +3,13 @@
 The steps run in a fixed order, each the work of one module under `interlace/parallel/`:
 
     1. tensor parallel, 1D (`plan.tp`, mesh group "tp")    parallel/tensor.py
+       + sub-batch overlap (`plan.overlap.tp_subbatches`)  parallel/tensor_overlap.py
     2. expert parallel (`plan.ep`, `plan.moe_balance`;      parallel/expert.py
        groups "ep" / "ep_dp" carved from "dp")              parallel/expert_groups.py
 
-Data parallelism (DDP over the mesh's "dp" group) is applied afterwards by the Trainer, on the
-already tensor-parallel model. Pipeline, expert and 3D tensor parallelism arrive with their
+Pipeline parallelism cuts the result into stages (`interlace.parallel.pipeline.PipelineRunner`),
+and data parallelism (DDP over the mesh's "dp" group) wraps it; the Trainer applies both, in that
+order, after this function. 3D tensor parallelism and overlapped sub-batches arrive with their
 modules and take their place in this order; until then a plan asking for them is refused.
 
 Every part is found by module structure (`interlace.parallel.detect`); what is not recognised
@@ -27,6 +29,7 @@ from interlace.parallel.detect import find_structure
 from interlace.parallel.expert import parallelize_experts
 from interlace.parallel.expert_groups import build_expert_groups
 from interlace.parallel.tensor import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor_overlap import apply_tp_overlap, check_tp_overlap
 from interlace.plan import Plan
 
 logger = logging.getLogger("interlace.parallel")
@@ -40,7 +43,9 @@ def parallelize(
     With `plan.tp > 1`, attention and feed-forward blocks become column → row parallel, the
     token embedding and LM head vocab-parallel, over the mesh's "tp" group (see
     `interlace.parallel.tensor`); `sequence_parallel=True` also splits the activations between
-    blocks along the sequence. Every rank must pass the same full model (same seed). The
+    blocks along the sequence; `plan.overlap.tp_subbatches = k > 1` runs every layer in k
+    interleaved sub-batches so their all-reduces overlap compute (`parallel/tensor_overlap.py`).
+    Every rank must pass the same full model (same seed). The
     built-in GPT then returns (this rank's logits [B, T, V/tp], full loss); other models return
     full logits. Raises PlanError, before modifying anything, if the plan asks for a dimension
     not implemented here or a model size is not divisible by `plan.tp`.
@@ -53,7 +58,10 @@ def parallelize(
         except ValueError as exc:
             raise PlanError(f"tp={plan.tp}: {exc}") from None
         check_divisible(structure, plan.tp)
+        subbatches = plan.overlap.tp_subbatches
+        check_tp_overlap(structure, subbatches, sequence_parallel)
         report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
+        report += apply_tp_overlap(model, structure, subbatches, sequence_parallel)
     if plan.ep > 1 or plan.moe_balance != "none":
         ep_group, ep_dp_group = build_expert_groups(mesh, plan.ep)  # collective
         report += parallelize_experts(model, ep_group, plan.moe_balance)
@@ -67,9 +75,11 @@ def parallelize(
 def _check_supported(plan: Plan, mesh: Mesh) -> None:
     pending = [
         (plan.tp3d is not None, "tp3d (3D tensor parallelism)"),
-        (plan.pp > 1, f"pp={plan.pp} (pipeline parallelism)"),
         (plan.ep > 1 and plan.tp > 1, f"ep={plan.ep} with tp={plan.tp}"),
-        (plan.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped tensor parallelism)"),
+        (
+            plan.overlap.tp_subbatches > 1 and plan.tp == 1,
+            "tp_subbatches>1 without tp>1 (it overlaps tensor parallel all-reduces)",
+        ),
     ]
     for active, what in pending:
         if active:

@@ -122,6 +122,22 @@ class Plan:
                 f"moe_balance={self.moe_balance} places experts across an expert parallel "
                 "group; use ep > 1 (ep divides dp)"
             )
+        if self.pp == 1:
+            for name, value, default in (
+                ("micro_batches", self.micro_batches, 1),
+                ("schedule", self.schedule, "1f1b"),
+                ("recompute", self.recompute, "none"),
+            ):
+                if value != default:
+                    raise PlanError(
+                        f"{name}={value} applies to pipeline parallelism; use pp > 1 with it "
+                        f"(gradient accumulation is the trainer's micro_batch)"
+                    )
+        if self.pp > 1 and self.grad_compression != "none":
+            raise PlanError(
+                f"grad_compression={self.grad_compression} compresses DDP's all-reduce, which a "
+                "pipeline does not use; use grad_compression=none with pp > 1"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
         if self.dp % self.ep:
@@ -132,21 +148,17 @@ class Plan:
 
     def _check_implemented(self) -> None:
         pending = [
-            (self.pp > 1, f"pp={self.pp} (pipeline parallelism)", "pp=1"),
-            (
-                self.micro_batches > 1,
-                f"micro_batches={self.micro_batches} (pipeline micro-batches; for gradient "
-                "accumulation use the trainer's micro_batch)",
-                "micro_batches=1",
-            ),
-            (self.schedule != "1f1b", f"schedule={self.schedule} (pipeline schedules)", "1f1b"),
             (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
             (self.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped TP)", "tp_subbatches=1"),
-            (self.recompute != "none", f"recompute={self.recompute}", "recompute=none"),
             (
                 self.ep > 1 and self.tp_size > 1,
                 f"ep={self.ep} combined with tensor parallelism",
                 "ep=1 or tp=1",
+            ),
+            (
+                self.pp > 1 and (self.tp_size > 1 or self.ep > 1),
+                f"pp={self.pp} combined with tensor or expert parallelism",
+                "pp=1, or tp=1 and ep=1",
             ),
         ]
         for active, what, fix in pending:
@@ -186,6 +198,8 @@ class Plan:
             raise PlanError(
                 f"pp={self.pp} exceeds n_layers={spec.n_layers}; use pp<={spec.n_layers}"
             )
+        if self.pp > 1:
+            self._check_pipeline(spec)
         if (self.ep > 1 or self.moe_balance != "none") and not spec.n_experts:
             raise PlanError(
                 f"ep={self.ep}, moe_balance={self.moe_balance} need a Mixture-of-Experts model; "
@@ -196,6 +210,23 @@ class Plan:
                 f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
                 f"use ep in {_divisors(spec.n_experts)}"
             )
+
+    def _check_pipeline(self, spec: Any) -> None:
+        """The schedule can run this many micro-batches over pp stages of this model."""
+        if spec.n_experts:
+            raise PlanError(
+                f"pp={self.pp} with a Mixture-of-Experts model is not implemented yet (the "
+                "load-balancing loss would be lost between stages); use pp=1"
+            )
+        from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
+
+        check_schedule(
+            self.schedule,
+            self.pp,
+            self.micro_batches,
+            spec.n_layers,
+            virtual_stages_for(self.schedule, None),
+        )
 
     # ----------------------------------------------------------------- text and JSON
     @classmethod

@@ -29,11 +29,13 @@ from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_check
 from interlace.compress import make_comm_hook
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
+from interlace.errors import PlanError
 from interlace.mesh import Mesh, default_device
 from interlace.models import GPTConfig, build_model, get_preset
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel import clip_grad_norm_, sharded_parameter_names
 from interlace.parallel import expert as expert_parallel
+from interlace.parallel.pipeline import PipelineRunner
 from interlace.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
@@ -65,7 +67,14 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     )
     model_config.validate()
     plan.validate(world_size, model_config)
-    config.accumulation(plan.dp)
+    accum = config.accumulation(plan.dp)
+    rows = config.global_batch // plan.dp // accum
+    if rows % plan.micro_batches:
+        raise PlanError(
+            f"micro_batches={plan.micro_batches} does not divide the {rows} sequences of a "
+            f"rank's batch (global_batch={config.global_batch}, dp={plan.dp}); use a divisor "
+            f"of {rows} or a larger --global-batch"
+        )
     data = TokenData.from_text(text, tokenizer, model_config.seq_len)
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
     return RunSetup(config, plan, model_config, data, describe_corpus(config.data))
@@ -105,6 +114,9 @@ class Trainer:
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
         if mesh is not None:  # tensor parallel first; data parallel wraps the result
             parallelize(self.model, self.plan, mesh, sequence_parallel=self.plan.sequence_parallel)
+        self.pipeline = PipelineRunner(self.model, self.plan, mesh) if self.plan.pp > 1 else None
+        if self.pipeline is not None:  # this rank's stages, under the model's parameter names
+            self.model = self.pipeline.module
         # experts split over an expert parallel group: (ep group, group of their replicas)
         self.experts = getattr(self.model, "expert_groups", None)
         self.expert_names = set(expert_parallel.expert_parameter_names(self.model))
@@ -126,7 +138,7 @@ class Trainer:
     def _wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         if self.dp is None or self.dp.size == 1:
             return model
-        if not self.plan.overlap.dp_overlap:
+        if not self.plan.overlap.dp_overlap or self.pipeline is not None:
             for name, param in model.named_parameters():
                 if name not in self.expert_names:  # experts differ over the ep group
                     comm.broadcast(param.data, 0, self.dp)
@@ -174,20 +186,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            with self._no_sync() if not last else contextlib.nullcontext():
-                _, loss = self.train_model(x.to(self.device), y.to(self.device))
-                (loss / self.accum).backward()
-            loss_sum += loss.detach()
+            loss_sum += self._forward_backward(x.to(self.device), y.to(self.device), last)
         self._sync_gradients_after_backward()
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        if self.tp is not None:  # the norm of the whole model: shard norms summed over tp
-            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp)
-        elif self.experts is not None:
-            ep_group, ep_dp_group = self.experts
-            expert_parallel.reduce_expert_gradients(self.model, ep_dp_group, self.dp_size)
-            grad_norm = expert_parallel.clip_grad_norm_(self.model, max_norm, ep_group)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
@@ -212,6 +213,30 @@ class Trainer:
                 if isinstance(m, expert_parallel.ExpertParallelMoE)
             ]
         return row
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        """Loss of one micro-batch x, y [b, T]; the gradient of loss / accum accumulates in
+        `.grad` (gradient sync only after the `last` micro-batch)."""
+        if self.pipeline is not None:
+            return self.pipeline.step(x, y, loss_scale=1 / self.accum, sync=last).detach()
+        with self._no_sync() if not last else contextlib.nullcontext():
+            _, loss = self.train_model(x, y)
+            (loss / self.accum).backward()
+        return loss.detach()
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Clip to `grad_clip` by the norm of the whole model's gradient — summed over tensor
+        shards, pipeline stages or expert groups as the plan splits it; returns that norm."""
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm_(max_norm)
+        if self.tp is not None:
+            return clip_grad_norm_(self.model.parameters(), max_norm, self.tp)
+        if self.experts is not None:
+            ep_group, ep_dp_group = self.experts
+            expert_parallel.reduce_expert_gradients(self.model, ep_dp_group, self.dp_size)
+            return expert_parallel.clip_grad_norm_(self.model, max_norm, ep_group)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.train_model, DistributedDataParallel):
@@ -255,7 +280,14 @@ class Trainer:
             self.dp_rank,
             self.dp_size,
         ):
-            total += self.model(x.to(self.device), y.to(self.device))[1] * len(x)
+            if self.pipeline is not None:  # the schedule runs whole micro-batches only
+                usable = len(x) - len(x) % self.plan.micro_batches
+                x, y = x[:usable], y[:usable]
+                if not usable:
+                    continue
+            x, y = x.to(self.device), y.to(self.device)
+            loss = self.pipeline.evaluate(x, y) if self.pipeline else self.model(x, y)[1]
+            total += loss * len(x)
             rows += len(x)
         return self._dp_mean(total / rows)
 

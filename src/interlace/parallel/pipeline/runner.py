@@ -1,0 +1,279 @@
+"""PipelineRunner: one training step of the built-in GPT over the mesh's "pp" dimension.
+
+    runner = PipelineRunner(model, plan, mesh)     # every rank passes the same full model
+    loss = runner.step(x, y)                       # x, y [B, T]; grads in runner.parameters()
+    runner.clip_grad_norm_(1.0); optimizer.step(); runner.zero_grad()
+
+Construction (identical on every rank): partition the layers into pp · v stages
+(`partition`; v = virtual stages per rank, 2 by default for interleaved 1F1B), choose each
+stage's checkpointed layers (`recompute`), keep this rank's stages (stage i runs on pipeline
+rank i mod pp), and build the schedule: torch's `PipelineStage`s under GPipe, 1F1B or
+interleaved 1F1B (`schedule`), or our shifted critical-path executor (`shifted`). Activations
+and their gradients travel point-to-point inside torch's schedules (or by isend/recv in the
+shifted executor), outside interlace's comm meter; the tied-embedding all-reduce, the loss
+broadcast and the clipping all-reduce go through `interlace.comm`.
+
+`step` splits the batch into `plan.micro_batches` equal micro-batches along B. The first rank
+feeds x, the last computes `loss_fn(logits, y)` per micro-batch; backward accumulates each
+micro-batch's loss / M into `.grad`, i.e. the gradient of the mean loss over the batch, as
+one serial `loss.backward()` would. Then the tied embedding's two copies have their gradients
+summed, and the mean loss is broadcast from the last pipeline rank, so every rank returns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from interlace import comm
+from interlace.errors import ConfigError, PlanError
+from interlace.mesh import Mesh
+from interlace.models import GPT, GPTConfig, build_model
+from interlace.parallel.pipeline.layout import pipeline_layout
+from interlace.parallel.pipeline.partition import Partition
+from interlace.parallel.pipeline.recompute import checkpointed_layers
+from interlace.parallel.pipeline.schedule import build_schedule
+from interlace.parallel.pipeline.shifted import ShiftedSchedule
+from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
+from interlace.plan import Plan
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of logits [b, T, V] against targets [b, T] (the GPT's loss)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class PipelineRunner:
+    """This rank's share of a pipeline-parallel GPT and the schedule that trains it.
+
+    model: the full built-in GPT (same weights on every rank: build it with the same seed), or
+    a GPTConfig to build one from the current RNG state. Only this rank's stages are kept;
+    drop other references to the full model to free the rest.
+    loss_fn(logits [b, T, V], targets [b, T]) → mean loss of one micro-batch (default:
+    cross-entropy). Options (each overrides the default the Plan implies):
+    layers_per_stage / split_points: see `partition.partition` (one entry per virtual stage);
+    virtual_stages: stages per rank for schedule=interleaved (default 2);
+    recompute: a list of per-rank checkpoint ratios instead of `plan.recompute`;
+    memory_budget_bytes with micro_batch_tokens (b·T): derive stage-aware recomputation's
+    stage-0 ratio from the budget instead of 1.0.
+    """
+
+    def __init__(
+        self,
+        model: GPT | GPTConfig,
+        plan: Plan,
+        mesh: Mesh,
+        loss_fn: LossFn | None = None,
+        *,
+        layers_per_stage: Sequence[int] | None = None,
+        split_points: Sequence[str] | None = None,
+        virtual_stages: int | None = None,
+        recompute: Sequence[float] | None = None,
+        memory_budget_bytes: float | None = None,
+        micro_batch_tokens: int | None = None,
+    ) -> None:
+        if isinstance(model, GPTConfig):
+            model = build_model(model, device=mesh.device)
+        _check_model(model, plan, mesh)
+        self.plan, self.mesh = plan, mesh
+        self.loss_fn = loss_fn or cross_entropy_loss
+        self.pp = mesh.group("pp")
+        self.device = mesh.device
+        self.seq_len = model.config.seq_len
+        self.layout = pipeline_layout(
+            model,
+            plan,
+            virtual_stages=virtual_stages,
+            layers_per_stage=layers_per_stage,
+            split_points=split_points,
+            recompute=recompute,
+            memory_budget_bytes=memory_budget_bytes,
+            micro_batch_tokens=micro_batch_tokens,
+        )
+        self.partition: Partition = self.layout.partition
+        self.recompute_ratios = self.layout.rank_ratios
+        n_stages = self.layout.n_stages
+        self.stage_indices = self.layout.stages_of(self.pp.rank)
+        tied = model.lm_head.weight is model.wte.weight
+        self.stages = [self._stage(model, s, n_stages, tied) for s in self.stage_indices]
+        self.module = local_module(self.stages)
+        self.holds_first = 0 in self.stage_indices
+        self.holds_last = n_stages - 1 in self.stage_indices
+        # the head's copy of the tied embedding is counted once, at the embedding
+        self._tied_copy = self.module.lm_head.weight if tied and self.holds_last else None
+        tied_param = self.module.wte.weight if self.holds_first else self._tied_copy
+        self.tied = TiedEmbedding(mesh, tied_param) if tied else None
+        self.schedule = self._schedule()
+        self._losses: list[torch.Tensor] = []
+        self._loss_scale = 1.0
+
+    # ------------------------------------------------------------------ construction
+    def _stage(self, model: GPT, index: int, n_stages: int, tied: bool) -> GPTStage:
+        start, stop = self.partition.bounds[index]
+        layers = range(start, stop)
+        first, last = index == 0, index == n_stages - 1
+        stage = GPTStage(
+            model,
+            layers,
+            first=first,
+            last=last,
+            checkpointed=checkpointed_layers(layers, self.layout.stage_ratios[index]),
+            head_copy=tied and last and not first,
+        )
+        return stage.to(self.device)
+
+    def _schedule(self):
+        if self.plan.schedule == "shifted":
+            return ShiftedSchedule(
+                self.stages[0],
+                self.stage_indices[0],
+                self.pp,
+                self.plan.micro_batches,
+                self._micro_batch_loss,
+                self.device,
+            )
+        n_stages = self.layout.n_stages
+        pipeline_stages = [
+            PipelineStage(stage, index, n_stages, self.device, group=self.pp.pg)
+            for stage, index in zip(self.stages, self.stage_indices, strict=True)
+        ]
+        return build_schedule(
+            self.plan.schedule, pipeline_stages, self.plan.micro_batches, self._micro_batch_loss
+        )
+
+    # ------------------------------------------------------------------ one step
+    def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, targets)
+        self._losses.append(loss.detach())
+        return loss * (self._loss_scale / self.plan.micro_batches)
+
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0, sync: bool = True
+    ) -> torch.Tensor:
+        """Forward and backward of token ids x [B, T] against targets y [B, T] through the
+        pipeline; returns the mean loss over the batch (a 0-d tensor, on every pipeline rank).
+
+        Gradients of `loss_scale` · mean loss *accumulate* into `.grad` of `parameters()`.
+        `sync=True` then sums the tied embedding's two gradients; when accumulating over several
+        calls, pass sync=False to all but the last (as DDP's no_sync). Every pipeline rank
+        calls `step` with the same batch (only the first and last ranks read it).
+        """
+        self._check_batch(x, y)
+        self._losses, self._loss_scale = [], loss_scale
+        self._run(x, y, backward=True)
+        loss = self._broadcast_mean_loss()
+        if sync and self.tied is not None:
+            self.tied.sync_grads()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of x [B, T] against y [B, T], forward only, on every pipeline rank."""
+        self._check_batch(x, y)
+        self._losses = []
+        self._run(x, y, backward=False)
+        return self._broadcast_mean_loss()
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, backward: bool) -> None:
+        if isinstance(self.schedule, ShiftedSchedule):
+            self.schedule.step(x, y, backward=backward)
+            return
+        args = (x.to(self.device),) if self.holds_first else ()
+        target = y.to(self.device) if self.holds_last else None
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=target, return_outputs=False)
+
+    def _broadcast_mean_loss(self) -> torch.Tensor:
+        if self.holds_last:
+            # the last M calls of the loss are the micro-batches; torch's first step also calls
+            # the loss once beforehand, to infer gradient shapes
+            loss = torch.stack(self._losses[-self.plan.micro_batches :]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        comm.broadcast(loss, self.pp.size - 1, self.pp)
+        self._losses = []
+        return loss
+
+    def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.dim() != 2 or x.shape != y.shape:
+            raise ValueError(
+                f"step takes token ids x and targets y of one shape [B, T]; got "
+                f"{tuple(x.shape)} and {tuple(y.shape)}"
+            )
+        rows, length = x.shape
+        m = self.plan.micro_batches
+        if rows % m:
+            raise PlanError(
+                f"batch of {rows} rows does not split into micro_batches={m} equal "
+                f"micro-batches; use a batch that is a multiple of {m}"
+            )
+        if length > self.seq_len:
+            raise ConfigError(
+                f"input has T={length} tokens but the model's seq_len={self.seq_len}; crop the "
+                f"input to at most {self.seq_len} tokens"
+            )
+
+    # ------------------------------------------------------------------ parameters
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (each once)."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the full GPT."""
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's weights under the full GPT's state-dict names (the tied head's copy as
+        `lm_head.weight`, the embedding as `wte.weight`): distinct keys on distinct stages."""
+        return self.module.state_dict()
+
+    def zero_grad(self) -> None:
+        """Drop every local gradient (set to None)."""
+        self.module.zero_grad(set_to_none=True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale local gradients so the whole model's gradient norm is at most `max_norm`;
+        returns that norm (before clipping), equal on every pipeline rank. Squared norms are
+        summed over the "pp" group, the tied embedding counted once. Call after `step`'s sync."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        square = torch.zeros((), device=self.device)
+        for p in self.parameters():
+            if p.grad is not None and p is not self._tied_copy:
+                square += p.grad.detach().float().pow(2).sum()
+        comm.all_reduce(square, self.pp)
+        norm = square.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(scale.to(g.dtype))
+        return norm
+
+
+def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
+    if not isinstance(model, GPT):
+        raise PlanError(
+            f"pipeline execution supports the built-in GPT; got {type(model).__name__} "
+            "(Hugging Face models can be partitioned and described, not yet run)"
+        )
+    if model.config.is_moe:
+        raise PlanError(
+            "pp>1 with Mixture-of-Experts layers is not supported yet (the load-balancing "
+            "loss would be lost between stages); use pp=1 or a dense model"
+        )
+    if plan.tp_size > 1 or plan.ep > 1:
+        raise PlanError(
+            "pipeline parallelism does not compose with tensor or expert parallelism yet; "
+            "use tp=1 (no tp3d) and ep=1 with pp>1"
+        )
+    if plan.pp < 2:
+        raise PlanError(f"PipelineRunner needs pp >= 2, got pp={plan.pp}; train the model directly")
+    if mesh.size("pp") != plan.pp:
+        raise PlanError(
+            f"plan pp={plan.pp} but the mesh's pp group has {mesh.size('pp')} ranks; build the "
+            "mesh from the same plan (build_mesh(plan))"
+        )

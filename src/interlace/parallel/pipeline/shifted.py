@@ -1,0 +1,199 @@
+"""Merak's shifted critical-path schedule: 1F1B whose recomputation leaves the critical path.
+
+Under 1F1B with activation checkpointing, a stage's backward of micro-batch i waits for the
+gradient from the next stage and only then replays the checkpointed forward: the replay sits on
+the critical path. This executor splits each backward into
+
+    R(i): replay the checkpointed prefix of the stage (its first layers) from the saved input
+    B(i): receive the output gradient, backward through the rest, then through the replay
+
+and always runs R(i) *before* blocking on the receive, so the replay fills time the stage
+would otherwise spend waiting (the cool-down bubbles above all). The last stage runs each
+backward right after its forward and needs no checkpointing (stage-aware recomputation gives
+it ratio 0). With M ≥ 4 micro-batches, stage P − 2 runs its third forward in its first
+backward slot (one more warm-up forward: it would otherwise wait for the last stage's
+forward + backward of micro-batch 0), so the start times behind it shift earlier; stage
+P − 3's first backward is then pre-recomputed by the rule above.
+
+Order of stage s (P stages, M micro-batches): w = min(M, P − 1 − s) forwards (+1 for
+s = P − 2 when M ≥ 4), then alternately one forward and one backward, then the remaining
+backwards. Every receive's matching send is issued earlier in its sender's order, so the
+pipeline cannot deadlock.
+
+Written by hand because torch.distributed.pipelining has no recompute action that a schedule
+can place before the gradient receive (its stages recompute inside autograd's backward). The
+point-to-point activations and gradients use `torch.distributed.isend/recv` on the "pp"
+group directly: interlace's comm meter counts collectives only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from interlace.comm import Group
+from interlace.parallel.pipeline.stage import GPTStage
+
+
+def shifted_order(stage: int, pp: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The ("F" | "B", micro-batch) actions of `stage` in execution order (module docstring)."""
+    warmup = min(micro_batches, pp - 1 - stage)
+    if stage == pp - 2 and micro_batches >= 4:
+        warmup = min(micro_batches, warmup + 1)
+    order = [("F", i) for i in range(warmup)]
+    forwards = warmup
+    for backward in range(micro_batches):
+        if forwards < micro_batches:
+            order.append(("F", forwards))
+            forwards += 1
+        order.append(("B", backward))
+    return order
+
+
+@dataclass
+class _InFlight:
+    """What a forward keeps for its backward."""
+
+    inputs: torch.Tensor  # the stage input (requires grad unless token ids)
+    output: torch.Tensor  # suffix output, or the scaled loss on the last stage
+    boundary: torch.Tensor | None  # detached prefix output feeding the suffix (None: no prefix)
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None  # RNG state at the prefix's start
+
+
+class ShiftedSchedule:
+    """Runs one GPT stage per rank under the shifted critical-path order.
+
+    `stage`'s checkpointed blocks (its first ones) form the recomputed prefix, with the
+    embedding on the first stage. `loss_fn(logits, targets)` returns the micro-batch's loss as
+    it should be differentiated (already divided by M). `trace` lists the last step's actions
+    ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran.
+    """
+
+    def __init__(
+        self,
+        stage: GPTStage,
+        index: int,
+        group: Group,
+        micro_batches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.stage, self.index, self.group = stage, index, group
+        self.pp, self.micro_batches = group.size, micro_batches
+        self.loss_fn, self.device = loss_fn, device
+        pieces = stage.pieces()
+        n_prefix = sum(checkpointed for _, checkpointed in pieces)
+        if n_prefix and stage.is_first:
+            n_prefix += 1  # the embedding is replayed with the checkpointed blocks after it
+        self.prefix = [piece for piece, _ in pieces[:n_prefix]]
+        self.suffix = [piece for piece, _ in pieces[n_prefix:]]
+        self.trace: list[tuple[str, int]] = []
+        self._shape: tuple[int, int, int] = (0, 0, 0)  # [b, T, d] of this step's activations
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, backward: bool = True) -> None:
+        """Run every micro-batch of x, y [B, T] (every rank passes the same batch) forward,
+        and backward unless `backward` is False; gradients accumulate in the stage."""
+        self.trace = []
+        xs, ys = x.chunk(self.micro_batches), y.chunk(self.micro_batches)
+        self._shape = (xs[0].shape[0], xs[0].shape[1], self.stage_width())
+        kept: dict[int, _InFlight] = {}
+        if backward:
+            order = shifted_order(self.index, self.pp, self.micro_batches)
+        else:
+            order = [("F", i) for i in range(self.micro_batches)]
+        for action, i in order:
+            if action == "F":
+                kept[i] = self._forward(xs[i], ys[i], i, keep_graph=backward)
+            else:
+                self._backward(kept.pop(i), i)
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    def stage_width(self) -> int:
+        """Width of the activations entering this stage (d_model)."""
+        block = next(iter(self.stage.blocks.values()))
+        return block.ln_1.normalized_shape[0]
+
+    # ------------------------------------------------------------------ actions
+    def _forward(self, x: torch.Tensor, y: torch.Tensor, i: int, keep_graph: bool) -> _InFlight:
+        self.trace.append(("F", i))
+        if self.stage.is_first:
+            inputs = x.to(self.device)
+        else:
+            inputs = torch.empty(self._shape, device=self.device, dtype=self._dtype())
+            dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
+            inputs.requires_grad_(keep_graph)
+        rng, boundary = None, None
+        with torch.set_grad_enabled(keep_graph):
+            h = inputs
+            if self.prefix and keep_graph:
+                rng = _rng_state(self.device)
+                with torch.no_grad():
+                    h = _run(self.prefix, inputs)
+                boundary = h.requires_grad_()
+            else:
+                h = _run(self.prefix, h)
+            out = _run(self.suffix, h)
+            if self.stage.is_last:
+                out = self.loss_fn(out, y.to(self.device))
+        if not self.stage.is_last:
+            self._send(out.detach(), self.group.rank + 1)
+        return _InFlight(inputs, out, boundary, rng)
+
+    def _backward(self, kept: _InFlight, i: int) -> None:
+        replay = None
+        if kept.boundary is not None:
+            self.trace.append(("R", i))
+            with torch.random.fork_rng(devices=_rng_devices(self.device)):
+                _set_rng_state(kept.rng, self.device)
+                replay = _run(self.prefix, kept.inputs)
+        grad = None
+        if not self.stage.is_last:
+            self.trace.append(("recv_grad", i))
+            grad = torch.empty_like(kept.output)
+            dist.recv(grad, group=self.group.pg, group_src=self.group.rank + 1)
+        self.trace.append(("B", i))
+        torch.autograd.backward(kept.output, grad)
+        if replay is not None:
+            torch.autograd.backward(replay, kept.boundary.grad)
+        if not self.stage.is_first:
+            self._send(kept.inputs.grad, self.group.rank - 1)
+
+    def _send(self, tensor: torch.Tensor, peer: int) -> None:
+        tensor = tensor.contiguous()  # kept alive until the send completes
+        work = dist.isend(tensor, group=self.group.pg, group_dst=peer)
+        self._sends.append((work, tensor))
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.stage.parameters()).dtype
+
+
+def _run(pieces: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    for piece in pieces:
+        x = piece(x)
+    return x
+
+
+def _rng_devices(device: torch.device) -> list[torch.device]:
+    return [device] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CPU (and CUDA) RNG state, so a replay draws the same dropout masks as the forward."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(
+    state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device
+) -> None:
+    assert state is not None
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)

@@ -1,0 +1,157 @@
+"""Pipeline stage modules of the built-in GPT, and the tied embedding shared by the two ends.
+
+    first stage:  idx [b, T] → wte(idx) + wpe(0..T−1) → drop → its blocks → h [b, T, d]
+    middle stage: h [b, T, d] → its blocks → h [b, T, d]
+    last stage:   h [b, T, d] → its blocks → ln_f → lm_head → logits [b, T, V]
+
+A stage *references* the full model's modules (no copy), under the same attribute names, so
+its parameters keep their original names: `blocks` is an `nn.ModuleDict` keyed by the global
+layer index ("blocks.5.attn.q_proj.weight" on whichever rank runs layer 5). `local_module`
+gathers a rank's stages (several with interleaving) into one module with those names, for the
+optimizer and for checkpoints.
+
+**Tied embeddings.** The GPT's LM head uses the token embedding's weight W [V, d]; its gradient
+is the sum of the lookup's and the head's parts. With the embedding on the first rank and the
+head on the last, the last rank holds a *copy* of W as `lm_head.weight` (the name a serial
+model's state dict gives it too). After backward, the two copies' gradients are summed by one
+all-reduce over a 2-rank group {first, last} (`TiedEmbedding.sync_grads`), so both hold the
+serial model's gradient of W. They start equal (one copies the other), receive equal
+gradients, and go through the same optimizer update with the same hyperparameters and state,
+so they stay equal; gradient clipping must count W once (`PipelineRunner.clip_grad_norm_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from interlace import comm
+from interlace.comm import Group
+from interlace.mesh import Mesh
+from interlace.models.gpt import GPT
+
+TIED_GROUP_NAME = "pp_ends"
+"""Comm-meter name of the {first, last} pipeline rank group that sums the tied embedding."""
+
+
+class GPTStage(nn.Module):
+    """Layers [start, stop) of a GPT, plus its embeddings if `first` and its head if `last`.
+
+    forward: idx [b, T] (first) or hidden [b, T, d] → hidden [b, T, d], or logits [b, T, V]
+    (last). Layers whose global index is in `checkpointed` run under activation checkpointing
+    (non-reentrant). `head_copy` makes the last stage's LM head an own Parameter copied from
+    the tied embedding (see the module docstring); otherwise the model's `lm_head` is used.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        layers: range,
+        *,
+        first: bool,
+        last: bool,
+        checkpointed: frozenset[int] = frozenset(),
+        head_copy: bool = False,
+    ) -> None:
+        super().__init__()
+        self.is_first, self.is_last = first, last
+        self.checkpointed = checkpointed
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f = model.ln_f
+            self.lm_head = _copy_of(model.lm_head) if head_copy else model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for the shapes."""
+        for piece, checkpointed in self.pieces():
+            x = checkpoint(piece, x, use_reentrant=False) if checkpointed else piece(x)
+        return x
+
+    def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:
+        """The stage's computation in order, as (function, checkpointed) pairs: the embedding
+        (first stage), each block, the head (last stage). The checkpointed blocks come first."""
+        out: list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = []
+        if self.is_first:
+            out.append((self._embed, False))
+        out += [(block, int(i) in self.checkpointed) for i, block in self.blocks.items()]
+        if self.is_last:
+            out.append((self._head, False))
+        return out
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(positions))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def _copy_of(head: nn.Linear) -> nn.Linear:
+    weight = head.weight
+    copy = nn.Linear(
+        head.in_features, head.out_features, bias=False, device=weight.device, dtype=weight.dtype
+    )
+    with torch.no_grad():
+        copy.weight.copy_(head.weight)
+    return copy
+
+
+def local_module(stages: Sequence[GPTStage]) -> nn.Module:
+    """One module holding every parameter of this rank's `stages` under the GPT's original
+    names (wte, wpe, blocks.<i>, ln_f, lm_head): what the optimizer and checkpoints see."""
+    holder = nn.Module()
+    blocks: dict[str, nn.Module] = {}
+    for stage in stages:
+        for name in ("wte", "wpe", "drop", "ln_f", "lm_head"):
+            if hasattr(stage, name):
+                holder.add_module(name, getattr(stage, name))
+        blocks.update(stage.blocks.items())
+    holder.blocks = nn.ModuleDict(dict(sorted(blocks.items(), key=lambda kv: int(kv[0]))))
+    return holder
+
+
+class TiedEmbedding:
+    """The embedding weight W held by the first pipeline rank and its copy on the last.
+
+    `param` is this rank's copy (None on ranks holding neither end). Built collectively: every
+    rank of the world must construct it, in the same order, since it creates one 2-rank
+    process group {first, last} per pipeline.
+    """
+
+    def __init__(self, mesh: Mesh, param: nn.Parameter | None) -> None:
+        self.param = param
+        self.group = _ends_group(mesh)
+
+    def sync_grads(self) -> None:
+        """Sum the two copies' gradients (in place, through the comm meter): afterwards both
+        hold the serial model's gradient of W. A no-op on ranks holding neither end."""
+        if self.param is None or self.group is None:
+            return
+        if self.param.grad is None:
+            self.param.grad = torch.zeros_like(self.param)
+        comm.all_reduce(self.param.grad, self.group)
+
+
+def _ends_group(mesh: Mesh) -> Group | None:
+    """The {first, last} ranks of this rank's pipeline, as a comm Group (None in between).
+
+    With pp = 2 that is the whole "pp" group. Otherwise one new group per pipeline, created by
+    every rank in the same order (torch's `new_group` is collective over the world)."""
+    pp = mesh.group("pp")
+    if pp.size == 2:
+        return Group(TIED_GROUP_NAME, pp.pg, 2, pp.rank)
+    ranks = mesh.device_mesh.mesh.reshape(pp.size, -1)  # column j = the ranks of pipeline j
+    me = dist.get_rank()
+    mine: Group | None = None
+    for column in ranks.t().tolist():
+        ends = [column[0], column[-1]]
+        pg = dist.new_group(ends)
+        if me in ends:
+            mine = Group(TIED_GROUP_NAME, pg, 2, ends.index(me))
+    return mine
