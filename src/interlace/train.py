@@ -1,10 +1,13 @@
-"""The Trainer: data-parallel training loop with accumulation, clipping, evaluation, metrics,
-checkpoints and a run report.
+"""The Trainer: the training loop of every plan, with accumulation, clipping, evaluation,
+metrics, checkpoints and a run report.
 
-Data parallelism is torch's DDP (gradient buckets all-reduced during backward) with a metered
-comm hook; `plan.overlap.dp_overlap=false` instead all-reduces one flat gradient buffer after
-backward (the no-overlap baseline). Every rank draws the same global batch and takes its slice,
-so a run on R ranks follows the same trajectory as one process on the whole batch.
+The model is built identically on every rank, then split in a fixed order: tensor and expert
+parallelism (`interlace.parallelize`), pipeline stages (`PipelineRunner`), and data parallelism
+around the result. Data parallelism is torch's DDP (gradient buckets all-reduced during
+backward) with a metered comm hook; `plan.overlap.dp_overlap=false` (and a pipeline) instead
+all-reduces one flat gradient buffer after backward. Every rank draws the same global batch
+and takes its slice, so a run on R ranks follows the same trajectory as one process on the
+whole batch.
 
 Run as `torchrun --nproc-per-node N -m interlace.train [train options]` for many nodes; the
 options are those of `interlace train`.
@@ -112,7 +115,7 @@ class Trainer:
         self.tp = mesh.group("tp") if mesh is not None and self.plan.tp > 1 else None
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
-        if mesh is not None:  # tensor parallel first; data parallel wraps the result
+        if mesh is not None:  # tensor and expert parallel; then stages; data parallel last
             parallelize(self.model, self.plan, mesh, sequence_parallel=self.plan.sequence_parallel)
         self.pipeline = PipelineRunner(self.model, self.plan, mesh) if self.plan.pp > 1 else None
         if self.pipeline is not None:  # this rank's stages, under the model's parameter names
