@@ -1,0 +1,569 @@
+"""`moe`: expert-parallel MoE load balancing — none (capacity + drop) vs dropless vs FasterMoE
+shadowing vs Pro-Prophet's lightweight placement, on skewed and on recorded routing.
+
+The model is a stack of `layers` blocks, each an `ExpertParallelMoE` (ep = every rank of the
+cluster, E/ep experts per rank) followed by a replicated non-MoE op (LayerNorm + Linear + GELU,
+residual), trained with SGD on a squared-output loss; every rank feeds its own `tokens` random
+tokens per step.
+
+**How the routing is forced.** The router is the layer's real top-k router with one change:
+its choices. Before each step the benchmark samples every token's k experts from the workload
+and the router takes those instead of its own top-k; everything else is the library's — the
+projection runs, the gate weights are the router's softmax probabilities at the chosen experts
+(renormalised for top-2), the capacity rule, drops and aux loss are unchanged, and the counts
+all-gather, dispatch, replicas, combine and backward are the unmodified expert-parallel layer.
+So the load is exactly the workload's while the compute and communication are real. Tokens
+are sampled per source rank from the workload's popularity: `skewed` is the Zipf-like
+drifting generator of `interlace.moe.routing_workloads` (ranks see it tilted by a per-rank
+preference), `recorded` replays the per-step, per-layer counts of a few real training steps of
+the built-in MoE-GPT preset `recorded_model` on the built-in corpus (recorded on rank 0 and
+broadcast; every rank replays the same popularity; the recorded model's experts set E; on a
+top-1 recording, top-2's second expert is drawn from the same popularity among the rest).
+The strategies take turns step by step, so a shared machine's changing load hits them alike.
+
+Per strategy, workload and top-k: balance degree (std over devices of tokens computed, after
+drops for `none`), max/mean device load, the fraction of assignments dropped, bytes moved
+(every all_to_all the comm meter counted on all ranks, split into parameter Trans, gradient Agg
+and token dispatch/combine), the slowest rank's step time (median), and one MoE layer's forward
++ backward alone (median) next to Pro-Prophet's performance model T = 4·T_A2A + 3·T_FEC +
+T_Trans + T_Agg for the layer's count matrix and placement, with B̄ calibrated from a measured
+all_to_all on this cluster and t from a measured expert forward. The same B̄ and t drive the
+shadow and prophet searches. The non-MoE op's gradients are not all-reduced (the same cost for
+every strategy). DeepSpeed-MoE is listed as a peer and skipped (an optional extra).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from interlace import comm
+from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.timing import median, sample, slowest
+from interlace.errors import ConfigError
+from interlace.models import get_preset
+from interlace.models.mlp import MLP
+from interlace.moe.balance import LayerCost, balance_degree, device_loads, layer_time, make_balancer
+from interlace.moe.gating import Routing, TopKRouter, _slot_in_expert
+from interlace.moe.layer import MoELayer
+from interlace.moe.routing_workloads import (
+    RecordedRouting,
+    SkewedRouting,
+    record_routing,
+    sample_assignments,
+)
+from interlace.parallel.expert import ExpertParallelMoE
+from interlace.plotting import new_figure, save_figure
+
+STRATEGIES = ("none", "dropless", "shadow", "prophet")
+WORKLOADS = ("skewed", "recorded")
+_METER = comm.CommMeter()  # the benchmark's own bookkeeping stays out of the default meter
+TARGETS = {"balance_vs_shadow": 5.0, "speedup_vs_dropless": 1.3, "speedup_vs_shadow": 1.1}
+
+
+class ForcedRouter(TopKRouter):
+    """A `TopKRouter` that routes each token to `choices` [N, k] (set before each forward; None =
+    its own top-k), with gates from its own softmax at those experts. Keeps the kept counts [E]
+    of its last forward."""
+
+    choices: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route x [N, d_model] to `choices`, with the library's gates, capacity and aux loss."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.proj.weight.float())
+        probs = logits.softmax(dim=-1)
+        if self.choices is None:
+            expert_index = probs.topk(self.top_k, dim=-1).indices
+        else:
+            expert_index = self.choices.to(x.device)
+        top_probs = probs.gather(1, expert_index)
+        gate = top_probs if self.top_k == 1 else top_probs / top_probs.sum(-1, keepdim=True)
+        first = torch.bincount(expert_index[:, 0], minlength=self.n_experts).float() / len(x)
+        aux_loss = self.n_experts * (first * probs.mean(dim=0)).sum()
+        routed = torch.bincount(expert_index.flatten(), minlength=self.n_experts)
+        capacity = self.capacity(x.shape[0])
+        if capacity is None:
+            keep = torch.ones_like(expert_index, dtype=torch.bool)
+        else:
+            keep = _slot_in_expert(expert_index, routed) < capacity
+        self.last_kept = torch.bincount(expert_index[keep], minlength=self.n_experts)
+        return Routing(expert_index, gate, keep, aux_loss, routed, capacity)
+
+
+class _Block(nn.Module):
+    """x + moe(x), then x + gelu(dense(norm(x))): an MoE layer and the next non-MoE op."""
+
+    def __init__(self, moe: ExpertParallelMoE, d_model: int):
+        super().__init__()
+        self.moe = moe
+        self.norm = nn.LayerNorm(d_model)
+        self.dense = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.moe(x)
+        return x + F.gelu(self.dense(self.norm(x)))
+
+
+def _generator(*keys: int) -> torch.Generator:
+    seed = 0
+    for key in keys:
+        seed = (seed * 999_983 + int(key) + 11) % (2**62)
+    return torch.Generator().manual_seed(seed)
+
+
+def _gather(vector: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """[D, len(vector)]: every rank's vector."""
+    vector = vector.reshape(-1).contiguous()
+    out = vector.new_empty(group.size * vector.numel())
+    comm.all_gather(out, vector, group, meter=_METER)
+    return out.view(group.size, -1)
+
+
+def _total(value: float, group: comm.Group) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(tensor, group, meter=_METER)
+    return float(tensor)
+
+
+# ---------------------------------------------------------------------- calibration
+def _calibrate(ctx: RankContext) -> dict[str, float]:
+    """B̄: bytes/s a rank receives from the others in an all_to_all of one batch of tokens;
+    t: tokens/s through one expert's forward."""
+    group, o = ctx.group, ctx.options
+    probe = torch.randn(o["tokens"], o["d_model"])
+    out = torch.empty_like(probe)
+    quiet = comm.CommMeter()
+    seconds = median(
+        sample(lambda: comm.all_to_all(out, probe, group, meter=quiet), group, min_seconds=0.2)
+    )
+    received = probe.nbytes * (group.size - 1) / group.size
+    bandwidth = received / seconds if group.size > 1 else 1e12
+    expert = MLP(o["d_model"], o["ffn"])
+    with torch.no_grad():
+        fwd = median(sample(lambda: expert(probe), group, min_seconds=0.2))
+    return {
+        "bandwidth_Bps": bandwidth,
+        "a2a_probe_bytes": probe.nbytes,
+        "a2a_probe_s": seconds,
+        "throughput_tokens_per_s": o["tokens"] / fwd,
+        "expert_forward_s": fwd,
+    }
+
+
+# ---------------------------------------------------------------------- workloads
+def _workload(ctx: RankContext, name: str) -> tuple[Any, dict[str, Any]]:
+    """(workload with .popularity(step, source, layer), its description)."""
+    o, group = ctx.options, ctx.group
+    if name == "skewed":
+        work = SkewedRouting(
+            o["experts"], o["exponent"], o["drift"], locality=o["locality"], seed=o["seed"]
+        )
+        return work, {"experts": o["experts"], "exponent": o["exponent"], "drift": o["drift"]}
+    preset = get_preset(o["recorded_model"])
+    shape = (o["recorded_steps"], len(preset.moe_layers), preset.n_experts)
+    counts = torch.zeros(shape, dtype=torch.long)
+    if group.rank == 0:
+        start = time.perf_counter()
+        counts = record_routing(
+            o["recorded_model"], o["recorded_steps"], o["recorded_batch"], seed=o["seed"]
+        ).counts
+        print(
+            f"recorded {shape[0]} steps of {o['recorded_model']} in "
+            f"{time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    comm.broadcast(counts, 0, group, meter=_METER)
+    popularity = (counts.sum(dim=(0, 1)).double() / counts.sum()).tolist()
+    return RecordedRouting(counts, preset.top_k, o["recorded_model"]), {
+        "experts": preset.n_experts,
+        "model": o["recorded_model"],
+        "counts": counts.tolist(),
+        "mean_popularity": popularity,
+    }
+
+
+def _set_routing(blocks: list[_Block], work: Any, step: int, rank: int, o: dict, k: int) -> None:
+    for layer, block in enumerate(blocks):
+        router = block.moe.router
+        pop = work.popularity(step, source=rank, layer=layer)
+        chosen = sample_assignments(pop, o["tokens"], k, _generator(o["seed"], step, rank, layer))
+        router.choices = chosen
+
+
+# ---------------------------------------------------------------------- one configuration
+def _build(ctx: RankContext, experts: int, k: int, strategy: str, cal: dict) -> list[_Block]:
+    o, group = ctx.options, ctx.group
+    torch.manual_seed(o["seed"])  # the same full model on every rank
+    blocks = []
+    for _ in range(o["layers"]):
+        layer = MoELayer(o["d_model"], o["ffn"], experts, k, o["capacity_factor"])
+        forced = ForcedRouter(o["d_model"], experts, k, o["capacity_factor"])
+        forced.proj = layer.router.proj
+        layer.router = forced
+        size_flops = 2 * 2 * o["d_model"] * o["ffn"]
+        modelled = {
+            "bandwidth": cal["bandwidth_Bps"],
+            "flops": cal["throughput_tokens_per_s"] * size_flops,
+        }
+        if strategy == "prophet":
+            modelled |= {"replan_every": o["prophet_replan"], "alpha": o["alpha"]}
+        options = modelled if strategy in ("shadow", "prophet") else {}
+        balancer = make_balancer(strategy, **options)
+        blocks.append(_Block(ExpertParallelMoE(layer, group, balancer), o["d_model"]))
+    return blocks
+
+
+def _layer_stats(block: _Block, group: comm.Group) -> dict[str, Any]:
+    """This step's computed counts [D, E] (kept ones) and what they give under the placement."""
+    moe = block.moe
+    kept = _gather(moe.router.last_kept, group)
+    routed = moe.routing_history[-1]
+    computed, _ = device_loads(kept, moe.placement)
+    p_bytes = moe.expert_size.expert_bytes
+    moved = sum(len(moe.placement.replicas[e]) for e in moe.placement.replicated) * p_bytes
+    return {
+        "kept": kept,
+        "balance_degree": balance_degree(kept, moe.placement),
+        "max_mean": float(computed.max() / computed.mean().clamp(min=1e-9)),
+        "dropped": int(routed.sum() - kept.sum()),
+        "assignments": int(routed.sum()),
+        "trans_bytes": moved,
+    }
+
+
+class _Run:
+    """One strategy's model on one workload and top-k, stepped one iteration at a time so that
+    the strategies can take turns (a shared machine's load then affects them alike)."""
+
+    def __init__(self, ctx: RankContext, experts: int, k: int, strategy: str, cal: dict):
+        self.ctx, self.k = ctx, k
+        self.blocks = _build(ctx, experts, k, strategy, cal)
+        self.model = nn.Sequential(*self.blocks)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=ctx.options["lr"])
+        self.step_s: list[float] = []
+        self.a2a: list[float] = []
+        self.trans: list[float] = []
+        self.balance: list[float] = []
+        self.load: list[float] = []
+        self.dropped = self.assigned = 0
+
+    def step(self, work: Any, step: int) -> None:
+        """One training iteration on the workload's routing of `step`; measured after warm-up."""
+        o, group = self.ctx.options, self.ctx.group
+        _set_routing(self.blocks, work, step, group.rank, o, self.k)
+        x = torch.randn(
+            1, o["tokens"], o["d_model"], generator=_generator(o["seed"], step, group.rank, 99)
+        )
+        dist.barrier(group=group.pg)
+        comm.meter.reset()
+        start = time.perf_counter()
+        loss = self.model(x).float().pow(2).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        sent = comm.meter.snapshot().get(group.name, {}).get("all_to_all", {}).get("bytes", 0)
+        if step < o["warmup"]:
+            return
+        self.step_s.append(slowest(elapsed, group))
+        self.a2a.append(_total(sent, group))
+        stats = [_layer_stats(b, group) for b in self.blocks]
+        self.balance.append(sum(s["balance_degree"] for s in stats) / len(stats))
+        self.load.append(sum(s["max_mean"] for s in stats) / len(stats))
+        self.dropped += sum(s["dropped"] for s in stats)
+        self.assigned += sum(s["assignments"] for s in stats)
+        self.trans.append(sum(s["trans_bytes"] for s in stats))
+
+    def result(self, work: Any, cal: dict) -> dict[str, Any]:
+        """The measured steps' figures, then one layer timed alone against the model."""
+        layer = _time_layer(self.ctx, self.blocks[0], work, self.k, cal)
+        trans_bytes = median(self.trans)
+        return {
+            "step_s": self.step_s,
+            "step_median_s": median(self.step_s),
+            "balance_degree": sum(self.balance) / len(self.balance),
+            "max_mean_load": sum(self.load) / len(self.load),
+            "dropped_fraction": self.dropped / max(self.assigned, 1),
+            "all_to_all_bytes": median(self.a2a),
+            "trans_bytes": trans_bytes,
+            "agg_bytes": trans_bytes,
+            "token_bytes": median(self.a2a) - 2 * trans_bytes,
+            **layer,
+        }
+
+
+def _run_strategies(ctx: RankContext, work: Any, experts: int, k: int, cal: dict):
+    """Every strategy, taking turns step by step: {strategy: figures}."""
+    o = ctx.options
+    runs = {s: _Run(ctx, experts, k, s, cal) for s in o["strategies"].split(",")}
+    for step in range(o["warmup"] + o["steps"]):
+        for run in runs.values():
+            run.step(work, step)
+    return {s: run.result(work, cal) for s, run in runs.items()}
+
+
+def _time_layer(ctx: RankContext, block: _Block, work: Any, k: int, cal: dict) -> dict[str, Any]:
+    """One MoE layer's forward + backward alone on the next step's routing (median of the
+    slowest rank), and the performance model's estimate for its counts and placement."""
+    o, group = ctx.options, ctx.group
+    moe = block.moe
+    _set_routing([block], work, o["warmup"] + o["steps"], group.rank, o, k)
+    x = torch.randn(1, o["tokens"], o["d_model"], generator=_generator(o["seed"], group.rank, 98))
+    x.requires_grad_(True)
+
+    def fwd_bwd() -> None:
+        moe(x).float().pow(2).mean().backward()
+
+    seconds = median(sample(fwd_bwd, group, min_samples=o["layer_samples"], min_seconds=0))
+    kept = _gather(moe.router.last_kept, group)
+    cost = LayerCost(
+        token_bytes=moe.expert_size.token_bytes,
+        expert_bytes=moe.expert_size.expert_bytes,
+        bandwidth=cal["bandwidth_Bps"],
+        throughput=cal["throughput_tokens_per_s"],
+    )
+    modelled = layer_time(kept, moe.placement, cost)
+    return {
+        "layer_s": seconds,
+        "model_layer_s": modelled.total,
+        "model_terms": {
+            "a2a": modelled.a2a,
+            "fec": modelled.fec,
+            "bec": modelled.bec,
+            "trans": modelled.trans,
+            "agg": modelled.agg,
+        },
+        "model_rel_error": abs(modelled.total - seconds) / seconds,
+        "replicated": list(moe.placement.replicated),
+    }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _targets(strategies: dict[str, Any]) -> dict[str, Any]:
+    p = strategies.get("prophet")
+    out: dict[str, Any] = {}
+    if p is None:
+        return out
+    pairs = {
+        "balance_vs_shadow": ("shadow", "balance_degree"),
+        "speedup_vs_dropless": ("dropless", "step_median_s"),
+        "speedup_vs_shadow": ("shadow", "step_median_s"),
+    }
+    for name, (other, key) in pairs.items():
+        if other not in strategies:
+            continue
+        value = _ratio(strategies[other][key], p[key])
+        met = value is None or value >= TARGETS[name]  # None: prophet perfectly balanced
+        out[name] = {"value": value, "target": TARGETS[name], "met": met}
+    return out
+
+
+def _deepspeed_peer() -> dict[str, str]:
+    if importlib.util.find_spec("deepspeed") is None:
+        reason = "deepspeed is not installed (optional extra); DeepSpeed-MoE peer not run"
+    else:
+        reason = "DeepSpeed-MoE needs its own engine and launcher; not run on this cluster"
+    print(f"moe bench: skipping DeepSpeed-MoE: {reason}", flush=True)
+    return {"skipped": reason}
+
+
+def run_rank(ctx: RankContext) -> dict[str, Any]:
+    """Calibrate, then every workload × top-k × strategy."""
+    o, group = ctx.options, ctx.group
+    cal = _calibrate(ctx)
+    workloads: dict[str, Any] = {}
+    errors = []
+    for name in o["workloads"].split(","):
+        work, info = _workload(ctx, name)
+        experts = info["experts"]
+        if experts % group.size:
+            raise ConfigError(f"{name}: {experts} experts cannot be split over {group.size} ranks")
+        entry: dict[str, Any] = {"workload": info}
+        for k in (int(v) for v in o["top_k"].split(",")):
+            strategies = _run_strategies(ctx, work, experts, k, cal)
+            errors += [v["model_rel_error"] for v in strategies.values()]
+            entry[f"top{k}"] = {"strategies": strategies, "targets": _targets(strategies)}
+        workloads[name] = entry
+    return {
+        "calibration": cal,
+        "workloads": workloads,
+        "model_error": {"mean_relative_error": sum(errors) / len(errors), "count": len(errors)},
+        "peers": {"deepspeed_moe": _deepspeed_peer()},
+    }
+
+
+# ---------------------------------------------------------------------- presentation
+def _configs(result: dict[str, Any]):
+    for name, entry in result["workloads"].items():
+        for key, value in entry.items():
+            if key.startswith("top"):
+                yield name, key, value
+
+
+def table(doc: dict[str, Any]) -> str:
+    """One block per workload and top-k, one row per strategy."""
+    r = doc["result"]
+    cal = r["calibration"]
+    lines = [
+        f"calibrated: B = {cal['bandwidth_Bps'] / 1e6:.1f} MB/s per rank (all_to_all), "
+        f"t = {cal['throughput_tokens_per_s']:.0f} tokens/s (expert forward); model mean "
+        f"relative error {r['model_error']['mean_relative_error']:.1%} over "
+        f"{r['model_error']['count']} layers",
+    ]
+    for name, key, value in _configs(r):
+        lines.append(f"{name} {key}:")
+        lines.append(
+            f"  {'strategy':9s} {'balance':>8s} {'max/mean':>8s} {'dropped':>8s} "
+            f"{'a2a MB':>7s} {'Trans MB':>8s} {'step s':>7s} {'layer s':>8s} {'model s':>8s}"
+        )
+        for s, m in value["strategies"].items():
+            lines.append(
+                f"  {s:9s} {m['balance_degree']:8.1f} {m['max_mean_load']:8.2f} "
+                f"{m['dropped_fraction']:8.1%} {m['all_to_all_bytes'] / 1e6:7.2f} "
+                f"{m['trans_bytes'] / 1e6:8.2f} {m['step_median_s']:7.3f} "
+                f"{m['layer_s']:8.4f} {m['model_layer_s']:8.4f}"
+            )
+        for t, v in value["targets"].items():
+            shown = "perfect" if v["value"] is None else f"{v['value']:.2f}x"
+            lines.append(
+                f"  {t}: {shown} (target {v['target']}x, {'met' if v['met'] else 'not met'})"
+            )
+    lines.append(f"DeepSpeed-MoE: skipped: {r['peers']['deepspeed_moe']['skipped']}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Step time and balance degree per strategy, for every workload and top-k."""
+    configs = list(_configs(doc["result"]))
+    fig, axes = new_figure(1, 2, figsize=(11, 3.8))
+    axes = list(axes.reshape(-1))
+    width = 0.8 / max(len(configs), 1)
+    for i, (name, key, value) in enumerate(configs):
+        strategies = list(value["strategies"])
+        xs = [j + (i - (len(configs) - 1) / 2) * width for j in range(len(strategies))]
+        for ax, metric in zip(axes, ("step_median_s", "balance_degree"), strict=True):
+            ax.bar(
+                xs,
+                [value["strategies"][s][metric] for s in strategies],
+                width,
+                label=f"{name} {key}",
+            )
+            ax.set_xticks(range(len(strategies)), strategies)
+    axes[0].set_ylabel("step seconds (slowest rank, median)")
+    axes[1].set_ylabel("balance degree (std of tokens per device)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"MoE load balancing, ep={doc['environment']['ranks']}, {doc['environment']['network']}",
+        fontsize=9,
+    )
+    save_figure(fig, path, dpi=100)
+
+
+def check(options: dict[str, Any]) -> None:
+    """Known strategies and workloads, top-k in {1, 2}, positive sizes."""
+    for key, valid in (("strategies", STRATEGIES), ("workloads", WORKLOADS)):
+        unknown = set(options[key].split(",")) - set(valid)
+        if unknown:
+            raise ConfigError(f"{key} {sorted(unknown)} unknown; choose from {','.join(valid)}")
+    if not set(options["top_k"].split(",")) <= {"1", "2"}:
+        raise ConfigError(f"top_k={options['top_k']!r}: use 1, 2 or 1,2")
+    positive = (
+        "experts",
+        "layers",
+        "d_model",
+        "ffn",
+        "tokens",
+        "steps",
+        "layer_samples",
+        "recorded_steps",
+        "recorded_batch",
+        "prophet_replan",
+    )
+    bad = [key for key in positive if options[key] < 1]
+    if bad or options["warmup"] < 0 or options["capacity_factor"] <= 0:
+        raise ConfigError(f"{bad or 'warmup/capacity_factor'} must be positive (warmup >= 0)")
+    recorded = "recorded" in options["workloads"].split(",")
+    if recorded and not get_preset(options["recorded_model"]).is_moe:
+        raise ConfigError(f"recorded_model={options['recorded_model']} has no MoE layer")
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """Prophet vs shadow and dropless per workload and top-k, and the model's error."""
+    parts = []
+    for name, key, value in _configs(doc["result"]):
+        t = value["targets"]
+        if not t:
+            continue
+        shown = {n: "perfect" if v["value"] is None else f"{v['value']:.2f}x" for n, v in t.items()}
+        parts.append(
+            f"{name} {key}: prophet balance {shown.get('balance_vs_shadow', '-')} shadow's "
+            f"(target 5x), step {shown.get('speedup_vs_dropless', '-')} dropless (1.3x), "
+            f"{shown.get('speedup_vs_shadow', '-')} shadow (1.1x)"
+        )
+    error = doc["result"]["model_error"]["mean_relative_error"]
+    return "; ".join(parts) + f"; performance model error {error:.0%}"
+
+
+def key_numbers(result: dict[str, Any]) -> dict[str, float]:
+    """Step time of every strategy on every workload and top-k."""
+    return {
+        f"{name} {key} {s} step_s": m["step_median_s"]
+        for name, key, value in _configs(result)
+        for s, m in value["strategies"].items()
+    }
+
+
+BENCHMARK = Benchmark(
+    name="moe",
+    summary="MoE expert-parallel load balancing: none / dropless / shadow / Pro-Prophet",
+    describe=(
+        "A stack of expert-parallel MoE layers (ep = all ranks), each followed by a non-MoE op, "
+        "trained on routing forced from a workload (a Zipf-like drifting popularity, and the "
+        "recorded routing of a real MoE-GPT run), top-1 and top-2, with no balancing (capacity "
+        "drops), dropless, FasterMoE shadowing and Pro-Prophet placement. Reported: balance "
+        "degree, max/mean load, drops, all_to_all bytes (tokens, Trans, Agg), step time and one "
+        "layer's time next to Pro-Prophet's performance model. The physical limit of a layer is "
+        "the busiest device's expert compute plus its received tokens over the link."
+    ),
+    table=table,
+    plot=plot,
+    run_rank=run_rank,
+    check=check,
+    headline=headline,
+    key_numbers=key_numbers,
+    options={
+        "workloads": ",".join(WORKLOADS),
+        "strategies": ",".join(STRATEGIES),
+        "top_k": "1,2",
+        "experts": 8,
+        "layers": 2,
+        "d_model": 128,
+        "ffn": 512,
+        "tokens": 4096,
+        "capacity_factor": 1.25,
+        "exponent": 1.2,
+        "drift": 0.05,
+        "locality": 0.5,
+        "recorded_model": "moe-demo",
+        "recorded_steps": 12,
+        "recorded_batch": 8,
+        "prophet_replan": 1,
+        "alpha": 0.1,
+        "steps": 8,
+        "warmup": 2,
+        "layer_samples": 3,
+        "lr": 1e-3,
+        "seed": 0,
+    },
+)
