@@ -87,6 +87,7 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(grad_compression="sketch"), ["grad_compression=sketch", "needs dp > 1"]),
         (Plan(sequence_parallel=True), ["sequence_parallel=true needs", "tp > 1"]),
         (Plan(moe_balance="prophet"), ["moe_balance=prophet places experts", "ep > 1"]),
+        (Plan(overlap=Overlap(tp_subbatches=2)), ["tp_subbatches=2 overlaps", "tp > 1"]),
         (Plan(micro_batches=4), ["micro_batches=4 applies to pipeline parallelism", "pp > 1"]),
         (Plan(schedule="gpipe"), ["schedule=gpipe applies to pipeline parallelism"]),
         (Plan(recompute="full"), ["recompute=full applies to pipeline parallelism"]),
@@ -116,7 +117,6 @@ def test_invalid_values_are_rejected(plan, words):
         (Plan(pp=2, tp=2), "pp=2 combined with tensor or expert parallelism"),
         (Plan(tp3d=(2, 1, 1)), "tp3d"),
         (Plan(dp=2, ep=2, tp=2), "ep=2 combined with tensor parallelism"),
-        (Plan(overlap=Overlap(tp_subbatches=2)), "tp_subbatches"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):

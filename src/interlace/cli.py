@@ -301,6 +301,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="sequences per pipeline micro-batch, for the activation memory of --show-stages",
     )
+    from interlace.planner.cli import add_planner_args
+
+    add_planner_args(p)
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> int:
@@ -314,6 +317,10 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
                 f"  d={cfg.d_model:<6d} heads={cfg.n_heads:<4d} {kind}"
             )
         return 0
+    if args.search or args.hardware is not None:
+        from interlace.planner.cli import run_planner
+
+        return run_planner(args)
     model = get_preset(args.model)
     plan = Plan.parse(args.plan or f"dp={args.nproc}").validate(args.nproc, model)
     names, sizes = mesh_dims(plan)

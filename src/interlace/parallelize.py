@@ -45,10 +45,10 @@ def parallelize(
     `interlace.parallel.tensor`); `sequence_parallel=True` also splits the activations between
     blocks along the sequence; `plan.overlap.tp_subbatches = k > 1` runs every layer in k
     interleaved sub-batches so their all-reduces overlap compute (`parallel/tensor_overlap.py`).
-    Every rank must pass the same full model (same seed). The
-    built-in GPT then returns (this rank's logits [B, T, V/tp], full loss); other models return
-    full logits. Raises PlanError, before modifying anything, if the plan asks for a dimension
-    not implemented here or a model size is not divisible by `plan.tp`.
+    Every rank must pass the same full model (same seed). The built-in GPT then returns (this
+    rank's logits [B, T, V/tp], full loss); other models return full logits. Raises PlanError,
+    before modifying anything, if the plan asks for a dimension not implemented here or a model
+    size is not divisible by `plan.tp`.
     """
     _check_supported(plan, mesh)
     report: list[str] = []
@@ -76,14 +76,15 @@ def _check_supported(plan: Plan, mesh: Mesh) -> None:
     pending = [
         (plan.tp3d is not None, "tp3d (3D tensor parallelism)"),
         (plan.ep > 1 and plan.tp > 1, f"ep={plan.ep} with tp={plan.tp}"),
-        (
-            plan.overlap.tp_subbatches > 1 and plan.tp == 1,
-            "tp_subbatches>1 without tp>1 (it overlaps tensor parallel all-reduces)",
-        ),
     ]
     for active, what in pending:
         if active:
             raise PlanError(f"parallelize does not apply {what} yet; drop it from the plan")
+    if plan.overlap.tp_subbatches > 1 and plan.tp == 1:
+        raise PlanError(
+            f"tp_subbatches={plan.overlap.tp_subbatches} overlaps tensor parallel all-reduces; "
+            "use it with tp > 1, or tp_subbatches=1"
+        )
     if plan.tp > 1 and mesh.size("tp") != plan.tp:
         raise PlanError(
             f"plan tp={plan.tp} but the mesh's tp group has {mesh.size('tp')} ranks; build the "

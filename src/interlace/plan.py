@@ -138,6 +138,11 @@ class Plan:
                 f"grad_compression={self.grad_compression} compresses DDP's all-reduce, which a "
                 "pipeline does not use; use grad_compression=none with pp > 1"
             )
+        if self.overlap.tp_subbatches > 1 and (self.tp == 1 or self.sequence_parallel):
+            raise PlanError(
+                f"tp_subbatches={self.overlap.tp_subbatches} overlaps 1D tensor parallel "
+                "all-reduces: it needs tp > 1 and no sequence_parallel"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
         if self.dp % self.ep:
@@ -149,7 +154,6 @@ class Plan:
     def _check_implemented(self) -> None:
         pending = [
             (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
-            (self.overlap.tp_subbatches > 1, "tp_subbatches>1 (overlapped TP)", "tp_subbatches=1"),
             (
                 self.ep > 1 and self.tp_size > 1,
                 f"ep={self.ep} combined with tensor parallelism",
@@ -200,6 +204,11 @@ class Plan:
             )
         if self.pp > 1:
             self._check_pipeline(spec)
+        if self.overlap.tp_subbatches > 1 and spec.n_experts:
+            raise PlanError(
+                f"tp_subbatches={self.overlap.tp_subbatches} with a Mixture-of-Experts model "
+                "would change its routing capacity; use tp_subbatches=1"
+            )
         if (self.ep > 1 or self.moe_balance != "none") and not spec.n_experts:
             raise PlanError(
                 f"ep={self.ep}, moe_balance={self.moe_balance} need a Mixture-of-Experts model; "

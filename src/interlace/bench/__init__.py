@@ -18,6 +18,8 @@ REGISTRY: dict[str, str] = {
     "ddp": "interlace.bench.ddp",
     "sketch": "interlace.bench.sketch",
     "svm": "interlace.bench.svm",
+    "tp": "interlace.bench.tp",
+    "moe": "interlace.bench.moe",
 }
 
 

@@ -33,6 +33,8 @@ comm meter (`interlace.comm`), HF's `Conv1D` stores [in, out] and GPT-2 fuses q|
 expressible with `ColwiseParallel`), GQA with fewer kv heads than ranks needs replication, and the
 sharded cross-entropy must never gather logits.
 
+Overlapping these all-reduces with compute (`tp_subbatches`) is `tensor_overlap.py`'s work.
+
 All ranks of the group must hold the same full model before `apply_tensor_parallel` (build
 it with the same seed); ranks must also share dropout seeds for the replicated regions.
 """

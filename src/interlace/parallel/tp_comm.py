@@ -24,6 +24,9 @@ from DTensor's redistribution, whose collectives the meter cannot see.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -82,10 +85,27 @@ class _CopyToTP(torch.autograd.Function):
         return _all_reduced(grad, ctx.group), None
 
 
+_yield_point = threading.local()
+
+
+def set_reduce_yield(switch: Callable[[], None] | None) -> None:
+    """Install (None: remove) this thread's yield point for `reduce_from_tp`: while one is set,
+    the forward all-reduce is issued asynchronously, `switch()` runs (other sub-batches compute
+    meanwhile; see `interlace.parallel.tensor_overlap`), and only then is the result waited on."""
+    _yield_point.switch = switch
+
+
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return _all_reduced(x, group)
+        switch = getattr(_yield_point, "switch", None)
+        if switch is None:
+            return _all_reduced(x, group)
+        out = x.clone(memory_format=torch.contiguous_format)
+        work = comm.all_reduce(out, group, async_op=True)
+        switch()
+        work.wait()
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

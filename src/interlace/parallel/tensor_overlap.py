@@ -1,0 +1,241 @@
+"""Overlapped 1D tensor parallelism: sub-batches take turns so one's all-reduce hides under
+another's compute (`plan.overlap.tp_subbatches = k >= 2`).
+
+Every transformer layer of the layer list (found by `detect`) is made to split its input along
+the batch dimension into k sub-batches and run its own, unchanged forward once per sub-batch,
+the k runs interleaved. Each run executes on its own thread, but only one thread computes at a
+time: a baton passes round-robin, and the only place it is handed over is the forward
+all-reduce of a row-parallel layer (`tp_comm.reduce_from_tp`), which, while a baton is held,
+issues the all-reduce asynchronously (c10d `async_op=True`), passes the baton, and waits on
+its result only when the baton comes back. With k = 2 in a pre-norm block:
+
+    attn(1) ─ all-reduce(1) issued ─► attn(2) ─ all-reduce(2) issued ─► wait(1), MLP(1) ─
+    all-reduce(1) issued ─► wait(2), MLP(2) ─ all-reduce(2) issued ─► wait(1) ─► wait(2)
+
+which is the block-level schedule (attention of every sub-batch, then each one's MLP while the
+others' reductions fly); only the last sub-batch's MLP all-reduce of a layer stays exposed.
+Because the hand-over points are the same on every rank, all ranks issue their collectives in
+the same order. The all-reduced bytes are those of plain TP, in k times as many calls.
+
+Threads rather than a rewritten forward: the layer's own code (built-in GPT, Hugging Face GPT-2,
+Llama, any model `detect` understands) runs untouched, with no per-model schedule. Autograd
+records each sub-batch's graph on its thread; backward is the ordinary engine's. Backward is
+not overlapped: the input-gradient all-reduce of `copy_to_tp` stays synchronous.
+
+Splitting rule: a tensor argument whose first dimension equals the hidden state's batch size B
+is split along it (tuples, lists and dicts are walked), anything else (None, numbers, strings,
+broadcast tensors such as rotary tables [1, T, d]) is handed to every sub-batch as is. A call
+with another kind of argument (a KV cache object) or B < 2 runs unsplit. Outputs are
+concatenated along the batch dimension.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from interlace.errors import PlanError
+from interlace.parallel.detect import Structure
+from interlace.parallel.tp_comm import set_reduce_yield
+
+_PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class _Baton:
+    """Lets n threads run one at a time, handing over round-robin among those not finished."""
+
+    def __init__(self, n: int):
+        self.turn = 0
+        self.finished = [False] * n
+        self.cond = threading.Condition()
+
+    def wait_turn(self, i: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == i)
+
+    def pass_on(self, i: int) -> None:
+        n = len(self.finished)
+        with self.cond:
+            following = ((i + s) % n for s in range(1, n + 1))
+            self.turn = next((j for j in following if not self.finished[j]), -1)
+            self.cond.notify_all()
+
+    def switch(self, i: int) -> None:
+        self.pass_on(i)
+        self.wait_turn(i)
+
+
+def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run `calls` each on its own thread, one at a time, switching at `reduce_from_tp`; return
+    their results in order (the first exception is re-raised). Grad mode, autocast and the
+    accelerator device of the caller are carried into the threads."""
+    baton = _Baton(len(calls))
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+    grad = torch.is_grad_enabled()
+    autocast = [
+        (dev, torch.get_autocast_dtype(dev))
+        for dev in ("cpu", "cuda")
+        if torch.is_autocast_enabled(dev)
+    ]
+    device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
+
+    def worker(i: int) -> None:
+        baton.wait_turn(i)
+        set_reduce_yield(lambda: baton.switch(i))
+        try:
+            if device is not None:
+                torch.accelerator.set_device_index(device)
+            with torch.set_grad_enabled(grad):
+                contexts = [torch.autocast(dev, dtype) for dev, dtype in autocast]
+                for c in contexts:
+                    c.__enter__()
+                try:
+                    results[i] = calls[i]()
+                finally:
+                    for c in reversed(contexts):
+                        c.__exit__(None, None, None)
+        except BaseException as exc:  # handed to the caller below
+            errors.append(exc)
+        finally:
+            set_reduce_yield(None)
+            baton.finished[i] = True
+            baton.pass_on(i)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _batch_size(args: tuple, kwargs: dict, d_model: int) -> int | None:
+    for value in (*args, *kwargs.values()):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and value.dim() >= 2
+            and value.shape[-1] == d_model
+        ):
+            return value.shape[0]
+    return None
+
+
+def _splittable(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, *_PASSED)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_splittable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_splittable(v) for v in value.values())
+    return False
+
+
+def _split(value: Any, batch: int, k: int) -> list[Any]:
+    """k values: `value` cut along dim 0 where that is the batch, else `value` k times."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 0 and value.shape[0] == batch:
+            return list(value.tensor_split(k))
+        return [value] * k
+    if isinstance(value, (tuple, list)):
+        parts = [_split(v, batch, k) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(k)]
+    if isinstance(value, dict):
+        parts = {key: _split(v, batch, k) for key, v in value.items()}
+        return [{key: p[i] for key, p in parts.items()} for i in range(k)]
+    return [value] * k
+
+
+def _merge(outputs: list[Any]) -> Any:
+    """Concatenate per-sub-batch outputs along the batch dimension (recursing into tuples)."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise PlanError(
+                "tp_subbatches: a layer returned a scalar tensor, which cannot be merged over "
+                "sub-batches; use tp_subbatches=1 for this model"
+            )
+        return torch.cat(outputs, 0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_merge(list(parts)) for parts in zip(*outputs, strict=True))
+    if isinstance(first, dict):
+        return {key: _merge([o[key] for o in outputs]) for key in first}
+    return first
+
+
+class _SubBatched:
+    """Mixed into a layer's class: `forward` runs the original one per sub-batch, interleaved."""
+
+    _interlace_tp_subbatches: int
+    _interlace_d_model: int
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        base_forward = super().forward  # type: ignore[misc]
+        batch = _batch_size(args, kwargs, self._interlace_d_model)
+        k = min(self._interlace_tp_subbatches, batch or 0)
+        if k < 2 or not _splittable((args, kwargs)):
+            return base_forward(*args, **kwargs)
+        pieces = _split((args, kwargs), batch, k)
+        calls = [lambda a=a, kw=kw: base_forward(*a, **kw) for a, kw in pieces]
+        return _merge(run_interleaved(calls))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _sub_batched_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"SubBatched{cls.__name__}", (_SubBatched, cls), {})
+    return _CLASSES[cls]
+
+
+def check_tp_overlap(structure: Structure, subbatches: int, sequence_parallel: bool) -> None:
+    """Raise PlanError if `subbatches` > 1 cannot apply to a model of this structure."""
+    if subbatches < 2:
+        return
+    if sequence_parallel:
+        raise PlanError(
+            "tp_subbatches>1 overlaps the all-reduce of plain 1D TP; with sequence_parallel=True "
+            "use tp_subbatches=1"
+        )
+    if structure.experts:
+        raise PlanError(
+            f"tp_subbatches>1 would split the batch of the replicated Mixture-of-Experts layers "
+            f"{structure.experts} (routing capacity depends on it); use tp_subbatches=1"
+        )
+    if structure.layers is None and not (structure.attentions or structure.feed_forwards):
+        raise PlanError("tp_subbatches>1 found no transformer layer to overlap")
+
+
+def apply_tp_overlap(
+    model: nn.Module, structure: Structure, subbatches: int, sequence_parallel: bool = False
+) -> list[str]:
+    """Make every layer of the tensor-parallel `model` (already split by
+    `apply_tensor_parallel` with `structure`) run in `subbatches` interleaved sub-batches;
+    return the report line. Parameters and their names are unchanged (each layer's class gains
+    the sub-batching forward in place). `subbatches` < 2: nothing to do."""
+    check_tp_overlap(structure, subbatches, sequence_parallel)
+    if subbatches < 2:
+        return []
+    if structure.layers is not None:
+        count = len(model.get_submodule(structure.layers))
+        names = [f"{structure.layers}.{i}" for i in range(count)]
+    else:
+        names = [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]
+    for name in names:
+        module = model.get_submodule(name)
+        module.__class__ = _sub_batched_class(type(module))
+        module._interlace_tp_subbatches = subbatches
+        module._interlace_d_model = structure.d_model
+    where = structure.layers if structure.layers is not None else "attention and feed-forward"
+    return [
+        f"overlapped tensor parallel: {len(names)} modules ({where}) run {subbatches} "
+        "interleaved sub-batches, forward all-reduces async"
+    ]

@@ -1,0 +1,519 @@
+"""Analytical cost of one training step of a Plan: time per runtime op, and memory per device.
+
+Every term is named after the runtime operation the comm meter (`interlace.comm`) records, as
+`<group>.<op>` (`tp.all_reduce`, `dp.all_reduce`, `ep.all_to_all`, `ep_dp.all_reduce`, ...),
+plus `compute`, `recompute`, `pp.bubble` and `pp.send_recv`, so a prediction can be set beside a
+measurement term by term. The terms are seconds on the critical path; they sum to
+`step_seconds`. Parts hidden under computation are reported separately in `hidden`.
+
+**Work.** FLOPs per token of each layer, the embeddings and the head come from
+`interlace.parallel.pipeline.partition.model_shards` on a `meta`-device model (the same counts
+the pipeline partitioner balances): forward F, backward 2F, a checkpointed layer's recomputed
+forward +F. Time = FLOPs / (peak(dtype) · matmul_efficiency); tensor parallelism divides a
+layer's FLOPs by tp. Pipeline stages are the partitioner's `balance` of the layers; the slowest
+stage sets the pace.
+
+**Collectives** (ring algorithm, `interlace.comm.wire_bytes` factors): a collective over p ranks
+takes α·steps + wire_bytes / bandwidth, with steps = 2(p−1) for all_reduce and p−1 for the
+others (one α per ring step). A group is inside a node when all its ranks share one: in the
+mesh order (outermost first) pp, dp, tp, a group of `size` ranks whose consecutive members are
+`stride` ranks apart spans size·stride consecutive ranks, inside a node iff that is at most
+devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: stride tp·dp).
+
+- **tp** (1D, Megatron): per layer and micro-batch one all_reduce of the [tokens, d] activation
+  after attention and one after the MLP, the same two in backward, and two more when the layer
+  is recomputed (the replayed forward repeats them); the vocab-parallel embedding adds one
+  forward and the head's input one backward all_reduce. With `sequence_parallel` each becomes
+  an all_gather plus a reduce_scatter (same bytes). With `tp_subbatches` s > 1 the all-reduces
+  run under the other sub-batch's compute: exposed = max(comm / s, comm − layer compute).
+- **ep**: per MoE layer and micro-batch a dispatch and a combine all_to_all forward and both
+  again backward (+2 when recomputed) of tokens·top_k·capacity_factor rows of d (capacity 1 when
+  dropless), and one all_gather of the [E] routing counts. Expert load is assumed balanced.
+- **dp**: one all_reduce of the stage's non-expert fp32 gradients (expert gradients over
+  `ep_dp`). DDP (pp = 1, dp_overlap) runs buckets during backward: exposed = max(all_reduce −
+  backward, last bucket) — everything but the last bucket can hide behind the backward, the
+  last bucket cannot. With pp > 1 or dp_overlap=false, and for expert gradients, the
+  all-reduce follows the backward and is fully exposed.
+- **pp**: a micro-batch's time on the slowest stage T_mb (compute, recompute, tp and ep) runs
+  m times, and the bubble adds (p − 1)/v · T_mb (GPipe and 1F1B v = 1; interleaved v = 2), i.e. a
+  bubble fraction (p − 1)/(m + p − 1). The shifted schedule moves the recomputation of the last
+  min(m, p − 1) micro-batches into the bubble. `pp.send_recv`: each micro-batch's boundary
+  activation forward and its gradient backward, 2·(v·m + p − 1) transfers, not overlapped (an
+  upper bound).
+
+**Memory** per device, the largest stage: parameters × 16 bytes (fp32 weight, gradient, two
+AdamW moments), non-expert parameters divided by tp, expert parameters by tp·ep; activations:
+the layers' saved elements per token (from the shards, divided by tp; a checkpointed layer
+keeps its d-wide input, divided by tp only with sequence parallel) × tokens per micro-batch ×
+micro-batches in flight (`micro_batches_in_flight`: all m under GPipe, ≤ p − s under 1F1B)
+in the compute dtype, plus one layer's full activations as the working set of a recomputation.
+
+Not modelled yet: 3D tensor parallelism (tp3d), gradient compression (priced as dense), MoE load
+imbalance and balancing traffic, the optimizer step, kernel efficiency falling with small
+matmuls, and contention between groups sharing a link.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from interlace.comm import wire_bytes
+from interlace.errors import PlanError
+from interlace.models.config import GPTConfig
+from interlace.parallel.pipeline.partition import (
+    Shard,
+    balance,
+    checkpointed_count,
+    micro_batches_in_flight,
+)
+from interlace.plan import Plan
+from interlace.planner.hardware import Hardware
+
+STATE_BYTES = 16
+"""Bytes per parameter of fp32 weight, fp32 gradient and two fp32 AdamW moments."""
+GRAD_BYTES = 4
+"""Bytes per gradient element in the data parallel all-reduce (fp32)."""
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
+"""Bytes per activation element of each compute dtype."""
+INTERLEAVED_VIRTUAL_STAGES = 2
+"""Virtual stages per rank the interleaved schedule uses (torch's default here)."""
+
+
+# --------------------------------------------------------------------------- collectives
+def ring_steps(op: str, group_size: int) -> int:
+    """Messages one rank sends, in sequence, for `op` under the ring algorithm."""
+    if group_size <= 1:
+        return 0
+    return 2 * (group_size - 1) if op == "all_reduce" else group_size - 1
+
+
+def collective_seconds(
+    op: str, payload: float, group_size: int, inside_node: bool, hardware: Hardware
+) -> float:
+    """Seconds of one `op` on `payload` bytes (the tensor handed to the collective, as the comm
+    meter counts it) over `group_size` ranks: α·ring_steps + wire_bytes / bandwidth, on the
+    intra-node link when `inside_node`, else the inter-node one. 0 for a group of one."""
+    if group_size <= 1:
+        return 0.0
+    alpha, bandwidth = hardware.link(inside_node)
+    return alpha * ring_steps(op, group_size) + wire_bytes(op, payload, group_size) / bandwidth
+
+
+def group_inside_node(size: int, stride: int, devices_per_node: int) -> bool:
+    """True when a group of `size` ranks `stride` apart (in rank order) fits in one node."""
+    return size <= 1 or size * stride <= devices_per_node
+
+
+# --------------------------------------------------------------------------- model profile
+@dataclass(frozen=True, eq=False)
+class ModelProfile:
+    """Per-shard work and sizes of a GPTConfig at one sequence length (see module docstring).
+    Compared and hashed by identity: `model_profile` returns one object per config.
+
+    shards: (embed, layer_0 … layer_{L−1}, head) from `model_shards`; expert_params: expert
+    parameters inside each shard (0 outside MoE layers).
+    """
+
+    config: GPTConfig
+    shards: tuple[Shard, ...]
+    expert_params: tuple[int, ...]
+
+    @property
+    def layers(self) -> tuple[Shard, ...]:
+        """The layer shards, in order."""
+        return self.shards[1:-1]
+
+    @property
+    def forward_flops_per_token(self) -> float:
+        """Forward FLOPs of the whole model per token."""
+        return sum(s.flops for s in self.shards)
+
+
+@functools.lru_cache(maxsize=32)
+def model_profile(config: GPTConfig) -> ModelProfile:
+    """Build `config`'s GPT on the `meta` device (no memory) and cut it into shards."""
+    import torch
+
+    from interlace.models.gpt import GPT
+    from interlace.parallel.pipeline.partition import model_shards
+
+    with torch.device("meta"):
+        model = GPT(config)
+    shards = model_shards(model, config.seq_len)
+    d, f = config.d_model, config.ffn_dim
+    expert_mlp = 2 * d * f + (f + d) * int(config.bias)
+    moe = set(config.moe_layers)
+    experts = [0] + [
+        config.n_experts * expert_mlp if i in moe else 0 for i in range(len(shards) - 2)
+    ]
+    return ModelProfile(config, shards, (*experts, 0))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_bounds(profile: ModelProfile, pp: int, scale: float) -> tuple[tuple[int, int], ...]:
+    layers = profile.layers
+    counts = balance(
+        [s.flops for s in layers],
+        pp,
+        first_extra=3 * profile.shards[0].flops,
+        last_extra=3 * profile.shards[-1].flops,
+        stage_scale=[scale] * pp,
+    )
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return tuple(bounds)
+
+
+# --------------------------------------------------------------------------- result
+@dataclass(frozen=True)
+class PlanCost:
+    """The estimate for one plan: seconds per term (`breakdown`, summing to `step_seconds`),
+    seconds hidden under compute per term (`hidden`), throughput and memory per device."""
+
+    plan: Plan
+    hardware: str
+    n_devices: int
+    global_batch: int
+    seq_len: int
+    breakdown: dict[str, float]
+    hidden: dict[str, float]
+    step_seconds: float
+    tflops_per_device: float
+    mfu: float
+    memory_bytes_per_device: float
+    memory: dict[str, float] = field(default_factory=dict)
+    memory_limit_bytes: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        """True when the estimated memory fits the device."""
+        return self.memory_bytes_per_device <= self.memory_limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: the plan string and every number."""
+        return {
+            "plan": str(self.plan),
+            "hardware": self.hardware,
+            "n_devices": self.n_devices,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "step_seconds": self.step_seconds,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "memory_bytes_per_device": self.memory_bytes_per_device,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "breakdown": dict(self.breakdown),
+            "hidden": dict(self.hidden),
+            "memory": dict(self.memory),
+        }
+
+
+# --------------------------------------------------------------------------- estimate
+def recompute_ratios(plan: Plan) -> list[float]:
+    """Checkpointed fraction of each stage's layers: none 0, full 1, stage-aware 1 on every
+    stage but the last (Merak's rule with r0 = 1: the last stage runs each backward right after
+    its forward and keeps nothing extra)."""
+    if plan.recompute == "full":
+        return [1.0] * plan.pp
+    if plan.recompute == "stage-aware":
+        return [1.0] * (plan.pp - 1) + [0.0]
+    return [0.0] * plan.pp
+
+
+def micro_batch_rows(plan: Plan, global_batch: int) -> int:
+    """Sequences per micro-batch: global_batch / (dp · micro_batches); PlanError if uneven."""
+    if global_batch < 1:
+        raise PlanError(f"global batch {global_batch} must be a positive number of sequences")
+    if global_batch % plan.dp:
+        raise PlanError(
+            f"global batch {global_batch} is not divisible by dp={plan.dp}; use a global batch "
+            f"that is a multiple of {plan.dp}, e.g. {plan.dp * max(1, global_batch // plan.dp)}"
+        )
+    per_dp = global_batch // plan.dp
+    if per_dp % plan.micro_batches:
+        raise PlanError(
+            f"the {per_dp} sequences per data parallel rank (global batch {global_batch} / "
+            f"dp={plan.dp}) do not split into micro_batches={plan.micro_batches}; use "
+            f"micro_batches dividing {per_dp}"
+        )
+    rows = per_dp // plan.micro_batches
+    if plan.overlap.tp_subbatches > 1 and rows % plan.overlap.tp_subbatches:
+        raise PlanError(
+            f"tp_subbatches={plan.overlap.tp_subbatches} must divide the {rows} sequences of a "
+            "micro-batch"
+        )
+    return rows
+
+
+def estimate(
+    plan: Plan,
+    config: GPTConfig,
+    hardware: Hardware,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: str = "bf16",
+) -> PlanCost:
+    """Estimate one optimizer step of `config` under `plan` on `hardware` with `global_batch`
+    sequences of `seq_len` tokens (default: the config's). The plan's tp must be 1D (tp3d is
+    not priced yet). Raises PlanError for a batch the plan cannot split."""
+    if plan.tp3d is not None:
+        raise PlanError("the cost model prices 1D tensor parallelism only; use tp=..., not tp3d")
+    seq = seq_len or config.seq_len
+    profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
+    act_bytes = DTYPE_BYTES.get(dtype, 2)
+    rate = hardware.matmul_flops(dtype)
+    rows = micro_batch_rows(plan, global_batch)
+    tokens = rows * seq
+    tp, pp, m = plan.tp, plan.pp, plan.micro_batches
+    v = INTERLEAVED_VIRTUAL_STAGES if plan.schedule == "interleaved" else 1
+    stages = _stages(profile, pp, tuple(recompute_ratios(plan)))
+    dpn = hardware.devices_per_node
+    d = config.d_model
+
+    # ---- the slowest stage's work per micro-batch
+    slowest = max(stages, key=lambda st: 3 * st.flops + st.recompute_flops)
+    compute_mb = 3 * slowest.flops * tokens / tp / rate
+    recompute_mb = slowest.recompute_flops * tokens / tp / rate
+
+    # ---- tensor parallel collectives per micro-batch
+    tp_terms: dict[str, float] = {}
+    if tp > 1:
+        count = 4 * slowest.n_layers + 2 * slowest.n_checkpointed
+        count += int(slowest.has_embed) + int(slowest.has_head)
+        s = plan.overlap.tp_subbatches
+        payload = tokens * d * act_bytes / s
+        inside = group_inside_node(tp, 1, dpn)
+        if plan.sequence_parallel:
+            shard = payload / tp
+            tp_terms["tp.all_gather"] = (
+                count * s * collective_seconds("all_gather", shard, tp, inside, hardware)
+            )
+            tp_terms["tp.reduce_scatter"] = (
+                count * s * collective_seconds("reduce_scatter", payload, tp, inside, hardware)
+            )
+        else:
+            tp_terms["tp.all_reduce"] = (
+                count * s * collective_seconds("all_reduce", payload, tp, inside, hardware)
+            )
+    tp_hidden: dict[str, float] = {}
+    if plan.overlap.tp_subbatches > 1 and tp_terms:
+        total = sum(tp_terms.values())
+        s = plan.overlap.tp_subbatches
+        exposed = max(total / s, total - compute_mb - recompute_mb)
+        for key, value in tp_terms.items():
+            tp_hidden[key] = value * (1 - exposed / total)
+            tp_terms[key] = value * exposed / total
+
+    # ---- expert parallel collectives per micro-batch
+    ep_terms: dict[str, float] = {}
+    if plan.ep > 1 and slowest.n_moe:
+        inside = group_inside_node(plan.ep, tp, dpn)
+        capacity = 1.0 if config.dropless else config.capacity_factor
+        rows_sent = tokens * config.top_k * capacity
+        a2a_count = slowest.n_moe * 4 + 2 * slowest.n_moe_checkpointed
+        ep_terms["ep.all_to_all"] = a2a_count * collective_seconds(
+            "all_to_all", rows_sent * d * act_bytes, plan.ep, inside, hardware
+        )
+        ep_terms["ep.all_gather"] = slowest.n_moe * collective_seconds(
+            "all_gather", 8 * config.n_experts, plan.ep, inside, hardware
+        )
+
+    stage_mb = compute_mb + recompute_mb + sum(tp_terms.values()) + sum(ep_terms.values())
+    recompute_runs = m
+    if plan.schedule == "shifted" and pp > 1:
+        recompute_runs = m - min(m, pp - 1)
+
+    breakdown: dict[str, float] = {
+        "compute": m * compute_mb,
+        "recompute": recompute_runs * recompute_mb,
+    }
+    breakdown.update({k: m * t for k, t in tp_terms.items()})
+    breakdown.update({k: m * t for k, t in ep_terms.items()})
+    hidden = {k: m * t for k, t in tp_hidden.items()}
+    if pp > 1:
+        breakdown["pp.bubble"] = (pp - 1) / v * stage_mb
+        inside = group_inside_node(pp, tp * plan.dp, dpn)
+        alpha, bandwidth = hardware.link(inside)
+        one = alpha + tokens * d * act_bytes / bandwidth
+        breakdown["pp.send_recv"] = 2 * (v * m + pp - 1) * one
+
+    # ---- data parallel gradient all-reduce
+    dense_params = max(st.params - st.expert_params for st in stages) / tp
+    if plan.dp > 1:
+        grad = dense_params * GRAD_BYTES
+        inside = group_inside_node(plan.dp, tp, dpn)
+        full = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
+        if plan.overlap.dp_overlap and pp == 1:
+            bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
+            last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
+            backward = 2 / 3 * breakdown["compute"]
+            exposed = max(full - backward, last)
+            breakdown["dp.all_reduce"] = exposed
+            hidden["dp.all_reduce"] = full - exposed
+        else:
+            breakdown["dp.all_reduce"] = full
+    ep_dp = plan.dp // plan.ep
+    expert_params = max(st.expert_params for st in stages) / (tp * plan.ep)
+    if ep_dp > 1 and expert_params:
+        inside = group_inside_node(ep_dp, tp * plan.ep, dpn)
+        breakdown["ep_dp.all_reduce"] = collective_seconds(
+            "all_reduce", expert_params * GRAD_BYTES, ep_dp, inside, hardware
+        )
+
+    # ---- memory
+    memory = max(
+        (
+            _stage_memory(st, plan, tokens, act_bytes, d, profile, s, v)
+            for s, st in enumerate(stages)
+        ),
+        key=lambda mem: mem["total"],
+    )
+
+    step = sum(breakdown.values())
+    n_devices = plan.world_size
+    model_flops = 3 * profile.forward_flops_per_token * global_batch * seq
+    tflops = model_flops / step / n_devices / 1e12
+    return PlanCost(
+        plan=plan,
+        hardware=hardware.name,
+        n_devices=n_devices,
+        global_batch=global_batch,
+        seq_len=seq,
+        breakdown=breakdown,
+        hidden=hidden,
+        step_seconds=step,
+        tflops_per_device=tflops,
+        mfu=tflops * 1e12 / hardware.peak(dtype),
+        memory_bytes_per_device=memory.pop("total"),
+        memory=memory,
+        memory_limit_bytes=hardware.memory_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What one pipeline stage holds and runs (FLOPs per token, forward)."""
+
+    shards: tuple[Shard, ...]
+    checkpointed: tuple[bool, ...]
+    expert_params: int
+    has_embed: bool
+    has_head: bool
+    n_moe: int
+    n_moe_checkpointed: int
+
+    @functools.cached_property
+    def flops(self) -> float:
+        return sum(s.flops for s in self.shards)
+
+    @functools.cached_property
+    def recompute_flops(self) -> float:
+        return sum(s.flops for s, c in zip(self.shards, self.checkpointed, strict=True) if c)
+
+    @functools.cached_property
+    def params(self) -> int:
+        return sum(s.params for s in self.shards)
+
+    @functools.cached_property
+    def n_layers(self) -> int:
+        return sum(s.kind == "layer" for s in self.shards)
+
+    @functools.cached_property
+    def n_checkpointed(self) -> int:
+        return sum(self.checkpointed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stages(profile: ModelProfile, pp: int, ratios: tuple[float, ...]) -> tuple[_Stage, ...]:
+    """The pp stages of the partitioner's balanced split, with `ratios` checkpointed."""
+    bounds = _stage_bounds(profile, pp, 3.0 + max(ratios))
+    return tuple(_stage(profile, bounds, s, ratios[s]) for s in range(pp))
+
+
+def _stage(
+    profile: ModelProfile, bounds: tuple[tuple[int, int], ...], s: int, ratio: float
+) -> _Stage:
+    start, stop = bounds[s]
+    n_ckpt = checkpointed_count(ratio, stop - start)
+    layer_ckpt = [i < n_ckpt for i in range(stop - start)]
+    first, last = s == 0, s == len(bounds) - 1
+    shards = (
+        ((profile.shards[0],) if first else ())
+        + profile.layers[start:stop]
+        + ((profile.shards[-1],) if last else ())
+    )
+    checkpointed = (*([False] if first else []), *layer_ckpt, *([False] if last else []))
+    experts = profile.expert_params[1 + start : 1 + stop]
+    moe = [e > 0 for e in experts]
+    return _Stage(
+        shards=shards,
+        checkpointed=tuple(checkpointed),
+        expert_params=sum(experts),
+        has_embed=first,
+        has_head=last,
+        n_moe=sum(moe),
+        n_moe_checkpointed=sum(a and b for a, b in zip(moe, layer_ckpt, strict=True)),
+    )
+
+
+def _stage_memory(
+    stage: _Stage,
+    plan: Plan,
+    tokens: int,
+    act_bytes: int,
+    d: int,
+    profile: ModelProfile,
+    s: int,
+    v: int,
+) -> dict[str, float]:
+    tp = plan.tp
+    params = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
+    boundary = d / tp if plan.sequence_parallel else d
+    saved = sum(
+        boundary if ckpt else shard.activations / tp
+        for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
+    )
+    if plan.pp > 1:
+        in_flight = micro_batches_in_flight(plan.schedule, s, plan.pp, plan.micro_batches, v)
+    else:
+        in_flight = 1.0
+    activations = in_flight * tokens * saved * act_bytes
+    working = 0.0
+    if stage.n_checkpointed:
+        widest = max(
+            sh.activations for sh, c in zip(stage.shards, stage.checkpointed, strict=True) if c
+        )
+        working = tokens * widest / tp * act_bytes
+    state = params * STATE_BYTES
+    return {
+        "total": state + activations + working,
+        "params_grads_optimizer": state,
+        "activations": activations,
+        "recompute_working_set": working,
+        "micro_batches_in_flight": in_flight,
+        "stage": float(s),
+    }
+
+
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Share of a pipelined step spent idle: (p − 1)/(v·m + p − 1) (1F1B/GPipe v = 1)."""
+    bubble = (pp - 1) / virtual_stages
+    return bubble / (micro_batches + bubble) if pp > 1 else 0.0
+
+
+__all__ = [
+    "ModelProfile",
+    "PlanCost",
+    "bubble_fraction",
+    "collective_seconds",
+    "estimate",
+    "group_inside_node",
+    "micro_batch_rows",
+    "model_profile",
+    "recompute_ratios",
+    "ring_steps",
+]

@@ -1,0 +1,200 @@
+"""Hardware descriptions the cost model prices plans on: compute, memory and two link levels.
+
+A cluster is nodes of `devices_per_node` identical devices. Devices of one node talk over the
+intra-node link (NVLink, Infinity Fabric, PCIe); devices of different nodes over the network.
+Each link is priced α + β·bytes (α: latency of one message, β = 1 / bandwidth), with bandwidth
+given **per device and per direction**: `inter_node_bandwidth` is one device's share of its
+node's network (a node with 8 × 200 Gb/s NICs and 8 GPUs gives each 25 GB/s).
+
+The presets hold nominal datasheet numbers (dense tensor-core peaks, link rates) and a single
+`matmul_efficiency`, the fraction of peak a large GEMM reaches. They are starting points for
+planning, not measurements: `local(...)` builds a Hardware from numbers measured on the machine
+at hand (a matmul benchmark, a link benchmark).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from interlace.errors import ConfigError
+
+GB = 1e9
+"""Bytes in a (decimal) gigabyte, the unit of link datasheets."""
+GIB = 2**30
+"""Bytes in a gibibyte, the unit device memory is usually quoted in."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One cluster's devices and links.
+
+    peak_flops: dense peak FLOP/s per device for each dtype name ("bf16", "fp16", "tf32",
+        "fp32"); matmul_efficiency: fraction of that peak a large matmul reaches (0, 1].
+    memory_bytes: device memory; devices_per_node: devices sharing the fast intra-node link.
+    intra_/inter_node_bandwidth: bytes/s one device sends per direction on that link;
+    intra_/inter_node_latency: seconds per message (α) on that link.
+    """
+
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)
+    matmul_efficiency: float
+    memory_bytes: float
+    devices_per_node: int
+    intra_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_latency: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ConfigError(
+                f"{self.name}: matmul_efficiency={self.matmul_efficiency} must be in (0, 1], "
+                "e.g. 0.7"
+            )
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ConfigError(
+                f"{self.name}: devices_per_node={self.devices_per_node!r} must be a positive "
+                "integer, e.g. 8"
+            )
+        positive = {
+            "memory_bytes": self.memory_bytes,
+            "intra_node_bandwidth": self.intra_node_bandwidth,
+            "inter_node_bandwidth": self.inter_node_bandwidth,
+            **{f"peak_flops[{k}]": v for k, v in self.peak_flops.items()},
+        }
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{self.name}: {key}={value} must be > 0")
+        for key in ("intra_node_latency", "inter_node_latency"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{self.name}: {key}={getattr(self, key)} must be >= 0")
+        if not self.peak_flops:
+            raise ConfigError(f"{self.name}: peak_flops needs at least one dtype, e.g. bf16")
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s of one device in `dtype`; ConfigError naming the known dtypes."""
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"hardware {self.name} has no peak for dtype {dtype!r}; choose one of: "
+                f"{', '.join(self.peak_flops)}"
+            )
+        return self.peak_flops[dtype]
+
+    def matmul_flops(self, dtype: str) -> float:
+        """FLOP/s a device sustains on large matmuls: peak(dtype) · matmul_efficiency."""
+        return self.peak(dtype) * self.matmul_efficiency
+
+    def link(self, inside_node: bool) -> tuple[float, float]:
+        """(α seconds per message, bandwidth bytes/s) of the intra- or inter-node link."""
+        if inside_node:
+            return self.intra_node_latency, self.intra_node_bandwidth
+        return self.inter_node_latency, self.inter_node_bandwidth
+
+
+def _a100_peaks() -> dict[str, float]:
+    return {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
+
+
+PRESETS: dict[str, Hardware] = {
+    # 8 × A100-SXM4-80GB, NVLink 3 (600 GB/s both directions), 8 × 200 Gb/s InfiniBand.
+    "dgx-a100": Hardware(
+        name="dgx-a100",
+        peak_flops=_a100_peaks(),
+        matmul_efficiency=0.75,
+        memory_bytes=80 * GIB,
+        devices_per_node=8,
+        intra_node_bandwidth=300 * GB,
+        intra_node_latency=5e-6,
+        inter_node_bandwidth=25 * GB,
+        inter_node_latency=10e-6,
+    ),
+    # 4 × A100-SXM4-40GB per node, NVLink 3, 4 × 25 GB/s Slingshot-11 NICs per node.
+    "perlmutter": Hardware(
+        name="perlmutter",
+        peak_flops=_a100_peaks(),
+        matmul_efficiency=0.75,
+        memory_bytes=40 * GIB,
+        devices_per_node=4,
+        intra_node_bandwidth=300 * GB,
+        intra_node_latency=5e-6,
+        inter_node_bandwidth=25 * GB,
+        inter_node_latency=10e-6,
+    ),
+    # 8 × H100-SXM5-80GB, NVLink 4 (900 GB/s both directions), 8 × 400 Gb/s InfiniBand.
+    "dgx-h100": Hardware(
+        name="dgx-h100",
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+        matmul_efficiency=0.7,
+        memory_bytes=80 * GIB,
+        devices_per_node=8,
+        intra_node_bandwidth=450 * GB,
+        intra_node_latency=4e-6,
+        inter_node_bandwidth=50 * GB,
+        inter_node_latency=8e-6,
+    ),
+    # Frontier node: 4 × MI250X = 8 GCDs (each one device, 64 GB HBM), Infinity Fabric between
+    # GCDs (50 GB/s per direction on a single link), 4 × 25 GB/s Slingshot-11 per node.
+    "frontier": Hardware(
+        name="frontier",
+        peak_flops={"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},
+        matmul_efficiency=0.55,
+        memory_bytes=64 * GIB,
+        devices_per_node=8,
+        intra_node_bandwidth=50 * GB,
+        intra_node_latency=8e-6,
+        inter_node_bandwidth=12.5 * GB,
+        inter_node_latency=12e-6,
+    ),
+    # 8 × RTX 3090 (24 GB) on PCIe 4.0 per node (no NVLink), one 100 Gb/s InfiniBand NIC.
+    "rtx3090-ib": Hardware(
+        name="rtx3090-ib",
+        peak_flops={"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
+        matmul_efficiency=0.65,
+        memory_bytes=24 * GIB,
+        devices_per_node=8,
+        intra_node_bandwidth=16 * GB,
+        intra_node_latency=10e-6,
+        inter_node_bandwidth=12.5 * GB / 8,
+        inter_node_latency=15e-6,
+    ),
+}
+
+
+def local(
+    matmul_flops: float,
+    link_bandwidth: float,
+    *,
+    memory_bytes: float = 16 * GIB,
+    devices_per_node: int = 1,
+    inter_node_bandwidth: float | None = None,
+    latency: float = 50e-6,
+    dtype: str = "fp32",
+    name: str = "local",
+) -> Hardware:
+    """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
+    `dtype` (so matmul_efficiency is 1), `link_bandwidth` bytes/s per direction between two
+    devices of a node; `inter_node_bandwidth` defaults to the same link, `latency` is α of
+    both links."""
+    return Hardware(
+        name=name,
+        peak_flops={dtype: float(matmul_flops)},
+        matmul_efficiency=1.0,
+        memory_bytes=memory_bytes,
+        devices_per_node=devices_per_node,
+        intra_node_bandwidth=float(link_bandwidth),
+        intra_node_latency=latency,
+        inter_node_bandwidth=float(
+            link_bandwidth if inter_node_bandwidth is None else inter_node_bandwidth
+        ),
+        inter_node_latency=latency,
+    )
+
+
+def get_hardware(name: str) -> Hardware:
+    """The preset named `name`; ConfigError listing the preset names otherwise."""
+    if name not in PRESETS:
+        raise ConfigError(
+            f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)} "
+            "(or build one from measurements with interlace.planner.hardware.local)"
+        )
+    return PRESETS[name]

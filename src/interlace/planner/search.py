@@ -1,0 +1,216 @@
+"""Enumerate the plans for N devices, keep the valid ones that fit in memory, rank by step time.
+
+Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.planner.cost`):
+
+    tp · pp · dp = N, tp and pp powers of two (pp ≤ layers), ep a power of two dividing dp and
+    n_experts (MoE models); with pp > 1: micro_batches a power of two (or the whole per-rank
+    batch) dividing global_batch / dp, schedule gpipe, 1f1b, interleaved or shifted, recompute
+    none or full; with tp > 1: tp_subbatches 1 or 2 (overlapped tensor parallelism).
+
+Each candidate passes the Plan's own checks (values, world size, divisibility by the model's
+heads/widths/vocabulary, what the pipeline schedule can run). The runtime does not yet combine
+pipeline with tensor or expert parallelism, nor run tp_subbatches > 1; `Plan.validate` rejects
+those as "not implemented yet". By default the search prices them anyway (they are the layouts
+large models need); `runnable_only=True` keeps to what `Plan.validate` accepts today.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+from interlace.errors import PlanError
+from interlace.models.config import GPTConfig
+from interlace.plan import Overlap, Plan
+from interlace.planner.cost import PlanCost, estimate
+from interlace.planner.hardware import GIB, Hardware
+
+SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
+"""Pipeline schedules the search tries."""
+SEARCH_RECOMPUTE = ("none", "full")
+"""Recompute modes the search tries (with pp > 1)."""
+NOT_IMPLEMENTED = "not implemented yet"
+"""The phrase by which `Plan.validate` marks a valid but not yet runnable plan."""
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, … up to `limit` inclusive."""
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool = False) -> None:
+    """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
+    `runnable_only` this is `Plan.validate`; otherwise plans the runtime cannot run yet but
+    the Plan can describe (pp with tp/ep, tp_subbatches > 1, pp with MoE) pass."""
+    try:
+        plan.validate(n_devices, spec)
+        return
+    except PlanError as exc:
+        if runnable_only or NOT_IMPLEMENTED not in str(exc):
+            raise
+    # `validate` stops at its "not implemented" check: run the checks that follow it.
+    if plan.world_size != n_devices:
+        raise PlanError(f"plan '{plan}' needs {plan.world_size} ranks, not {n_devices}")
+    try:
+        plan._check_spec(spec)
+    except PlanError as exc:
+        if NOT_IMPLEMENTED not in str(exc):
+            raise
+        # pp with a MoE model: the pipeline check stops early; check the schedule itself.
+        from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
+
+        check_schedule(
+            plan.schedule,
+            plan.pp,
+            plan.micro_batches,
+            spec.n_layers,
+            virtual_stages_for(plan.schedule, None),
+        )
+        if plan.ep > 1 and spec.n_experts % plan.ep:
+            raise PlanError(
+                f"n_experts={spec.n_experts} is not divisible by ep={plan.ep}"
+            ) from None
+
+
+def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
+    """Every plan of the search space (see the module docstring) whose batch splits evenly;
+    not yet checked against the model."""
+    widths = (spec.n_heads, spec.d_model, spec.ffn_dim, spec.vocab_size)
+    for tp in powers_of_two(n_devices):
+        if any(w % tp for w in widths):
+            continue  # Plan.validate would refuse it: skip the (slow) refusal
+        for pp in powers_of_two(min(n_devices // tp, spec.n_layers)):
+            if n_devices % (tp * pp):
+                continue
+            dp = n_devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            eps = [e for e in powers_of_two(dp) if spec.n_experts and spec.n_experts % e == 0]
+            for ep in eps or [1]:
+                for pipeline in _pipeline_options(pp, per_dp):
+                    for subbatches in (1, 2) if tp > 1 else (1,):
+                        rows = per_dp // pipeline["micro_batches"]
+                        if rows % subbatches:
+                            continue
+                        yield Plan(
+                            dp=dp,
+                            pp=pp,
+                            tp=tp,
+                            ep=ep,
+                            overlap=Overlap(tp_subbatches=subbatches),
+                            **pipeline,
+                        )
+
+
+def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
+    if pp == 1:
+        yield {"micro_batches": 1}
+        return
+    counts = sorted({m for m in powers_of_two(per_dp) if per_dp % m == 0} | {per_dp})
+    for m in counts:
+        for schedule in SEARCH_SCHEDULES:
+            for recompute in SEARCH_RECOMPUTE:
+                if schedule == "shifted" and recompute == "none":
+                    continue  # without recomputation the shifted schedule is 1F1B
+                yield {"micro_batches": m, "schedule": schedule, "recompute": recompute}
+
+
+def pad_vocab(spec: GPTConfig, multiple: int) -> GPTConfig:
+    """`spec` with its vocabulary rounded up to a multiple of `multiple` (the usual padding that
+    lets tensor parallelism split the embedding, e.g. 50257 → 50304 for 128); unchanged when
+    it already is one or `multiple` ≤ 1."""
+    if multiple <= 1 or spec.vocab_size % multiple == 0:
+        return spec
+    return replace(spec, vocab_size=-(-spec.vocab_size // multiple) * multiple)
+
+
+def search(
+    spec: GPTConfig,
+    hardware: Hardware,
+    n_devices: int,
+    global_batch: int,
+    seq_len: int | None = None,
+    *,
+    dtype: str = "bf16",
+    runnable_only: bool = False,
+    memory_fraction: float = 0.9,
+    vocab_multiple: int = 1,
+) -> list[PlanCost]:
+    """Valid plans of `spec` on `n_devices` of `hardware` that fit in `memory_fraction` of
+    device memory, fastest first. `vocab_multiple` > 1 prices the model with its vocabulary
+    padded (`pad_vocab`) so that tp can split it. PlanError naming the fix when none is valid
+    or none fits."""
+    spec = pad_vocab(spec, vocab_multiple)
+    if not isinstance(n_devices, int) or n_devices < 1:
+        raise PlanError(f"number of devices {n_devices!r} must be a positive integer, e.g. 8")
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global batch {global_batch!r} must be a positive integer, e.g. 512")
+    if seq_len is not None and seq_len != spec.seq_len:
+        spec = replace(spec, seq_len=seq_len)
+    limit = hardware.memory_bytes * memory_fraction
+    valid: list[PlanCost] = []
+    fitting: list[PlanCost] = []
+    for plan in candidate_plans(n_devices, spec, global_batch):
+        try:
+            check_plan(plan, n_devices, spec, runnable_only)
+        except PlanError:
+            continue
+        cost = estimate(plan, spec, hardware, global_batch, dtype=dtype)
+        valid.append(cost)
+        if cost.memory_bytes_per_device <= limit:
+            fitting.append(cost)
+    if not valid:
+        raise PlanError(
+            f"no valid plan for {n_devices} devices with global batch {global_batch}: the batch "
+            f"must be divisible by dp (a power of two dividing {n_devices}) and tp must divide "
+            f"n_heads={spec.n_heads}; use a global batch that is a multiple of {n_devices}"
+            + ("" if not runnable_only else ", or drop runnable_only")
+        )
+    if not fitting:
+        least = min(valid, key=lambda c: c.memory_bytes_per_device)
+        raise PlanError(
+            f"no plan fits in memory: the smallest needs "
+            f"{least.memory_bytes_per_device / GIB:.1f} GiB per device ({least.plan}) but "
+            f"{hardware.name} offers {limit / GIB:.1f} GiB ({memory_fraction:.0%} of "
+            f"{hardware.memory_bytes / GIB:.0f} GiB); use more devices, a smaller model or a "
+            "smaller global batch"
+        )
+    fitting.sort(key=lambda c: (c.step_seconds, c.memory_bytes_per_device))
+    return fitting
+
+
+def explain(cost: PlanCost, terms: int = 3) -> str:
+    """Why this plan costs what it costs: its dominant terms with their share of the step,
+    what was hidden under compute, and its memory against the device's."""
+    step = cost.step_seconds
+    ranked = sorted(cost.breakdown.items(), key=lambda kv: -kv[1])
+    parts = [f"{name} {seconds / step:.0%}" for name, seconds in ranked[:terms] if seconds > 0]
+    lines = [
+        f"{cost.plan}: {step:.3g} s per step, {cost.tflops_per_device:.0f} TFLOP/s per device "
+        f"(MFU {cost.mfu:.0%}); dominated by {', '.join(parts)}."
+    ]
+    comm = {k: v for k, v in cost.breakdown.items() if "." in k and k != "pp.bubble"}
+    if comm:
+        name, seconds = max(comm.items(), key=lambda kv: kv[1])
+        lines.append(f"Largest exposed communication: {name} ({seconds:.3g} s).")
+    if cost.breakdown.get("pp.bubble"):
+        p, m = cost.plan.pp, cost.plan.micro_batches
+        lines.append(
+            f"Pipeline bubble: {p} stages, {m} micro-batches, schedule {cost.plan.schedule}."
+        )
+    for name, seconds in sorted(cost.hidden.items()):
+        if seconds > 0:
+            lines.append(f"{name}: {seconds:.3g} s hidden under computation.")
+    mem = cost.memory
+    lines.append(
+        f"Memory {cost.memory_bytes_per_device / GIB:.1f} of {cost.memory_limit_bytes / GIB:.0f}"
+        f" GiB per device: {mem.get('params_grads_optimizer', 0) / GIB:.1f} GiB parameters, "
+        f"gradients and optimizer state, {mem.get('activations', 0) / GIB:.1f} GiB activations "
+        f"({mem.get('micro_batches_in_flight', 1):g} micro-batches in flight)."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""Overlapped tensor parallelism (`tp_subbatches`): parallel equals serial, same bytes.
+
+Every rank builds the serial model from one seed, splits a copy with 1D tensor parallelism and
+makes its layers run k interleaved sub-batches; the loss and every gradient must equal the
+serial model's in fp32, and the metered all-reduce bytes must equal plain TP's.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from interlace import comm
+from interlace.errors import PlanError
+from interlace.mesh import build_mesh
+from interlace.models import build_model, get_preset
+from interlace.parallel import find_structure, shard_of, shard_spec, tp_comm
+from interlace.parallel.tensor_overlap import apply_tp_overlap, run_interleaved
+from interlace.parallelize import parallelize
+from interlace.plan import Overlap, Plan
+from interlace.testing import run_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+try:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+except ImportError:  # the hf extra is optional
+    transformers = None
+needs_hf = pytest.mark.skipif(transformers is None, reason="needs the hf extra (transformers)")
+
+B, T, VOCAB, D, LAYERS = 4, 16, 256, 64, 2
+ATOL = 1e-5
+
+
+def _build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return build_model(get_preset("tiny"))
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=D, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _loss(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if kind == "gpt":
+        return model(tokens[:, :-1], tokens[:, 1:])[1]
+    return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1], use_cache=False).loss
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _serial(kind: str) -> tuple[nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    model = _build(kind)
+    initial = copy.deepcopy(model)
+    loss = _loss(kind, model, _tokens())
+    loss.backward()
+    return initial, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _parallel_step(model: nn.Module, kind: str, tp: int, k: int) -> tuple[torch.Tensor, dict]:
+    """Loss and metered all-reduces of one forward + backward under tp (k > 1: overlapped)."""
+    structure = find_structure(model)
+    plan = Plan(tp=tp)
+    mesh = build_mesh(plan)
+    parallelize(model, plan, mesh)
+    report = apply_tp_overlap(model, structure, k)
+    assert (len(report) == 1) == (k > 1), report
+    comm.meter.reset()
+    loss = _loss(kind, model, _tokens())
+    loss.backward()
+    return loss.detach(), comm.meter.snapshot()["tp"]["all_reduce"]
+
+
+def _compare(model: nn.Module, loss_ref, grads_ref, kind: str, tp: int, k: int) -> dict:
+    plain = copy.deepcopy(model)
+    loss, reduced = _parallel_step(model, kind, tp, k)
+    _, plain_reduced = _parallel_step(plain, kind, tp, 1)
+    group = build_mesh(Plan(tp=tp)).group("tp")
+    errors = {"loss": (loss - loss_ref).abs().item()}
+    for name, p in model.named_parameters():
+        spec = shard_spec(p)
+        ref = grads_ref[name]
+        ref = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
+        errors[f"grad {name}"] = (p.grad - ref).abs().max().item()
+    return {"errors": errors, "reduced": reduced, "plain": plain_reduced}
+
+
+CASES = [
+    ("gpt", 2, 2),
+    ("gpt", 2, 4),
+    ("gpt", 4, 2),
+    ("gpt", 4, 4),
+    pytest.param("gpt2", 2, 2, marks=needs_hf),
+    pytest.param("llama", 2, 2, marks=needs_hf),
+    pytest.param("llama", 2, 4, marks=needs_hf),
+]
+
+
+@pytest.mark.parametrize(("kind", "tp", "k"), CASES)
+def test_overlapped_tp_equals_serial_with_the_same_bytes(kind, tp, k):
+    model, loss, grads = _serial(kind)
+    for rank, result in enumerate(run_ranks(tp, _compare, model, loss, grads, kind, tp, k)):
+        bad = {name: e for name, e in result["errors"].items() if not e <= ATOL}
+        assert not bad, f"rank {rank} differs from serial: {bad}"
+        got, plain = result["reduced"], result["plain"]
+        assert got["bytes"] == plain["bytes"]
+        # every all-reduce inside a layer (attention and MLP, forward and backward) is k-fold
+        assert got["calls"] - plain["calls"] == (k - 1) * 4 * LAYERS
+
+
+def test_interleaved_calls_take_turns_at_each_reduction():
+    log: list[str] = []
+
+    def call(i: int) -> int:
+        log.append(f"attn {i}")
+        tp_comm._yield_point.switch()  # what reduce_from_tp does after issuing its all-reduce
+        log.append(f"mlp {i}")
+        tp_comm._yield_point.switch()
+        log.append(f"done {i}")
+        return i
+
+    assert run_interleaved([lambda i=i: call(i) for i in range(3)]) == [0, 1, 2]
+    assert log == [f"{part} {i}" for part in ("attn", "mlp", "done") for i in range(3)]
+    with pytest.raises(ValueError, match="boom"):
+        run_interleaved([lambda: None, lambda: int("boom")])
+
+
+def test_refuses_sequence_parallel_and_moe():
+    with pytest.raises(PlanError, match="sequence_parallel"):
+        apply_tp_overlap(_build("gpt"), find_structure(_build("gpt")), 2, sequence_parallel=True)
+    moe = build_model(get_preset("moe-tiny"))
+    with pytest.raises(PlanError, match="Mixture-of-Experts"):
+        apply_tp_overlap(moe, find_structure(moe), 2)
+
+
+def _through_parallelize(model: nn.Module, plan: Plan) -> list[str]:
+    return parallelize(model, plan, build_mesh(plan)).parallel_report
+
+
+def _refusal(plan: Plan) -> str:
+    with pytest.raises(PlanError) as err:
+        parallelize(_build("gpt"), plan, build_mesh(plan))
+    return str(err.value)
+
+
+def test_parallelize_refuses_tp_subbatches_without_tp():
+    message = run_ranks(1, _refusal, Plan(overlap=Overlap(tp_subbatches=2)))[0]
+    assert "use it with tp > 1" in message
+
+
+def test_parallelize_applies_tp_subbatches():
+    try:
+        plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2))
+    except PlanError as exc:
+        pytest.skip(f"the Plan does not accept tp_subbatches yet: {exc}")
+    report = run_ranks(2, _through_parallelize, _build("gpt"), plan)[0]
+    assert any(line.startswith("overlapped tensor parallel: 2 modules") for line in report)
+
+
+def _bench_rank(options: dict) -> dict:
+    from interlace.bench.base import RankContext
+    from interlace.bench.tp import run_rank
+    from interlace.comm import Group
+
+    group = Group("world", dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    return run_rank(RankContext(group, None, "lo", options))
+
+
+def test_tp_benchmark_runs_every_mode_on_the_same_losses_and_bytes():
+    from interlace.bench.tp import BENCHMARK
+
+    tiny = {"seq_len": 32, "d_model": 64, "heads": 4, "layers": 2, "batch": 4, "steps": 1}
+    options = {**BENCHMARK.options, **tiny}
+    BENCHMARK.check(options)
+    result = run_ranks(2, _bench_rank, options)[0]
+    modes = result["modes"]
+    assert set(modes) == {"plain_tp", "overlapped_tp_k2", "dtensor_tp"}
+    losses = [m["loss"] for m in modes.values()]
+    assert max(losses) - min(losses) < 1e-4, losses
+    plain, over = modes["plain_tp"], modes["overlapped_tp_k2"]
+    assert plain["meter_all_reduce_bytes"] == over["meter_all_reduce_bytes"] > 0
+    assert "Megatron-Core not run" in result["peers_skipped"]["megatron_core"]
+    doc = {"result": result, "options": options, "environment": {"ranks": 2, "network": "lo"}}
+    assert "overlapped_tp_k2" in BENCHMARK.table(doc) and "x)" in BENCHMARK.headline(doc)
