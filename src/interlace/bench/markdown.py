@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from interlace.bench import REGISTRY, get_benchmark
+from interlace.bench.base import Benchmark
 
 INTRO = """# Benchmarks
 
@@ -28,30 +29,35 @@ def render(results: Path, page: Path) -> str:
     for name in REGISTRY:
         bench = get_benchmark(name)
         sections.append(f"## {name}\n\n{bench.describe}\n")
-        file = results / f"{name}.json"
-        if not file.exists():
+        files = [results / f"{name}.json", *sorted(results.glob(f"*/{name}.json"))]
+        files = [file for file in files if file.exists()]
+        if not files:
             sections.append("_Not measured yet._\n")
-            continue
-        doc = json.loads(file.read_text())
-        env = doc["environment"]
-        sections.append(
-            f"Command:\n\n```\n{doc['command']}\n```\n\n"
-            f"Measured {env['started']} on {env['network']}, {env['ranks']} rank(s), "
-            f"{env['cpus']} CPU cores, torch {env['torch']}, interlace {env['interlace']}.\n"
-        )
-        if bench.headline is not None:
-            sections.append(f"**Result:** {bench.headline(doc)}.\n")
-        sections.append(f"```\n{bench.table(doc)}\n```\n")
-        if doc.get("spread"):
-            worst_key, worst = max(doc["spread"].items(), key=lambda kv: kv[1])
-            sections.append(
-                f"Reproducibility: {len(doc['repeats'])} runs; the largest spread "
-                f"(max − min) / median of the key figures is {worst:.1%} "
-                f"({worst_key}).\n"
-            )
-        png = Path(os.path.relpath(results / f"{name}.png", page.parent)).as_posix()
-        sections.append(f"![{name}]({png})\n")
+        for file in files:
+            sections.append(_section(json.loads(file.read_text()), bench, file, page))
     return "\n".join(sections)
+
+
+def _section(doc: dict, bench: Benchmark, file: Path, page: Path) -> str:
+    """One measurement: command, environment, headline, table, spread and picture."""
+    env = doc["environment"]
+    parts = [
+        f"Command:\n\n```\n{doc['command']}\n```\n\n"
+        f"Measured {env['started']} on {env['network']}, {env['ranks']} rank(s), "
+        f"{env['cpus']} CPU cores, torch {env['torch']}, interlace {env['interlace']}.\n"
+    ]
+    if bench.headline is not None:
+        parts.append(f"**Result:** {bench.headline(doc)}.\n")
+    parts.append(f"```\n{bench.table(doc)}\n```\n")
+    if doc.get("spread"):
+        worst_key, worst = max(doc["spread"].items(), key=lambda kv: kv[1])
+        parts.append(
+            f"Reproducibility: {len(doc['repeats'])} runs; the largest spread "
+            f"(max − min) / median of the key figures is {worst:.1%} ({worst_key}).\n"
+        )
+    png = Path(os.path.relpath(file.with_suffix(".png"), page.parent)).as_posix()
+    parts.append(f"![{doc['benchmark']}]({png})\n")
+    return "\n".join(parts)
 
 
 def write_page(results: Path, page: Path) -> None:
