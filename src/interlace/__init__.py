@@ -12,6 +12,7 @@ from interlace import testing
 from interlace.errors import CheckpointError, ConfigError, DataError, InterlaceError, PlanError
 from interlace.mesh import Mesh, build_mesh
 from interlace.models import GPT, GPTConfig, build_model, get_preset
+from interlace.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.train_config import TrainConfig
 
@@ -41,6 +42,7 @@ __all__ = [
     "build_mesh",
     "build_model",
     "get_preset",
+    "parallelize",
     "prepare_run",
     "testing",
 ]

@@ -9,8 +9,8 @@ The steps run in a fixed order, each the work of one module under `interlace/par
 
 Pipeline parallelism cuts the result into stages (`interlace.parallel.pipeline.PipelineRunner`),
 and data parallelism (DDP over the mesh's "dp" group) wraps it; the Trainer applies both, in that
-order, after this function. 3D tensor parallelism and overlapped sub-batches arrive with their
-modules and take their place in this order; until then a plan asking for them is refused.
+order, after this function. 3D tensor parallelism will take its place in this order; until
+then a plan asking for it is refused.
 
 Every part is found by module structure (`interlace.parallel.detect`); what is not recognised
 stays replicated, and `model.parallel_report` (also logged on "interlace.parallel") lists, one
@@ -36,20 +36,23 @@ logger = logging.getLogger("interlace.parallel")
 
 
 def parallelize(
-    model: nn.Module, plan: Plan, mesh: Mesh, *, sequence_parallel: bool = False
+    model: nn.Module, plan: Plan, mesh: Mesh, *, sequence_parallel: bool | None = None
 ) -> nn.Module:
     """Apply `plan`'s parallel dimensions to `model` on `mesh` and return it (same object).
 
     With `plan.tp > 1`, attention and feed-forward blocks become column → row parallel, the
     token embedding and LM head vocab-parallel, over the mesh's "tp" group (see
-    `interlace.parallel.tensor`); `sequence_parallel=True` also splits the activations between
-    blocks along the sequence; `plan.overlap.tp_subbatches = k > 1` runs every layer in k
-    interleaved sub-batches so their all-reduces overlap compute (`parallel/tensor_overlap.py`).
+    `interlace.parallel.tensor`); `sequence_parallel` (default: `plan.sequence_parallel`)
+    also splits the activations between blocks along the sequence;
+    `plan.overlap.tp_subbatches = k > 1` runs every layer in k interleaved sub-batches so their
+    all-reduces overlap compute (`parallel/tensor_overlap.py`).
     Every rank must pass the same full model (same seed). The built-in GPT then returns (this
     rank's logits [B, T, V/tp], full loss); other models return full logits. Raises PlanError,
     before modifying anything, if the plan asks for a dimension not implemented here or a model
     size is not divisible by `plan.tp`.
     """
+    if sequence_parallel is None:
+        sequence_parallel = plan.sequence_parallel
     _check_supported(plan, mesh)
     report: list[str] = []
     if plan.tp > 1:

@@ -116,7 +116,7 @@ class Trainer:
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
         if mesh is not None:  # tensor and expert parallel; then stages; data parallel last
-            parallelize(self.model, self.plan, mesh, sequence_parallel=self.plan.sequence_parallel)
+            parallelize(self.model, self.plan, mesh)
         self.pipeline = PipelineRunner(self.model, self.plan, mesh) if self.plan.pp > 1 else None
         if self.pipeline is not None:  # this rank's stages, under the model's parameter names
             self.model = self.pipeline.module

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from interlace.bench import REGISTRY, get_benchmark
 from interlace.bench.base import Benchmark
+from interlace.bench.runner import spread
 
 INTRO = """# Benchmarks
 
@@ -49,8 +50,9 @@ def _section(doc: dict, bench: Benchmark, file: Path, page: Path) -> str:
     if bench.headline is not None:
         parts.append(f"**Result:** {bench.headline(doc)}.\n")
     parts.append(f"```\n{bench.table(doc)}\n```\n")
-    if doc.get("spread"):
-        worst_key, worst = max(doc["spread"].items(), key=lambda kv: kv[1])
+    spreads = spread(doc.get("repeats", []), bench)  # from the raw runs, not a stored figure
+    if spreads:
+        worst_key, worst = max(spreads.items(), key=lambda kv: kv[1])
         parts.append(
             f"Reproducibility: {len(doc['repeats'])} runs; the largest spread "
             f"(max − min) / median of the key figures is {worst:.1%} ({worst_key}).\n"

@@ -2,7 +2,8 @@
 
     interlace plan --model axonn-80b --hardware perlmutter --gpus 1024 --global-batch 2048 --search
     interlace plan --model layers=60,hidden=10240,heads=80,vocab=51200 --gpus 64 --search --top 3
-    interlace plan --model gpt3-175b --plan dp=16,pp=8,tp=8,micro_batches=96 --explain
+    interlace plan --model gpt3-175b --hardware dgx-a100 --plan dp=16,pp=8,tp=8,micro_batches=96 \
+        --global-batch 1536 --explain
 
 `--model` is a preset name, a `.json` file of GPTConfig fields, or a spec string
 (`parse_model_spec`). `add_planner_args` adds the options to the existing `plan` parser;

@@ -9,8 +9,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
 
 Each candidate passes the Plan's own checks (values, world size, divisibility by the model's
 heads/widths/vocabulary, what the pipeline schedule can run). The runtime does not yet combine
-pipeline with tensor or expert parallelism, nor run tp_subbatches > 1; `Plan.validate` rejects
-those as "not implemented yet". By default the search prices them anyway (they are the layouts
+pipeline with tensor or expert parallelism; `Plan.validate` rejects that as "not implemented
+yet". By default the search prices them anyway (they are the layouts
 large models need); `runnable_only=True` keeps to what `Plan.validate` accepts today.
 """
 
@@ -45,7 +45,7 @@ def powers_of_two(limit: int) -> list[int]:
 def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool = False) -> None:
     """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
     `runnable_only` this is `Plan.validate`; otherwise plans the runtime cannot run yet but
-    the Plan can describe (pp with tp/ep, tp_subbatches > 1, pp with MoE) pass."""
+    the Plan can describe (pp with tp/ep, pp with MoE) pass."""
     try:
         plan.validate(n_devices, spec)
         return

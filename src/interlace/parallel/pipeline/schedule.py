@@ -57,7 +57,7 @@ def check_schedule(
     """Raise PlanError, naming the fix, if torch's `schedule` cannot run `micro_batches` over
     `pp` ranks × `virtual_stages` for a model of `n_layers` layers."""
     if schedule not in PIPELINE_SCHEDULES:
-        raise PlanError(f"schedule={schedule!r} is not one of gpipe, 1f1b, interleaved")
+        raise PlanError(f"schedule={schedule!r} is not one of gpipe, 1f1b, interleaved, shifted")
     stages = pp * virtual_stages
     if n_layers < stages:
         raise PlanError(
@@ -96,4 +96,4 @@ def build_schedule(
         return ScheduleInterleaved1F1B(
             list(stages), micro_batches, loss_fn=loss_fn, scale_grads=False
         )
-    raise PlanError(f"schedule={schedule!r} is not one of gpipe, 1f1b, interleaved")
+    raise PlanError(f"schedule={schedule!r} is not one of gpipe, 1f1b, interleaved, shifted")
