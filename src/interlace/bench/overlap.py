@@ -178,7 +178,10 @@ BENCHMARK = Benchmark(
         "A matmul loop of about `compute_s` seconds and an all-reduce sized to 0.5x, 1x and 2x "
         "its length, alone and together. Hidden fraction = (C + M - B) / min(C, M): 0 means "
         "serial, 1 means the shorter one is fully hidden, which is the physical limit. "
-        "Measured for async c10d calls and for functional collectives."
+        "Measured for async c10d calls and for functional collectives. On a 2-core machine two "
+        "ranks' compute threads occupy both cores, and gloo's transfer threads and the "
+        "kernel's TCP work compete with them: the hidden fraction swings from run to run and "
+        "is lowest when communication and compute have the same length."
     ),
     table=table,
     plot=plot,
