@@ -163,10 +163,7 @@ def test_parallelize_refuses_tp_subbatches_without_tp():
 
 
 def test_parallelize_applies_tp_subbatches():
-    try:
-        plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2))
-    except PlanError as exc:
-        pytest.skip(f"the Plan does not accept tp_subbatches yet: {exc}")
+    plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2))
     report = run_ranks(2, _through_parallelize, _build("gpt"), plan)[0]
     assert any(line.startswith("overlapped tensor parallel: 2 modules") for line in report)
 

@@ -244,7 +244,10 @@ def _tensor_parallel_run(config: TrainConfig, plan_text: str, world_size: int):
     return {"rows": rows, "params": {k: v.clone() for k, v in full.items()}}
 
 
-@pytest.mark.parametrize("plan_text", ["tp=2", "tp=4", "dp=2,tp=2", "tp=2,sequence_parallel=true"])
+@pytest.mark.parametrize(
+    "plan_text",
+    ["tp=2", "tp=4", "dp=2,tp=2", "tp=2,sequence_parallel=true", "tp=2,tp_subbatches=2"],
+)
 def test_tensor_parallel_training_equals_serial(serial, plan_text):
     world_size = Plan.parse(plan_text).world_size
     for result in run_ranks(world_size, _tensor_parallel_run, BASE, plan_text, world_size):
