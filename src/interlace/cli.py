@@ -7,6 +7,7 @@ rank is started.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import sys
@@ -490,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interlace: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) left; stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (no flush error at exit)
+        return 0
 
 
 if __name__ == "__main__":
