@@ -25,6 +25,12 @@ class RankContext:
         return int(Path(f"/sys/class/net/{self.ifname}/statistics/tx_bytes").read_text())
 
 
+def mode_step_times(result: dict[str, Any]) -> dict[str, float]:
+    """Key numbers of a result shaped {"modes": {name: {"step_median_s": ...}}}: each mode's
+    median step time."""
+    return {f"{name} step_s": m["step_median_s"] for name, m in result["modes"].items()}
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """One `interlace bench <name>`.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, mode_step_times
 from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
@@ -166,11 +166,6 @@ def headline(doc: dict[str, Any]) -> str:
     )
 
 
-def key_numbers(result: dict[str, Any]) -> dict[str, float]:
-    """Median step time of each mode."""
-    return {f"{name} step_s": m["step_median_s"] for name, m in result["modes"].items()}
-
-
 BENCHMARK = Benchmark(
     name="ddp",
     summary="data-parallel GPT step: DDP bucketed overlap vs all-reduce after backward",
@@ -186,6 +181,6 @@ BENCHMARK = Benchmark(
     run_rank=run_rank,
     check=check,
     headline=headline,
-    key_numbers=key_numbers,
+    key_numbers=mode_step_times,
     options={"model": "bench-25m", "micro_batch": 4, "steps": 3},
 )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, mode_step_times
 from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
 from interlace.comm import Group
@@ -279,11 +279,6 @@ def headline(doc: dict[str, Any]) -> str:
     )
 
 
-def key_numbers(result: dict[str, Any]) -> dict[str, float]:
-    """Median step time of each mode."""
-    return {f"{name} step_s": m["step_median_s"] for name, m in result["modes"].items()}
-
-
 BENCHMARK = Benchmark(
     name="tp",
     summary="1D tensor parallel GPT step: plain vs sub-batch overlapped vs DTensor TP",
@@ -300,7 +295,7 @@ BENCHMARK = Benchmark(
     run_rank=run_rank,
     check=check,
     headline=headline,
-    key_numbers=key_numbers,
+    key_numbers=mode_step_times,
     options={
         "vocab": 256,
         "seq_len": 128,
