@@ -8,7 +8,7 @@ Layout of `<run>/checkpoints/`:
         manifest.json         size and SHA-256 of every file above (written last)
     latest                    name of the newest finished checkpoint
 
-A checkpoint is first written to `step-XXXXXXXX.tmp/` and renamed when complete, so a crash
+A checkpoint is first written to `step-<8-digit step>.tmp/` and renamed when complete, so a crash
 leaves either the previous checkpoint or a new complete one, never a half-written one. Loading
 verifies the manifest and that the checkpoint belongs to this run (same plan, model, data)
 before touching any tensor.

@@ -31,6 +31,31 @@ def mode_step_times(result: dict[str, Any]) -> dict[str, float]:
     return {f"{name} step_s": m["step_median_s"] for name, m in result["modes"].items()}
 
 
+def plot_modes_against_limits(
+    result: dict[str, Any], path: Path, *, ylabel: str, title: str
+) -> None:
+    """Bars: compute alone, communication alone, each mode's median step, their serial sum and
+    the ideal max(compute, communication), from a result with compute_s, comm_s and modes."""
+    from interlace.plotting import new_figure, save_figure
+
+    modes = result["modes"]
+    labels = ["compute alone", "comm alone", *modes, "serial sum", "ideal max"]
+    values = [
+        result["compute_s"],
+        result["comm_s"],
+        *(m["step_median_s"] for m in modes.values()),
+        result["compute_s"] + result["comm_s"],
+        max(result["compute_s"], result["comm_s"]),
+    ]
+    colors = [f"C{i}" for i in range(2 + len(modes))] + ["0.6", "0.8"]
+    fig, ax = new_figure(figsize=(7 + 0.5 * max(0, len(modes) - 2), 4))
+    ax.bar(labels, values, color=colors)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    save_figure(fig, path, dpi=110)
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """One `interlace bench <name>`.

@@ -17,14 +17,18 @@ import torch
 import torch.distributed as dist
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext, mode_step_times
+from interlace.bench.base import (
+    Benchmark,
+    RankContext,
+    mode_step_times,
+    plot_modes_against_limits,
+)
 from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models import get_preset
 from interlace.plan import Overlap, Plan
-from interlace.plotting import new_figure, save_figure
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
@@ -125,25 +129,13 @@ def table(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Step time per mode against compute alone, serial sum and the ideal max."""
-    r = doc["result"]
-    labels = ["compute alone", "all-reduce alone", *r["modes"], "serial sum", "ideal max"]
-    values = [
-        r["compute_s"],
-        r["comm_s"],
-        *(m["step_median_s"] for m in r["modes"].values()),
-        r["compute_s"] + r["comm_s"],
-        max(r["compute_s"], r["comm_s"]),
-    ]
-    fig, ax = new_figure(figsize=(7, 4))
-    ax.bar(labels, values, color=["C0", "C1", "C2", "C3", "0.6", "0.8"])
-    ax.set_ylabel("seconds per step")
-    ax.set_title(
-        f"DDP step, {doc['options']['model']}, {doc['environment']['ranks']} ranks, "
-        f"{doc['environment']['network']}",
-        fontsize=9,
+    env = doc["environment"]
+    plot_modes_against_limits(
+        doc["result"],
+        path,
+        ylabel="seconds per step",
+        title=f"DDP step, {doc['options']['model']}, {env['ranks']} ranks, {env['network']}",
     )
-    ax.tick_params(axis="x", labelsize=8)
-    save_figure(fig, path, dpi=110)
 
 
 def check(options: dict[str, Any]) -> None:

@@ -24,7 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext, mode_step_times
+from interlace.bench.base import (
+    Benchmark,
+    RankContext,
+    mode_step_times,
+    plot_modes_against_limits,
+)
 from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
 from interlace.comm import Group
@@ -32,7 +37,6 @@ from interlace.errors import ConfigError
 from interlace.models import GPTConfig, build_model
 from interlace.parallel import apply_tensor_parallel, check_divisible, find_structure
 from interlace.parallel.tensor_overlap import apply_tp_overlap
-from interlace.plotting import new_figure, save_figure
 
 MEGATRON_SKIP = (
     "Megatron-Core not run: 0.17+ needs Python >= 3.12 and triton to import, neither "
@@ -232,24 +236,13 @@ def table(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Step time per mode against compute alone, communication alone, their sum and max."""
-    r = doc["result"]
-    labels = ["compute", "comm", *r["modes"], "serial sum", "ideal max"]
-    values = [
-        r["compute_s"],
-        r["comm_s"],
-        *(m["step_median_s"] for m in r["modes"].values()),
-        r["compute_s"] + r["comm_s"],
-        max(r["compute_s"], r["comm_s"]),
-    ]
-    fig, ax = new_figure(figsize=(8, 4))
-    ax.bar(labels, values, color=["C0", "C1", "C2", "C3", "C4", "0.6", "0.8"])
-    ax.set_ylabel("seconds per forward + backward")
-    ax.set_title(
-        f"1D TP step, {doc['environment']['ranks']} ranks, {doc['environment']['network']}",
-        fontsize=9,
+    env = doc["environment"]
+    plot_modes_against_limits(
+        doc["result"],
+        path,
+        ylabel="seconds per forward + backward",
+        title=f"1D TP step, {env['ranks']} ranks, {env['network']}",
     )
-    ax.tick_params(axis="x", labelsize=7)
-    save_figure(fig, path, dpi=110)
 
 
 def check(options: dict[str, Any]) -> None:
