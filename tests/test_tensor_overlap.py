@@ -6,13 +6,13 @@ serial model's in fp32, and the metered all-reduce bytes must equal plain TP's.
 """
 
 import copy
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_models import needs_hf, transformers
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -22,15 +22,6 @@ from interlace.parallel.tensor_overlap import apply_tp_overlap, run_interleaved
 from interlace.parallelize import parallelize
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-try:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-except ImportError:  # the hf extra is optional
-    transformers = None
-needs_hf = pytest.mark.skipif(transformers is None, reason="needs the hf extra (transformers)")
 
 B, T, VOCAB, D, LAYERS = 4, 16, 256, 64, 2
 ATOL = 1e-5

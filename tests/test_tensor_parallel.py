@@ -6,7 +6,6 @@ gradient), the gradient norm, and the parameters after two AdamW steps must agre
 """
 
 import copy
-import os
 import re
 
 import pytest
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_models import needs_hf, transformers
 from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
@@ -33,15 +33,6 @@ from interlace.parallel import (
 from interlace.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.testing import run_ranks
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-try:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-except ImportError:  # the hf extra is optional
-    transformers = None
-needs_hf = pytest.mark.skipif(transformers is None, reason="needs the hf extra (transformers)")
 
 B, T, VOCAB, D, LAYERS = 2, 16, 256, 64, 2
 ATOL = 1e-5

@@ -268,6 +268,19 @@ def test_tensor_parallel_resume_continues_the_same_trajectory(tmp_path):
         _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)
 
 
+def _assert_follows_serial(result, serial_run):
+    """Same losses and gradient norms per step and same values of every parameter this rank
+    holds (a subset of the serial model's, under the same names)."""
+    assert [r["loss"] for r in result["rows"]] == pytest.approx(
+        [r["loss"] for r in serial_run["rows"]], abs=1e-5
+    )
+    assert [r["grad_norm"] for r in result["rows"]] == pytest.approx(
+        [r["grad_norm"] for r in serial_run["rows"]], rel=1e-5
+    )
+    for name, value in result["params"].items():
+        torch.testing.assert_close(value, serial_run["params"][name], atol=1e-5, rtol=0)
+
+
 def _dropless_moe_file(tmp_path):
     """moe-tiny without token dropping (so per-rank routing equals serial routing) and without
     the auxiliary loss, which every rank computes from its own tokens' statistics: its mean
@@ -294,14 +307,7 @@ def test_expert_parallel_training_equals_serial(tmp_path, plan_text):
     serial_run = _train(config, "dp=1", 1)
     world_size = Plan.parse(plan_text).world_size
     for result in run_ranks(world_size, _train, config, plan_text, world_size):
-        assert [r["loss"] for r in result["rows"]] == pytest.approx(
-            [r["loss"] for r in serial_run["rows"]], abs=1e-5
-        )
-        assert [r["grad_norm"] for r in result["rows"]] == pytest.approx(
-            [r["grad_norm"] for r in serial_run["rows"]], rel=1e-5
-        )
-        for name, value in result["params"].items():  # replicated and locally held experts
-            torch.testing.assert_close(value, serial_run["params"][name], atol=1e-5, rtol=0)
+        _assert_follows_serial(result, serial_run)  # replicated and locally held experts
         assert "ep" in result["rows"][-1]["comm_bytes"]
 
 
@@ -319,15 +325,8 @@ def test_pipeline_training_equals_serial(tmp_path, plan_text):
     serial_run = _train(config, "dp=1", 1)
     world_size = Plan.parse(plan_text).world_size
     for result in run_ranks(world_size, _train, config, plan_text, world_size):
-        assert [r["loss"] for r in result["rows"]] == pytest.approx(
-            [r["loss"] for r in serial_run["rows"]], abs=1e-5
-        )
-        assert [r["grad_norm"] for r in result["rows"]] == pytest.approx(
-            [r["grad_norm"] for r in serial_run["rows"]], rel=1e-5
-        )
         assert result["params"]  # this stage's parameters, under the serial model's names
-        for name, value in result["params"].items():
-            torch.testing.assert_close(value, serial_run["params"][name], atol=1e-5, rtol=0)
+        _assert_follows_serial(result, serial_run)
 
 
 def test_pipeline_resume_continues_the_same_trajectory(tmp_path):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from interlace.comm import Group
+from interlace.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,14 @@ class RankContext:
     def tx_bytes(self) -> int:
         """Bytes this rank's interface has sent so far (kernel counter, headers included)."""
         return int(Path(f"/sys/class/net/{self.ifname}/statistics/tx_bytes").read_text())
+
+
+def check_names(options: dict[str, Any], key: str, valid: Iterable[str]) -> None:
+    """ConfigError if the comma-separated option `key` names something not in `valid`."""
+    valid = tuple(valid)
+    unknown = set(options[key].split(",")) - set(valid)
+    if unknown:
+        raise ConfigError(f"{key} {sorted(unknown)} unknown; choose from {','.join(valid)}")
 
 
 def mode_step_times(result: dict[str, Any]) -> dict[str, float]:

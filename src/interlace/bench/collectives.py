@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, check_names
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
 from interlace.plotting import new_figure, save_figure
@@ -114,9 +114,7 @@ def _size(nbytes: int) -> str:
 
 def check(options: dict[str, Any]) -> None:
     """Known ops, positive sizes."""
-    unknown = set(options["ops"].split(",")) - set(OPS)
-    if unknown:
-        raise ConfigError(f"ops {sorted(unknown)} unknown; choose from {','.join(OPS)}")
+    check_names(options, "ops", OPS)
     if not 0 < options["min_size"] <= options["max_size"]:
         raise ConfigError(
             f"need 0 < min_size <= max_size, got {options['min_size']} and {options['max_size']}"

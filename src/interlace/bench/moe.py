@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, check_names
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.models import get_preset
@@ -472,10 +472,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def check(options: dict[str, Any]) -> None:
     """Known strategies and workloads, top-k in {1, 2}, positive sizes."""
-    for key, valid in (("strategies", STRATEGIES), ("workloads", WORKLOADS)):
-        unknown = set(options[key].split(",")) - set(valid)
-        if unknown:
-            raise ConfigError(f"{key} {sorted(unknown)} unknown; choose from {','.join(valid)}")
+    check_names(options, "strategies", STRATEGIES)
+    check_names(options, "workloads", WORKLOADS)
     if not set(options["top_k"].split(",")) <= {"1", "2"}:
         raise ConfigError(f"top_k={options['top_k']!r}: use 1, 2 or 1,2")
     positive = (

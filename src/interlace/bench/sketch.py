@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, check_names
 from interlace.bench.timing import median, slowest
 from interlace.compress import make_comm_hook, sketch
 from interlace.compress.workloads import Workload, click_workload, gpt_workload
@@ -188,10 +188,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def check(options: dict[str, Any]) -> None:
     """Known workloads and modes, positive counts."""
-    for key, valid in (("workloads", WORKLOADS), ("modes", MODES)):
-        unknown = set(options[key].split(",")) - set(valid)
-        if unknown:
-            raise ConfigError(f"{key} {sorted(unknown)} unknown; choose from {','.join(valid)}")
+    check_names(options, "workloads", WORKLOADS)
+    check_names(options, "modes", MODES)
     if options["steps"] < 1 or options["warmup"] < 0 or not 0 < options["topk_fraction"] <= 1:
         raise ConfigError("steps >= 1, warmup >= 0 and 0 < topk_fraction <= 1 are required")
 
