@@ -21,7 +21,7 @@ from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner.cost import PlanCost, estimate
-from interlace.planner.hardware import GIB, PRESETS, get_hardware
+from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 
 SPEC_KEYS = {
@@ -94,8 +94,26 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware",
         default=None,
-        help=f"cluster to price plans on: {', '.join(PRESETS)} (default with --search: "
-        f"{DEFAULT_HARDWARE})",
+        help=f"cluster to price plans on: {', '.join(PRESETS)}, or {LOCAL} (this machine, "
+        f"measured once and cached) (default with --search: {DEFAULT_HARDWARE})",
+    )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help=f"with --hardware {LOCAL}: measure this machine again instead of using the cache",
+    )
+    p.add_argument(
+        "--bandwidth",
+        default=None,
+        help=f"with --hardware {LOCAL}: price links at this rate instead of the measured "
+        "loopback (e.g. 1gbit, the emulated cluster's rate)",
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="OUT.json",
+        help="simulate one step of the best (or given) plan: Chrome trace here, and a PNG "
+        "beside it",
     )
     p.add_argument("--gpus", type=int, default=None, help="devices to plan for (default: --nproc)")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
@@ -123,18 +141,27 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         default=128,
         help="price the model with its vocabulary padded to this multiple (1 = as is)",
     )
-    p.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16, tf32, fp32")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help=f"compute dtype: bf16, fp16, tf32, fp32 (default: bf16; fp32 on {LOCAL})",
+    )
 
 
 def run_planner(args: argparse.Namespace) -> int:
-    """Rank plans (`--search`) or price `--plan`; print a table (or JSON). Returns 0."""
-    hardware = get_hardware(args.hardware or DEFAULT_HARDWARE)
+    """Rank plans (`--search`) or price `--plan`; print a table (or JSON); with `--trace` also
+    write the simulated step of the first plan. Returns 0."""
     model = resolve_model(args.model, args.seq)
     spec = pad_vocab(model, args.vocab_multiple)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1")
-    if args.search:
-        n = args.gpus or args.nproc
+    if not args.search and not args.plan:
+        raise ConfigError("give --search to rank plans, or --plan to price one plan")
+    plan = None if args.search else Plan.parse(args.plan)
+    n = args.gpus or (args.nproc if plan is None else plan.world_size)
+    hardware = resolve_hardware(args, n)
+    args.dtype = args.dtype or ("fp32" if hardware.name == LOCAL else "bf16")
+    if plan is None:
         costs = search(
             spec,
             hardware,
@@ -144,15 +171,13 @@ def run_planner(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             runnable_only=args.runnable_only,
         )[: args.top]
-    elif args.plan:
-        plan = Plan.parse(args.plan)
-        n = args.gpus or plan.world_size
+    else:
         if args.seq and args.seq != spec.seq_len:
             spec = replace(spec, seq_len=args.seq)
         check_plan(plan, n, spec, args.runnable_only)
         costs = [estimate(plan, spec, hardware, args.global_batch, dtype=args.dtype)]
-    else:
-        raise ConfigError("give --search to rank plans, or --plan to price one plan")
+    if args.trace:
+        _write_trace(costs[0], spec, hardware, args)
     if args.json:
         print(
             json.dumps(
@@ -184,6 +209,40 @@ def run_planner(args: argparse.Namespace) -> int:
         if args.explain:
             print("   " + explain(cost).replace("\n", "\n   "))
     return 0
+
+
+def resolve_hardware(args: argparse.Namespace, n: int) -> Hardware:
+    """`--hardware` (default dgx-a100) for `n` devices; `local` is this machine calibrated for
+    `n` ranks, its links at `--bandwidth` when given. ConfigError for options that need local."""
+    name = args.hardware or DEFAULT_HARDWARE
+    if name != LOCAL:
+        if args.recalibrate or args.bandwidth:
+            raise ConfigError(
+                f"--recalibrate and --bandwidth apply to --hardware {LOCAL} only, not {name!r}"
+            )
+        return get_hardware(name)
+    from interlace.bench.cluster import parse_rate
+    from interlace.planner.calibrate import local_hardware
+
+    rate = parse_rate(args.bandwidth) / 8 if args.bandwidth else None
+    return local_hardware(n, bandwidth=rate, recalibrate=args.recalibrate)
+
+
+def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argparse.Namespace):
+    """Simulate `cost`'s plan and write the Chrome trace to --trace and a PNG beside it."""
+    from pathlib import Path
+
+    from interlace.planner.simulate import simulate
+    from interlace.timeline import plot_timeline, write_chrome_trace
+
+    sim = simulate(cost.plan, spec, hardware, args.global_batch, dtype=args.dtype)
+    path = Path(args.trace)
+    write_chrome_trace(sim.spans, path)
+    png = plot_timeline(sim.spans, path.with_suffix(".png"), title=f"{cost.plan} (simulated)")
+    print(
+        f"simulated step {sim.step_seconds:.4g} s (estimate {cost.step_seconds:.4g} s); "
+        f"trace {path}, {png}"
+    )
 
 
 def format_table(costs: list[PlanCost]) -> str:

@@ -9,7 +9,7 @@ node's network (a node with 8 × 200 Gb/s NICs and 8 GPUs gives each 25 GB/s).
 The presets hold nominal datasheet numbers (dense tensor-core peaks, link rates) and a single
 `matmul_efficiency`, the fraction of peak a large GEMM reaches. They are starting points for
 planning, not measurements: `local(...)` builds a Hardware from numbers measured on the machine
-at hand (a matmul benchmark, a link benchmark).
+at hand, and `get_hardware("local")` measures this machine (`interlace.planner.calibrate`).
 """
 
 from __future__ import annotations
@@ -190,11 +190,20 @@ def local(
     )
 
 
-def get_hardware(name: str) -> Hardware:
-    """The preset named `name`; ConfigError listing the preset names otherwise."""
+LOCAL = "local"
+"""The hardware name that means this machine, measured (`interlace.planner.calibrate`)."""
+
+
+def get_hardware(name: str, ranks: int = 2) -> Hardware:
+    """The preset named `name`, or for "local" this machine calibrated for `ranks` ranks
+    (cached measurements, `calibrate.local_hardware`); ConfigError listing the names otherwise."""
+    if name == LOCAL:
+        from interlace.planner.calibrate import local_hardware
+
+        return local_hardware(ranks)
     if name not in PRESETS:
         raise ConfigError(
-            f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)} "
-            "(or build one from measurements with interlace.planner.hardware.local)"
+            f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}, {LOCAL} "
+            "(this machine, measured)"
         )
     return PRESETS[name]

@@ -1,0 +1,274 @@
+"""Measure this machine for the planner: matmul FLOP/s, link α and bandwidth, memory.
+
+`calibrate()` returns a `Calibration` and caches it as JSON (`cache_path()`: the file named by
+$INTERLACE_HARDWARE_CACHE, else ~/.cache/interlace/hardware-local.json) together with the
+machine's fingerprint (CPU count, torch version, architecture); a cached result is reused until
+the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it into a
+`Hardware` for `ranks` ranks on this machine (what `get_hardware("local")` returns).
+
+- **Compute**: fp32 matmuls of a transformer layer's shape, timed with the thread count one
+  rank of an N-rank run uses (`interlace train` and `interlace bench` give each rank
+  cpu_count // N threads), for every N up to the CPU count.
+- **Link**: an all_reduce size sweep between 2 forked gloo ranks over loopback (the ranks of a
+  local run), fitted as t = a + b·bytes by least squares on relative error. A 2-rank ring
+  all_reduce sends 2 messages and `wire_bytes` = n, so α = a / 2 and bandwidth = 1 / b.
+  `link_sweep` and `fit_link` also run inside a benchmark's ranks, on an emulated link.
+- **Memory**: the machine's RAM, shared by the ranks.
+
+torch has no calibration of its own; this module is the planner's, hence written here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlace.comm import Group, wire_bytes
+from interlace.errors import ConfigError
+from interlace.planner.hardware import Hardware, local
+
+CACHE_ENV = "INTERLACE_HARDWARE_CACHE"
+"""Environment variable naming the calibration cache file."""
+SWEEP_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
+"""All-reduce payloads of the link sweep (fp32 tensors)."""
+MATMUL_SHAPE = (2048, 512, 2048)
+"""(rows, inner, cols) of the timed matmul: 2048 tokens through a 512 → 2048 projection."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured machine quantities.
+
+    matmul_flops: sustained fp32 FLOP/s of one rank, by its thread count ("1", "2", ...);
+    link_latency: α seconds per message; link_bandwidth: bytes/s per direction;
+    memory_bytes: the machine's RAM; fingerprint: what the numbers belong to;
+    seconds: how long the calibration took.
+    """
+
+    matmul_flops: dict[str, float]
+    link_latency: float
+    link_bandwidth: float
+    memory_bytes: float
+    fingerprint: dict[str, Any]
+    seconds: float = 0.0
+
+    def flops_for_threads(self, threads: int) -> float:
+        """FLOP/s measured with `threads` threads (the nearest measured count below it)."""
+        counts = sorted(int(t) for t in self.matmul_flops)
+        usable = [t for t in counts if t <= threads] or counts[:1]
+        return self.matmul_flops[str(usable[-1])]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field."""
+        return asdict(self)
+
+
+def fingerprint() -> dict[str, Any]:
+    """What a calibration depends on: CPU count, torch version, architecture."""
+    return {
+        "cpus": os.cpu_count() or 1,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
+
+
+def cache_path() -> Path:
+    """$INTERLACE_HARDWARE_CACHE, else ~/.cache/interlace/hardware-local.json."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override)
+    return Path.home() / ".cache" / "interlace" / "hardware-local.json"
+
+
+def threads_per_rank(ranks: int) -> int:
+    """Threads a rank of a `ranks`-rank local run uses: cpu_count // ranks, at least 1."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+# --------------------------------------------------------------------------- compute
+def measure_matmul_flops(threads: int, min_seconds: float = 0.3) -> float:
+    """Sustained FLOP/s of [n, k] @ [k, m] fp32 matmuls (`MATMUL_SHAPE`) on `threads` threads:
+    the best of repeated timings within about `min_seconds`."""
+    n, k, m = MATMUL_SHAPE
+    a, b = torch.randn(n, k), torch.randn(k, m)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a @ b  # warm-up
+        best, spent = float("inf"), 0.0
+        while spent < min_seconds:
+            start = time.perf_counter()
+            a @ b
+            elapsed = time.perf_counter() - start
+            best, spent = min(best, elapsed), spent + elapsed
+    finally:
+        torch.set_num_threads(saved)
+    return 2 * n * k * m / best
+
+
+# --------------------------------------------------------------------------- link
+def link_sweep(
+    group: Group, sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5
+) -> list[tuple[int, float]]:
+    """(payload bytes, median seconds) of a blocking all_reduce over `group` per size in
+    `sizes`; every rank must call it. Uses its own comm meter (nothing is counted elsewhere)."""
+    import torch.distributed as dist
+
+    from interlace import comm
+
+    meter = comm.CommMeter()
+    out = []
+    for size in sizes:
+        buffer = torch.zeros(size // 4)
+        comm.all_reduce(buffer, group, meter=meter)  # warm-up: connection and allocation
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group.pg)
+            start = time.perf_counter()
+            comm.all_reduce(buffer, group, meter=meter)
+            times.append(time.perf_counter() - start)
+        out.append((size, statistics.median(times)))
+    return out
+
+
+def fit_link(samples: list[tuple[int, float]], group_size: int = 2) -> tuple[float, float]:
+    """(α seconds per message, bandwidth bytes/s) from all_reduce (payload, seconds) samples
+    over `group_size` ranks: t = α·2(p−1) + wire_bytes / bandwidth, least squares on relative
+    error (each sample weighted 1/t²). α is clipped at 0; ConfigError for a non-positive slope."""
+    steps = 2 * (group_size - 1)
+    xs = [wire_bytes("all_reduce", n, group_size) for n, _ in samples]
+    ts = [t for _, t in samples]
+    w = [1 / t**2 for t in ts]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / sw
+    mt = sum(wi * t for wi, t in zip(w, ts, strict=True)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    sxt = sum(wi * (x - mx) * (t - mt) for wi, x, t in zip(w, xs, ts, strict=True))
+    if sxx <= 0 or sxt <= 0:
+        raise ConfigError(
+            f"link sweep {samples} shows no growth of time with size; use larger sizes"
+        )
+    slope = sxt / sxx
+    intercept = mt - slope * mx
+    return max(intercept, 0.0) / steps, 1 / slope
+
+
+def _sweep_rank(sizes: tuple[int, ...], repeats: int) -> list[tuple[int, float]]:
+    import torch.distributed as dist
+
+    return link_sweep(Group("world", dist.group.WORLD, 2, dist.get_rank()), sizes, repeats)
+
+
+def measure_loopback_link(
+    sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5
+) -> tuple[float, float]:
+    """(α, bandwidth) between 2 forked gloo ranks on loopback (`link_sweep` + `fit_link`).
+    The caller's torch thread count is restored afterwards."""
+    from interlace.testing import run_ranks
+
+    saved = torch.get_num_threads()
+    try:
+        samples = run_ranks(2, _sweep_rank, sizes, repeats, timeout=60.0)[0]
+    finally:
+        torch.set_num_threads(saved)
+    return fit_link(samples)
+
+
+def memory_bytes() -> float:
+    """The machine's physical memory in bytes."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# --------------------------------------------------------------------------- cache
+def measure() -> Calibration:
+    """Measure everything now (a few seconds): the link first (forking before any
+    multi-threaded compute), then matmuls for every thread count a local run can give a rank."""
+    started = time.perf_counter()
+    alpha, bandwidth = measure_loopback_link()
+    cpus = os.cpu_count() or 1
+    counts = sorted({threads_per_rank(r) for r in range(1, cpus + 1)})
+    flops = {str(t): measure_matmul_flops(t) for t in counts}
+    return Calibration(
+        matmul_flops=flops,
+        link_latency=alpha,
+        link_bandwidth=bandwidth,
+        memory_bytes=memory_bytes(),
+        fingerprint=fingerprint(),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def load_cached(path: Path | None = None) -> Calibration | None:
+    """The cached calibration if it exists, parses and matches this machine's fingerprint."""
+    path = path or cache_path()
+    try:
+        data = json.loads(path.read_text())
+        calibration = Calibration(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    return calibration if calibration.fingerprint == fingerprint() else None
+
+
+def calibrate(recalibrate: bool = False, path: Path | None = None) -> Calibration:
+    """The cached calibration of this machine, measuring (and caching) it when there is none,
+    the machine changed, or `recalibrate`."""
+    path = path or cache_path()
+    if not recalibrate:
+        cached = load_cached(path)
+        if cached is not None:
+            return cached
+    calibration = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(calibration.to_dict(), indent=1))
+    os.replace(tmp, path)
+    return calibration
+
+
+def hardware_from(
+    calibration: Calibration, ranks: int = 2, bandwidth: float | None = None
+) -> Hardware:
+    """A `local` Hardware for `ranks` ranks sharing this machine: one rank's FLOP/s at its
+    thread count, the measured link (or `bandwidth` bytes/s, e.g. an emulated link's rate,
+    keeping the measured α), and RAM / ranks; all ranks on one node."""
+    if ranks < 1:
+        raise ConfigError(f"ranks={ranks} must be >= 1")
+    return local(
+        calibration.flops_for_threads(threads_per_rank(ranks)),
+        bandwidth if bandwidth is not None else calibration.link_bandwidth,
+        memory_bytes=calibration.memory_bytes / ranks,
+        devices_per_node=max(ranks, 1),
+        latency=calibration.link_latency,
+    )
+
+
+def local_hardware(
+    ranks: int = 2, bandwidth: float | None = None, recalibrate: bool = False
+) -> Hardware:
+    """`hardware_from(calibrate(recalibrate), ranks, bandwidth)`: this machine, measured."""
+    return hardware_from(calibrate(recalibrate), ranks, bandwidth)
+
+
+__all__ = [
+    "CACHE_ENV",
+    "Calibration",
+    "cache_path",
+    "calibrate",
+    "fingerprint",
+    "fit_link",
+    "hardware_from",
+    "link_sweep",
+    "local_hardware",
+    "measure",
+    "measure_loopback_link",
+    "measure_matmul_flops",
+    "threads_per_rank",
+]

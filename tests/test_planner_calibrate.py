@@ -1,0 +1,113 @@
+"""Calibration of this machine: the link fit, the cache and its fingerprint, `local` hardware,
+and one real (short) measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from interlace.cli import main
+from interlace.errors import ConfigError
+from interlace.planner import calibrate as cal
+from interlace.planner.hardware import get_hardware
+
+
+def _calibration(**overrides) -> cal.Calibration:
+    fields = {
+        "matmul_flops": {"1": 5e10, "2": 9e10},
+        "link_latency": 1e-4,
+        "link_bandwidth": 1e9,
+        "memory_bytes": 8e9,
+        "fingerprint": cal.fingerprint(),
+    }
+    return cal.Calibration(**{**fields, **overrides})
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "hw.json"
+    monkeypatch.setenv(cal.CACHE_ENV, str(path))
+    return path
+
+
+def test_fit_link_recovers_alpha_and_bandwidth():
+    # 2 ranks: t = 2·α + n / bandwidth (wire bytes of a 2-rank all_reduce = n)
+    alpha, bandwidth = 3e-5, 2e9
+    samples = [(n, 2 * alpha + n / bandwidth) for n in (1_000, 10_000, 100_000, 1_000_000)]
+    got_alpha, got_bw = cal.fit_link(samples)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6)
+    assert got_bw == pytest.approx(bandwidth, rel=1e-6)
+    # 4 ranks: 6 messages, wire bytes 1.5 n
+    samples = [(n, 6 * alpha + 1.5 * n / bandwidth) for n in (1_000, 100_000, 1_000_000)]
+    assert cal.fit_link(samples, 4) == pytest.approx((alpha, bandwidth), rel=1e-6)
+    with pytest.raises(ConfigError, match="no growth"):
+        cal.fit_link([(1_000, 1e-3), (2_000, 1e-3)])
+
+
+def test_flops_for_threads_and_hardware_from():
+    c = _calibration()
+    assert c.flops_for_threads(1) == 5e10
+    assert c.flops_for_threads(2) == 9e10
+    assert c.flops_for_threads(8) == 9e10  # the nearest measured count below
+    hw = cal.hardware_from(c, ranks=1)
+    threads = cal.threads_per_rank(1)
+    assert hw.matmul_flops("fp32") == c.flops_for_threads(threads)
+    assert hw.memory_bytes == 8e9
+    hw2 = cal.hardware_from(c, ranks=2, bandwidth=125e6)
+    assert hw2.memory_bytes == 4e9
+    assert hw2.link(True) == (1e-4, 125e6)
+    assert hw2.devices_per_node == 2
+    with pytest.raises(ConfigError, match="ranks=0"):
+        cal.hardware_from(c, ranks=0)
+
+
+def test_cache_reused_until_fingerprint_changes_or_recalibrate(cache, monkeypatch):
+    calls = []
+
+    def fake_measure():
+        calls.append(1)
+        return _calibration(link_bandwidth=1e9 + len(calls))
+
+    monkeypatch.setattr(cal, "measure", fake_measure)
+    first = cal.calibrate()
+    assert len(calls) == 1 and json.loads(cache.read_text())["link_bandwidth"] == 1e9 + 1
+    assert cal.calibrate() == first and len(calls) == 1  # from the cache
+    assert cal.calibrate(recalibrate=True).link_bandwidth == 1e9 + 2
+    stale = json.loads(cache.read_text())
+    stale["fingerprint"]["torch"] = "0.0"
+    cache.write_text(json.dumps(stale))
+    assert cal.calibrate().link_bandwidth == 1e9 + 3  # machine changed: measured again
+    cache.write_text("{not json")
+    assert cal.calibrate().link_bandwidth == 1e9 + 4
+    assert len(calls) == 4
+
+
+def test_get_hardware_local_reads_the_cache(cache):
+    cache.write_text(json.dumps(_calibration().to_dict()))
+    hw = get_hardware("local", ranks=2)
+    assert hw.name == "local"
+    assert hw.matmul_flops("fp32") == _calibration().flops_for_threads(cal.threads_per_rank(2))
+    with pytest.raises(ConfigError, match="local"):
+        get_hardware("nope")
+
+
+def test_plan_cli_on_local_hardware(cache, capsys):
+    cache.write_text(json.dumps(_calibration().to_dict()))
+    argv = ["plan", "--model", "tiny", "--hardware", "local", "--global-batch", "8"]
+    assert main([*argv, "--plan", "dp=2", "--bandwidth", "1gbit", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hardware"] == "local" and doc["plans"][0]["plan"] == "dp=2"
+    assert main([*argv, "--search", "--gpus", "2", "--runnable-only"]) == 0
+    assert "local" in capsys.readouterr().out
+    bad = ["plan", "--model", "tiny", "--plan", "dp=2", "--hardware", "dgx-a100"]
+    assert main([*bad, "--bandwidth", "1gbit"]) == 2
+    assert "apply to --hardware local only" in capsys.readouterr().err
+
+
+def test_real_short_calibration():
+    flops = cal.measure_matmul_flops(1, min_seconds=0.05)
+    assert 1e8 < flops < 1e13
+    alpha, bandwidth = cal.measure_loopback_link((16 * 2**10, 256 * 2**10, 2 * 2**20), 2)
+    assert 0 <= alpha < 0.05
+    assert 1e6 < bandwidth < 1e12
