@@ -130,6 +130,37 @@ def test_interleaved_calls_take_turns_at_each_reduction():
         run_interleaved([lambda: None, lambda: int("boom")])
 
 
+def _backward_reductions(model: nn.Module, tp: int, k: int) -> list[tuple[bool, int]]:
+    """(issued async?, rows) of every tp all-reduce during the backward of one step."""
+    plan = Plan(tp=tp, overlap=Overlap(tp_subbatches=k))
+    parallelize(model, plan, build_mesh(plan))
+    loss = _loss("gpt", model, _tokens())
+    log: list[tuple[bool, int]] = []
+    issue = comm.all_reduce
+
+    def logged(tensor, group, *args, **kwargs):
+        if group.name == "tp":
+            log.append((bool(kwargs.get("async_op")), tensor.shape[0]))
+        return issue(tensor, group, *args, **kwargs)
+
+    comm.all_reduce = logged
+    try:
+        loss.backward()
+    finally:
+        comm.all_reduce = issue
+    return log
+
+
+def test_backward_input_gradient_reductions_are_interleaved_over_sub_batches():
+    k = 2
+    log = run_ranks(2, _backward_reductions, _build("gpt"), 2, k)[0]
+    inside = [entry for entry in log if entry[0]]
+    # each layer's two copy_to_tp reductions (MLP and attention input), once per sub-batch,
+    # issued async with the sub-batch's rows; the rest (LM head input) stays synchronous
+    assert inside == [(True, B // k)] * (2 * LAYERS * k)
+    assert all(rows == B for is_async, rows in log if not is_async)
+
+
 def test_refuses_sequence_parallel_and_moe():
     with pytest.raises(PlanError, match="sequence_parallel"):
         apply_tp_overlap(_build("gpt"), find_structure(_build("gpt")), 2, sequence_parallel=True)

@@ -246,7 +246,14 @@ def _tensor_parallel_run(config: TrainConfig, plan_text: str, world_size: int):
 
 @pytest.mark.parametrize(
     "plan_text",
-    ["tp=2", "tp=4", "dp=2,tp=2", "tp=2,sequence_parallel=true", "tp=2,tp_subbatches=2"],
+    [
+        "tp=2",
+        "tp=4",
+        "dp=2,tp=2",
+        "tp=2,sequence_parallel=true",
+        "tp=2,tp_subbatches=2",
+        "dp=2,tp=2,tp_subbatches=2",
+    ],
 )
 def test_tensor_parallel_training_equals_serial(serial, plan_text):
     world_size = Plan.parse(plan_text).world_size

@@ -17,10 +17,22 @@ others' reductions fly); only the last sub-batch's MLP all-reduce of a layer sta
 Because the hand-over points are the same on every rank, all ranks issue their collectives in
 the same order. The all-reduced bytes are those of plain TP, in k times as many calls.
 
+Backward mirrors it. Each sub-batch's graph is recorded on its own thread, ending at leaves
+of its own: fresh copies of its inputs and detached aliases of the layer's parameters
+(`torch.func.functional_call`). The layer's output joins the outer graph through one
+autograd function whose backward differentiates the k graphs on k threads under the same
+baton; the hand-over point there is the input-gradient all-reduce of `copy_to_tp`, issued
+async. With k = 2: MLP-backward(2) runs while the MLP input-gradient all-reduce of sub-batch 1
+flies, and so on down the block. The summed parameter gradients are returned to the real
+parameters by the outer graph, so their hooks (DDP buckets, replica sums) fire once per
+parameter per backward, as without sub-batches. Without autograd recording (evaluation) only
+the forward is interleaved.
+
 Threads rather than a rewritten forward: the layer's own code (built-in GPT, Hugging Face GPT-2,
-Llama, any model `detect` understands) runs untouched, with no per-model schedule. Autograd
-records each sub-batch's graph on its thread; backward is the ordinary engine's. Backward is
-not overlapped: the input-gradient all-reduce of `copy_to_tp` stays synchronous.
+Llama, any model `detect` understands) runs untouched, with no per-model schedule. Not
+overlapped: the last sub-batch's reduction of each layer, at the block boundary, in both
+directions; and on CUDA the backward's hand-over only happens where the autograd engine runs
+the backward on the calling thread (CPU), elsewhere the reductions run synchronously.
 
 Splitting rule: a tensor argument whose first dimension equals the hidden state's batch size B
 is split along it (tuples, lists and dicts are walked), anything else (None, numbers, strings,
@@ -32,7 +44,7 @@ concatenated along the batch dimension.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -170,8 +182,143 @@ def _merge(outputs: list[Any]) -> Any:
     return first
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside `value` (tuples, lists and dicts walked), in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _with_tensors(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """`value` with its tensors replaced, in `_tensors` order, by the next of `tensors`."""
+    if isinstance(value, torch.Tensor):
+        return next(tensors)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_with_tensors(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {key: _with_tensors(v, tensors) for key, v in value.items()}
+    return value
+
+
+class _SubBatchRun:
+    """One interleaved forward of a layer over k sub-batches, kept for its interleaved backward.
+
+    Each sub-batch's differentiable inputs are fresh leaves and the layer's parameters are
+    replaced by detached aliases (`torch.func.functional_call`), so every sub-batch's graph
+    ends at leaves of its own: `backward` differentiates the k graphs on k threads that take
+    turns like the forward's (one sub-batch's input-gradient all-reduce of `copy_to_tp` flies
+    while the next computes), and returns the summed parameter gradients to the real
+    parameters through the outer graph — whose hooks (DDP buckets, replica sums) then fire
+    exactly once per parameter, as without sub-batches."""
+
+    def __init__(self, layer: nn.Module, base_forward: Callable, args: tuple, kwargs: dict):
+        batch = _batch_size(args, kwargs, layer._interlace_d_model)
+        self.k = min(layer._interlace_tp_subbatches, batch)
+        originals = _tensors((args, kwargs))
+        differentiable = [t.requires_grad for t in originals]
+        self.inputs = [t for t in originals if t.requires_grad]
+        self.split = [t.dim() > 0 and t.shape[0] == batch for t in self.inputs]
+        self.leaves: list[list[torch.Tensor]] = []
+        calls = []
+        for piece in _split((args, kwargs), batch, self.k):
+            fresh = [
+                t.detach().requires_grad_() if d else t
+                for t, d in zip(_tensors(piece), differentiable, strict=True)
+            ]
+            self.leaves.append([t for t, d in zip(fresh, differentiable, strict=True) if d])
+            a, kw = _with_tensors(piece, iter(fresh))
+            calls.append(lambda a=a, kw=kw: base_forward(*a, **kw))
+        named = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.aliases = {n: p.detach().requires_grad_() for n, p in named}
+        held = {f"layer.{n}": a for n, a in self.aliases.items()}
+        outputs = torch.func.functional_call(_Holder(layer), held, (calls,))
+        self.outputs = [_tensors(o) for o in outputs]
+        with torch.no_grad():
+            self.merged = _merge(outputs)
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        """Gradients of the inputs, then of the parameters, given the merged outputs' `grads`."""
+        pieces = [
+            [None] * self.k if g is None else g.split([o[j].shape[0] for o in self.outputs])
+            for j, g in enumerate(grads)
+        ]
+        wrt = list(self.aliases.values())
+
+        def differentiate(i: int) -> tuple[torch.Tensor | None, ...]:
+            pairs = [
+                (out, pieces[j][i])
+                for j, out in enumerate(self.outputs[i])
+                if out.requires_grad and pieces[j][i] is not None
+            ]
+            if not pairs:
+                return (None,) * (len(self.leaves[i]) + len(wrt))
+            outs, gs = zip(*pairs, strict=True)
+            return torch.autograd.grad(outs, self.leaves[i] + wrt, gs, allow_unused=True)
+
+        results = run_interleaved([lambda i=i: differentiate(i) for i in range(self.k)])
+        n = len(self.inputs)
+        input_grads = []
+        for j, split in enumerate(self.split):
+            parts = [r[j] for r in results]
+            if split:
+                shapes = [leaves[j] for leaves in self.leaves]
+                parts = [
+                    torch.zeros_like(s) if g is None else g
+                    for g, s in zip(parts, shapes, strict=True)
+                ]
+                input_grads.append(torch.cat(parts, 0))
+            else:
+                input_grads.append(_sum(parts))
+        return input_grads + [_sum([r[n + j] for r in results]) for j in range(len(wrt))]
+
+
+def _sum(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The sum of the gradients present; None if there are none."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    return torch.stack(present).sum(0) if len(present) > 1 else present[0]
+
+
+class _Holder(nn.Module):
+    """Holds a layer as its child `layer`, so `functional_call` can swap the layer's
+    parameters around a run of interleaved calls without calling the layer (its hooks have
+    run already, on the whole batch)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """The calls' results, run by `run_interleaved`."""
+        return run_interleaved(calls)
+
+
+class _InterleavedBackward(torch.autograd.Function):
+    """Joins a `_SubBatchRun` to the outer graph: forward returns the merged outputs' tensors
+    (computed already); backward runs the sub-batches' backward interleaved."""
+
+    @staticmethod
+    def forward(ctx, run: _SubBatchRun, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.run = run
+        outputs = tuple(t.detach() for t in _tensors(run.merged))
+        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        run, ctx.run = ctx.run, None
+        return (None, *run.backward(grads))
+
+
 class _SubBatched:
-    """Mixed into a layer's class: `forward` runs the original one per sub-batch, interleaved."""
+    """Mixed into a layer's class: `forward` runs the original one per sub-batch, interleaved,
+    and (with autograd recording) so does the backward."""
 
     _interlace_tp_subbatches: int
     _interlace_d_model: int
@@ -182,9 +329,14 @@ class _SubBatched:
         k = min(self._interlace_tp_subbatches, batch or 0)
         if k < 2 or not _splittable((args, kwargs)):
             return base_forward(*args, **kwargs)
-        pieces = _split((args, kwargs), batch, k)
-        calls = [lambda a=a, kw=kw: base_forward(*a, **kw) for a, kw in pieces]
-        return _merge(run_interleaved(calls))
+        if not torch.is_grad_enabled():
+            pieces = _split((args, kwargs), batch, k)
+            return _merge(
+                run_interleaved([lambda p=p: base_forward(*p[0], **p[1]) for p in pieces])
+            )
+        run = _SubBatchRun(self, base_forward, args, kwargs)  # type: ignore[arg-type]
+        joined = _InterleavedBackward.apply(run, *run.inputs, *run.params)
+        return _with_tensors(run.merged, iter(joined))
 
 
 _CLASSES: dict[type, type] = {}

@@ -82,30 +82,37 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduced(grad, ctx.group), None
+        return _all_reduced_yielding(grad, ctx.group), None
 
 
 _yield_point = threading.local()
 
 
 def set_reduce_yield(switch: Callable[[], None] | None) -> None:
-    """Install (None: remove) this thread's yield point for `reduce_from_tp`: while one is set,
-    the forward all-reduce is issued asynchronously, `switch()` runs (other sub-batches compute
+    """Install (None: remove) this thread's yield point for the all-reduces of 1D TP — the
+    forward one of `reduce_from_tp` and the backward one of `copy_to_tp`: while one is set,
+    the all-reduce is issued asynchronously, `switch()` runs (other sub-batches compute
     meanwhile; see `interlace.parallel.tensor_overlap`), and only then is the result waited on."""
     _yield_point.switch = switch
+
+
+def _all_reduced_yielding(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """`_all_reduced`, handing the thread's turn over while the reduction flies (if a yield
+    point is installed on this thread)."""
+    switch = getattr(_yield_point, "switch", None)
+    if switch is None:
+        return _all_reduced(x, group)
+    out = x.clone(memory_format=torch.contiguous_format)
+    work = comm.all_reduce(out, group, async_op=True)
+    switch()
+    work.wait()
+    return out
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        switch = getattr(_yield_point, "switch", None)
-        if switch is None:
-            return _all_reduced(x, group)
-        out = x.clone(memory_format=torch.contiguous_format)
-        work = comm.all_reduce(out, group, async_op=True)
-        switch()
-        work.wait()
-        return out
+        return _all_reduced_yielding(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
