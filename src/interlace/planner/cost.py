@@ -249,17 +249,73 @@ def micro_batch_rows(plan: Plan, global_batch: int) -> int:
     return rows
 
 
-def estimate(
+@dataclass(frozen=True)
+class StepTerms:
+    """The cost model's terms of one step, before they are summed: what `estimate` adds up and
+    what `interlace.planner.simulate` lays out on a timeline (one source for both).
+
+    Per micro-batch on the slowest stage (seconds): `forward` and `backward` compute (1/3 and
+    2/3 of 3F), `recompute` (the checkpointed forward); `comm` the exposed tp/ep collectives per
+    term, `comm_hidden` the part hidden under compute, and `comm_forward_share` the fraction of
+    each term's calls issued in the forward (the rest in backward and recomputation).
+    Per step: `send_recv_one` one boundary transfer; `dp_exposed`/`dp_hidden` the gradient
+    all-reduce (`dp.all_reduce`); `ep_dp` the expert gradient all-reduce.
+    """
+
+    plan: Plan
+    micro_batches: int
+    virtual_stages: int
+    tokens: int
+    forward: float
+    backward: float
+    recompute: float
+    comm: dict[str, float]
+    comm_hidden: dict[str, float]
+    comm_forward_share: float
+    send_recv_one: float
+    dp_exposed: float
+    dp_hidden: float
+    ep_dp: float
+    recompute_runs: int
+    profile: ModelProfile
+    stages: tuple[_Stage, ...]
+
+    @property
+    def stage_micro_batch(self) -> float:
+        """Seconds of one micro-batch on the slowest stage: compute, recompute, exposed comm."""
+        return self.forward + self.backward + self.recompute + sum(self.comm.values())
+
+    def breakdown(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(seconds on the critical path per term, seconds hidden per term) of the step."""
+        plan, m, pp = self.plan, self.micro_batches, self.plan.pp
+        breakdown = {
+            "compute": m * (self.forward + self.backward),
+            "recompute": self.recompute_runs * self.recompute,
+        }
+        breakdown.update({k: m * t for k, t in self.comm.items()})
+        hidden = {k: m * t for k, t in self.comm_hidden.items()}
+        if pp > 1:
+            breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * self.stage_micro_batch
+            breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
+        if plan.dp > 1:
+            breakdown["dp.all_reduce"] = self.dp_exposed
+            if self.dp_hidden:
+                hidden["dp.all_reduce"] = self.dp_hidden
+        if self.ep_dp:
+            breakdown["ep_dp.all_reduce"] = self.ep_dp
+        return breakdown, hidden
+
+
+def step_terms(
     plan: Plan,
     config: GPTConfig,
     hardware: Hardware,
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
-) -> PlanCost:
-    """Estimate one optimizer step of `config` under `plan` on `hardware` with `global_batch`
-    sequences of `seq_len` tokens (default: the config's). The plan's tp must be 1D (tp3d is
-    not priced yet). Raises PlanError for a batch the plan cannot split."""
+) -> StepTerms:
+    """The terms of one step of `config` under `plan` (see `StepTerms` and the module
+    docstring). PlanError for tp3d or a batch the plan cannot split."""
     if plan.tp3d is not None:
         raise PlanError("the cost model prices 1D tensor parallelism only; use tp=..., not tp3d")
     seq = seq_len or config.seq_len
@@ -272,7 +328,7 @@ def estimate(
     v = INTERLEAVED_VIRTUAL_STAGES if plan.schedule == "interleaved" else 1
     stages = _stages(profile, pp, tuple(recompute_ratios(plan)))
     dpn = hardware.devices_per_node
-    d = config.d_model
+    d = profile.config.d_model
 
     # ---- the slowest stage's work per micro-batch
     slowest = max(stages, key=lambda st: 3 * st.flops + st.recompute_flops)
@@ -280,99 +336,128 @@ def estimate(
     recompute_mb = slowest.recompute_flops * tokens / tp / rate
 
     # ---- tensor parallel collectives per micro-batch
-    tp_terms: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    forward_calls = total_calls = 0
     if tp > 1:
         count = 4 * slowest.n_layers + 2 * slowest.n_checkpointed
         count += int(slowest.has_embed) + int(slowest.has_head)
+        forward_calls += 2 * slowest.n_layers + int(slowest.has_embed)
+        total_calls += count
         s = plan.overlap.tp_subbatches
         payload = tokens * d * act_bytes / s
         inside = group_inside_node(tp, 1, dpn)
         if plan.sequence_parallel:
             shard = payload / tp
-            tp_terms["tp.all_gather"] = (
+            comm["tp.all_gather"] = (
                 count * s * collective_seconds("all_gather", shard, tp, inside, hardware)
             )
-            tp_terms["tp.reduce_scatter"] = (
+            comm["tp.reduce_scatter"] = (
                 count * s * collective_seconds("reduce_scatter", payload, tp, inside, hardware)
             )
         else:
-            tp_terms["tp.all_reduce"] = (
+            comm["tp.all_reduce"] = (
                 count * s * collective_seconds("all_reduce", payload, tp, inside, hardware)
             )
-    tp_hidden: dict[str, float] = {}
-    if plan.overlap.tp_subbatches > 1 and tp_terms:
-        total = sum(tp_terms.values())
+    hidden: dict[str, float] = {}
+    if plan.overlap.tp_subbatches > 1 and comm:
+        total = sum(comm.values())
         s = plan.overlap.tp_subbatches
         exposed = max(total / s, total - compute_mb - recompute_mb)
-        for key, value in tp_terms.items():
-            tp_hidden[key] = value * (1 - exposed / total)
-            tp_terms[key] = value * exposed / total
+        for key, value in comm.items():
+            hidden[key] = value * (1 - exposed / total)
+            comm[key] = value * exposed / total
 
     # ---- expert parallel collectives per micro-batch
-    ep_terms: dict[str, float] = {}
     if plan.ep > 1 and slowest.n_moe:
         inside = group_inside_node(plan.ep, tp, dpn)
         capacity = 1.0 if config.dropless else config.capacity_factor
         rows_sent = tokens * config.top_k * capacity
         a2a_count = slowest.n_moe * 4 + 2 * slowest.n_moe_checkpointed
-        ep_terms["ep.all_to_all"] = a2a_count * collective_seconds(
+        comm["ep.all_to_all"] = a2a_count * collective_seconds(
             "all_to_all", rows_sent * d * act_bytes, plan.ep, inside, hardware
         )
-        ep_terms["ep.all_gather"] = slowest.n_moe * collective_seconds(
+        comm["ep.all_gather"] = slowest.n_moe * collective_seconds(
             "all_gather", 8 * config.n_experts, plan.ep, inside, hardware
         )
+        forward_calls += 3 * slowest.n_moe
+        total_calls += a2a_count + slowest.n_moe
 
-    stage_mb = compute_mb + recompute_mb + sum(tp_terms.values()) + sum(ep_terms.values())
     recompute_runs = m
     if plan.schedule == "shifted" and pp > 1:
         recompute_runs = m - min(m, pp - 1)
-
-    breakdown: dict[str, float] = {
-        "compute": m * compute_mb,
-        "recompute": recompute_runs * recompute_mb,
-    }
-    breakdown.update({k: m * t for k, t in tp_terms.items()})
-    breakdown.update({k: m * t for k, t in ep_terms.items()})
-    hidden = {k: m * t for k, t in tp_hidden.items()}
+    send_one = 0.0
     if pp > 1:
-        breakdown["pp.bubble"] = (pp - 1) / v * stage_mb
         inside = group_inside_node(pp, tp * plan.dp, dpn)
         alpha, bandwidth = hardware.link(inside)
-        one = alpha + tokens * d * act_bytes / bandwidth
-        breakdown["pp.send_recv"] = 2 * (v * m + pp - 1) * one
+        send_one = alpha + tokens * d * act_bytes / bandwidth
 
     # ---- data parallel gradient all-reduce
+    dp_exposed = dp_hidden = 0.0
     dense_params = max(st.params - st.expert_params for st in stages) / tp
     if plan.dp > 1:
         grad = dense_params * GRAD_BYTES
         inside = group_inside_node(plan.dp, tp, dpn)
-        full = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
+        dp_exposed = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
         if plan.overlap.dp_overlap and pp == 1:
             bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
             last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
-            backward = 2 / 3 * breakdown["compute"]
-            exposed = max(full - backward, last)
-            breakdown["dp.all_reduce"] = exposed
-            hidden["dp.all_reduce"] = full - exposed
-        else:
-            breakdown["dp.all_reduce"] = full
+            full, backward = dp_exposed, 2 / 3 * m * compute_mb
+            dp_exposed = max(full - backward, last)
+            dp_hidden = full - dp_exposed
+    ep_dp_seconds = 0.0
     ep_dp = plan.dp // plan.ep
     expert_params = max(st.expert_params for st in stages) / (tp * plan.ep)
     if ep_dp > 1 and expert_params:
         inside = group_inside_node(ep_dp, tp * plan.ep, dpn)
-        breakdown["ep_dp.all_reduce"] = collective_seconds(
+        ep_dp_seconds = collective_seconds(
             "all_reduce", expert_params * GRAD_BYTES, ep_dp, inside, hardware
         )
+    return StepTerms(
+        plan=plan,
+        micro_batches=m,
+        virtual_stages=v,
+        tokens=tokens,
+        forward=compute_mb / 3,
+        backward=2 * compute_mb / 3,
+        recompute=recompute_mb,
+        comm=comm,
+        comm_hidden=hidden,
+        comm_forward_share=forward_calls / total_calls if total_calls else 0.0,
+        send_recv_one=send_one,
+        dp_exposed=dp_exposed,
+        dp_hidden=dp_hidden,
+        ep_dp=ep_dp_seconds,
+        recompute_runs=recompute_runs,
+        profile=profile,
+        stages=stages,
+    )
 
-    # ---- memory
+
+def estimate(
+    plan: Plan,
+    config: GPTConfig,
+    hardware: Hardware,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: str = "bf16",
+) -> PlanCost:
+    """Estimate one optimizer step of `config` under `plan` on `hardware` with `global_batch`
+    sequences of `seq_len` tokens (default: the config's): `step_terms`, summed. The plan's tp
+    must be 1D (tp3d is not priced yet). Raises PlanError for a batch the plan cannot split."""
+    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype)
+    breakdown, hidden = terms.breakdown()
+    profile = terms.profile
+    seq = profile.config.seq_len
+    act_bytes = DTYPE_BYTES.get(dtype, 2)
     memory = max(
         (
-            _stage_memory(st, plan, tokens, act_bytes, d, profile, s, v)
-            for s, st in enumerate(stages)
+            _stage_memory(
+                st, plan, terms.tokens, act_bytes, profile.config.d_model, s, terms.virtual_stages
+            )
+            for s, st in enumerate(terms.stages)
         ),
         key=lambda mem: mem["total"],
     )
-
     step = sum(breakdown.values())
     n_devices = plan.world_size
     model_flops = 3 * profile.forward_flops_per_token * global_batch * seq
@@ -466,7 +551,6 @@ def _stage_memory(
     tokens: int,
     act_bytes: int,
     d: int,
-    profile: ModelProfile,
     s: int,
     v: int,
 ) -> dict[str, float]:
@@ -508,6 +592,7 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 __all__ = [
     "ModelProfile",
     "PlanCost",
+    "StepTerms",
     "bubble_fraction",
     "collective_seconds",
     "estimate",
@@ -516,4 +601,5 @@ __all__ = [
     "model_profile",
     "recompute_ratios",
     "ring_steps",
+    "step_terms",
 ]
