@@ -228,8 +228,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return _train_rank(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc={args.nproc} must be >= 1")
-    plan = Plan.parse(args.plan or f"dp={args.nproc}")
     config = _config_from_args(args)
+    if args.plan == "auto":
+        argv = _choose_plan(args, argv, config)
+    plan = Plan.parse(args.plan or f"dp={args.nproc}")
     from interlace.train import Trainer, prepare_run
 
     setup = prepare_run(config, plan, args.nproc)
@@ -244,6 +246,24 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         trainer.resume(checkpoint)
     _print_summary(trainer.fit(), args.out)
     return 0
+
+
+def _choose_plan(args: argparse.Namespace, argv: list[str], config: TrainConfig) -> list[str]:
+    """`--plan auto`: print the planner's choice for this machine and --nproc, set it as
+    args.plan and return `argv` with it in place of "auto" (for the launched ranks)."""
+    from interlace.planner.auto import choose_plan, describe_choice
+
+    chosen, ranked = choose_plan(config, args.nproc)
+    print(describe_choice(chosen, ranked))
+    args.plan = str(chosen.plan)
+    return [
+        f"--plan={args.plan}"
+        if a == "--plan=auto"
+        else args.plan
+        if a == "auto" and i and argv[i - 1] == "--plan"
+        else a
+        for i, a in enumerate(argv)
+    ]
 
 
 def _train_rank(args: argparse.Namespace) -> int:

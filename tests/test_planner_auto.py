@@ -1,0 +1,71 @@
+"""`interlace train --plan auto`: the planner's choice for this machine, printed and run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from interlace.cli import _choose_plan, build_parser, main
+from interlace.errors import ConfigError
+from interlace.planner import calibrate as cal
+from interlace.planner.auto import choose_plan, describe_choice
+from interlace.planner.cost import estimate
+from interlace.planner.hardware import local
+from interlace.train import prepare_run
+from interlace.train_config import TrainConfig
+
+
+@pytest.fixture
+def cached_calibration(tmp_path, monkeypatch):
+    calibration = cal.Calibration(
+        matmul_flops={"1": 5e10, "2": 9e10},
+        link_latency=1e-4,
+        link_bandwidth=1e9,
+        memory_bytes=8e9,
+        fingerprint=cal.fingerprint(),
+    )
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(calibration.to_dict()))
+    monkeypatch.setenv(cal.CACHE_ENV, str(path))
+
+
+def test_choose_plan_is_the_fastest_runnable_plan_the_run_accepts():
+    config = TrainConfig(model="demo", global_batch=8, out=None)
+    hardware = local(5e10, 1e8, latency=1e-4, devices_per_node=2)
+    chosen, ranked = choose_plan(config, 2, hardware)
+    assert chosen is ranked[0]
+    assert chosen.step_seconds == min(c.step_seconds for c in ranked)
+    assert {str(c.plan) for c in ranked} >= {"dp=2", "tp=2"}
+    prepare_run(config, chosen.plan, 2)  # runnable as the run is configured
+    again = estimate(chosen.plan, chosen_spec(config), hardware, 8, dtype="fp32")
+    assert again.step_seconds == pytest.approx(chosen.step_seconds)
+    text = describe_choice(chosen, ranked)
+    assert f"chose {chosen.plan}" in text and "next best" in text
+    with pytest.raises(ConfigError, match="none of the"):
+        choose_plan(TrainConfig(model="demo", global_batch=4, micro_batch=3, out=None), 2, hardware)
+
+
+def chosen_spec(config: TrainConfig):
+    from interlace.models import get_preset
+
+    return get_preset(config.model)
+
+
+def test_choose_plan_replaces_auto_in_the_ranks_argv(cached_calibration, capsys):
+    argv = ["--model", "tiny", "--nproc", "2", "--plan", "auto", "--global-batch", "8"]
+    args = build_parser().parse_args(["train", *argv])
+    config = TrainConfig(model="tiny", global_batch=8, out=None)
+    out = _choose_plan(args, argv, config)
+    assert args.plan != "auto" and out[out.index("--plan") + 1] == args.plan
+    assert "plan auto: chose" in capsys.readouterr().out
+    assert _choose_plan(args, ["--plan=auto"], config) == [f"--plan={args.plan}"]
+
+
+def test_train_plan_auto_runs(cached_calibration, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tiny", "--plan", "auto", "--steps", "2", "--global-batch", "4"]
+    assert main([*argv, "--eval-every", "0", "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "plan auto: chose dp=1" in printed and "done: 2 steps" in printed
+    assert json.loads((out / "report.json").read_text())["plan_str"] == "dp=1"
