@@ -19,19 +19,21 @@ from interlace import __version__
 from interlace.errors import ConfigError, InterlaceError
 from interlace.models import PRESETS, GPTConfig, get_preset
 from interlace.plan import Plan
-from interlace.report import LOSS_PLOT, METRICS, REPORT
+from interlace.report import LOAD_PLOT, LOSS_PLOT, METRICS, REPORT
 from interlace.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from interlace.train import RunSetup
 
 _DEFAULTS = TrainConfig()
-_RUN_FILES = (METRICS, REPORT, LOSS_PLOT, "checkpoints")
+_RUN_FILES = (METRICS, REPORT, LOSS_PLOT, LOAD_PLOT, "checkpoints")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
+        "--preset",
+        dest="model",
         default=_DEFAULTS.model,
         metavar="PRESET",
         help="model preset, or a .json file of GPTConfig fields; see `interlace plan --list`",
@@ -45,7 +47,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan",
         default=None,
-        help="parallel plan, e.g. 'dp=4' or 'dp=2,dp_overlap=false' (default: dp=<nproc>)",
+        help="parallel plan, e.g. 'dp=4' or 'ep=4,moe_balance=prophet'; dp not given fills "
+        "the ranks (default: dp=<nproc>)",
     )
     p.add_argument(
         "--data",
@@ -231,7 +234,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     config = _config_from_args(args)
     if args.plan == "auto":
         argv = _choose_plan(args, argv, config)
-    plan = Plan.parse(args.plan or f"dp={args.nproc}")
+    plan = Plan.parse_for(args.plan or "", args.nproc)
     from interlace.train import Trainer, prepare_run
 
     setup = prepare_run(config, plan, args.nproc)
@@ -276,7 +279,7 @@ def _train_rank(args: argparse.Namespace) -> int:
 
     device = init_from_env()
     try:
-        plan = Plan.parse(args.plan or f"dp={dist.get_world_size()}")
+        plan = Plan.parse_for(args.plan or "", dist.get_world_size())
         setup = prepare_run(_config_from_args(args), plan, dist.get_world_size())
         checkpoint = _checkpoint_to_resume(args, setup)
         if dist.get_rank() == 0:
@@ -343,7 +346,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
 
         return run_planner(args)
     model = get_preset(args.model)
-    plan = Plan.parse(args.plan or f"dp={args.nproc}").validate(args.nproc, model)
+    plan = Plan.parse_for(args.plan or "", args.nproc).validate(args.nproc, model)
     names, sizes = mesh_dims(plan)
     params = model.num_params()
     shard = plan.pp * plan.tp_size

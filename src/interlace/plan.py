@@ -260,6 +260,18 @@ class Plan:
             target[key] = _parse_value(key, raw)
         return cls(**top, overlap=Overlap(**nested))
 
+    @classmethod
+    def parse_for(cls, text: str, world_size: int) -> Plan:
+        """`parse(text)` with `dp` filling `world_size` when the text does not name it: on 4
+        ranks, 'ep=4' reads as 'dp=4,ep=4' and '' as 'dp=4'. If pp · tp does not divide the
+        world size, dp stays 1 and `validate` names the fix."""
+        plan = cls.parse(text)
+        named = any(item.split("=", 1)[0].strip() == "dp" for item in text.split(","))
+        others = plan.pp * plan.tp_size
+        if named or world_size % others:
+            return plan
+        return dataclasses.replace(plan, dp=world_size // others)
+
     def __str__(self) -> str:
         items = [f"{k}={_fmt(v)}" for k, v in self._non_defaults().items()]
         return ",".join(items) if items else "dp=1"

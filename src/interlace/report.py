@@ -1,4 +1,5 @@
-"""The run report: per-step metrics as JSONL, a summary `report.json` and a `loss.png`."""
+"""The run report: per-step metrics as JSONL, a summary `report.json`, a `loss.png` and, for
+expert parallel runs, the expert load heat-map `moe_load.png`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from interlace.moe.load_map import load_map, plot_load_map
 from interlace.plotting import new_figure, save_figure
 
 METRICS = "metrics.jsonl"
 REPORT = "report.json"
 LOSS_PLOT = "loss.png"
+LOAD_PLOT = "moe_load.png"
 
 
 class MetricsLog:
@@ -41,7 +44,8 @@ def read_metrics(file: Path) -> list[dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Summary numbers of a run from its metric rows: first/final loss, last eval loss, mean
-    step time and tokens/s (first step excluded as warm-up), mean comm bytes per group."""
+    step time and tokens/s (first step excluded as warm-up), mean comm bytes per group, and
+    the mean expert load per MoE layer and rank (`moe_load`, None without expert parallelism)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     steady = train[1:] or train
@@ -56,20 +60,25 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "comm_bytes_per_step": {
             g: _mean([r.get("comm_bytes", {}).get(g, 0) for r in steady]) for g in groups
         },
+        "moe_load": load_map(train),
     }
 
 
 def write_report(out: Path, report: dict[str, Any]) -> list[str]:
-    """Write `report.json` and `loss.png` into `out`; returns notes about anything skipped."""
+    """Write `report.json`, `loss.png` and (when `report` has a `moe_load`) `moe_load.png`
+    into `out`, naming the heat-map in `moe_load.plot`; returns notes about anything skipped."""
     out = Path(out)
     notes = []
     rows = read_metrics(out / METRICS)
+    load = report.get("moe_load")
+    title = report.get("title", "training loss")
     try:
-        plot_loss(rows, out / LOSS_PLOT, title=report.get("title", "training loss"))
+        plot_loss(rows, out / LOSS_PLOT, title=title)
+        if load:
+            plot_load_map(load, out / LOAD_PLOT, title=title)
+            report = {**report, "moe_load": {**load, "plot": LOAD_PLOT}}
     except ImportError:
-        notes.append(
-            "loss.png skipped: matplotlib is not installed (pip install 'interlace[bench]')"
-        )
+        notes.append("plots skipped: matplotlib is not installed (pip install 'interlace[bench]')")
     tmp = out / (REPORT + ".tmp")
     tmp.write_text(json.dumps({**report, "notes": notes}, indent=1, sort_keys=True))
     os.replace(tmp, out / REPORT)

@@ -52,6 +52,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +61,14 @@ from torch.func import functional_call
 from interlace import comm
 from interlace.comm import Group
 from interlace.errors import ConfigError, PlanError
-from interlace.moe.balance import Balancer, ExpertSize, Placement, balance_degree, make_balancer
+from interlace.moe.balance import (
+    Balancer,
+    ExpertSize,
+    Placement,
+    balance_degree,
+    device_loads,
+    make_balancer,
+)
 from interlace.moe.layer import MoELayer
 
 
@@ -364,16 +372,25 @@ class ExpertParallelMoE(nn.Module):
             out.index_add_(0, mine, weighted.to(out.dtype))
 
     # ------------------------------------------------------------------ metrics
-    def balance_summary(self) -> dict[str, float | list[int]]:
-        """For the newest count matrix: balance degree (std of tokens computed per rank) without
-        and with the current placement, and the replicated experts. Empty before any step."""
+    def balance_summary(self) -> dict[str, Any]:
+        """For the newest count matrix C [D, E] (`counts`, tokens routed from rank s to expert
+        e): tokens computed per rank [D] under the base placement and under the current one
+        (`tokens_base`, `tokens`), their balance degree (std), and the replicated experts with
+        their replica ranks. Empty before any step."""
         if not self.routing_history:
             return {}
         counts = self.routing_history[-1]
+        base, _ = device_loads(counts, self.base_placement)
+        balanced, _ = device_loads(counts, self.placement)
+        replicated = self.placement.replicated
         return {
             "balance_degree_base": balance_degree(counts, self.base_placement),
             "balance_degree": balance_degree(counts, self.placement),
-            "replicated": list(self.placement.replicated),
+            "replicated": list(replicated),
+            "replicas": [list(self.placement.replicas[e]) for e in replicated],
+            "counts": counts.tolist(),
+            "tokens_base": [int(v) for v in base.tolist()],
+            "tokens": [int(v) for v in balanced.tolist()],
         }
 
 
