@@ -4,13 +4,14 @@ The steps run in a fixed order, each the work of one module under `interlace/par
 
     1. tensor parallel, 1D (`plan.tp`, mesh group "tp")    parallel/tensor.py
        + sub-batch overlap (`plan.overlap.tp_subbatches`)  parallel/tensor_overlap.py
+       or 3D (`plan.tp3d`, groups "tp_x", "tp_y", "tp_z")  parallel/tensor3d.py
     2. expert parallel (`plan.ep`, `plan.moe_balance`;      parallel/expert.py
        groups "ep" / "ep_dp" carved from "dp")              parallel/expert_groups.py
 
 Pipeline parallelism cuts the result into stages (`interlace.parallel.pipeline.PipelineRunner`),
 and data parallelism (DDP over the mesh's "dp" group) wraps it; the Trainer applies both, in that
-order, after this function. 3D tensor parallelism will take its place in this order; until
-then a plan asking for it is refused.
+order, after this function. 3D tensor parallelism (`plan.tp3d`, mesh groups "tp_x", "tp_y",
+"tp_z"; parallel/tensor3d.py) takes the place of step 1.
 
 Every part is found by module structure (`interlace.parallel.detect`); what is not recognised
 stays replicated, and `model.parallel_report` (also logged on "interlace.parallel") lists, one
@@ -29,6 +30,7 @@ from interlace.parallel.detect import find_structure
 from interlace.parallel.expert import parallelize_experts
 from interlace.parallel.expert_groups import build_expert_groups
 from interlace.parallel.tensor import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor3d import Grid, apply_tensor3d, check_tensor3d
 from interlace.parallel.tensor_overlap import apply_tp_overlap, check_tp_overlap
 from interlace.plan import Plan
 
@@ -46,6 +48,9 @@ def parallelize(
     also splits the activations between blocks along the sequence;
     `plan.overlap.tp_subbatches = k > 1` runs every layer in k interleaved sub-batches so their
     all-reduces overlap compute (`parallel/tensor_overlap.py`).
+    With `plan.tp3d = (x, y, z)`, the built-in GPT's block linears become 3D-parallel over the
+    mesh's "tp_x", "tp_y", "tp_z" groups (`interlace.parallel.tensor3d`); it then returns the
+    logits of this rank's z slice of the batch [B/z, T, V] and the full loss.
     Every rank must pass the same full model (same seed). The built-in GPT then returns (this
     rank's logits [B, T, V/tp], full loss); other models return full logits. Raises PlanError,
     before modifying anything, if the plan asks for a dimension not implemented here or a model
@@ -53,7 +58,7 @@ def parallelize(
     """
     if sequence_parallel is None:
         sequence_parallel = plan.sequence_parallel
-    _check_supported(plan, mesh)
+    _check_supported(plan, mesh, sequence_parallel)
     report: list[str] = []
     if plan.tp > 1:
         try:
@@ -65,6 +70,13 @@ def parallelize(
         check_tp_overlap(structure, subbatches, sequence_parallel)
         report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
         report += apply_tp_overlap(model, structure, subbatches, sequence_parallel)
+    if plan.tp3d is not None and plan.tp_size > 1:
+        try:
+            structure = find_structure(model)
+        except ValueError as exc:
+            raise PlanError(f"tp3d: {exc}") from None
+        check_tensor3d(model, structure, plan.tp3d)
+        report += apply_tensor3d(model, structure, Grid.from_mesh(mesh))
     if plan.ep > 1 or plan.moe_balance != "none":
         ep_group, ep_dp_group = build_expert_groups(mesh, plan.ep)  # collective
         report += parallelize_experts(model, ep_group, plan.moe_balance)
@@ -75,10 +87,10 @@ def parallelize(
     return model
 
 
-def _check_supported(plan: Plan, mesh: Mesh) -> None:
+def _check_supported(plan: Plan, mesh: Mesh, sequence_parallel: bool) -> None:
     pending = [
-        (plan.tp3d is not None, "tp3d (3D tensor parallelism)"),
-        (plan.ep > 1 and plan.tp > 1, f"ep={plan.ep} with tp={plan.tp}"),
+        (plan.ep > 1 and plan.tp_size > 1, f"ep={plan.ep} with tensor parallelism"),
+        (plan.tp3d is not None and sequence_parallel, "sequence_parallel with tp3d"),
     ]
     for active, what in pending:
         if active:
@@ -88,6 +100,13 @@ def _check_supported(plan: Plan, mesh: Mesh) -> None:
             f"tp_subbatches={plan.overlap.tp_subbatches} overlaps tensor parallel all-reduces; "
             "use it with tp > 1, or tp_subbatches=1"
         )
+    if plan.tp3d is not None:
+        grid = tuple(mesh.size(f"tp_{a}") if f"tp_{a}" in mesh.dims else 0 for a in "xyz")
+        if grid != plan.tp3d:
+            raise PlanError(
+                f"plan tp3d={'x'.join(map(str, plan.tp3d))} but the mesh's tp_x, tp_y, tp_z "
+                f"sizes are {grid}; build the mesh from the same plan (build_mesh(plan))"
+            )
     if plan.tp > 1 and mesh.size("tp") != plan.tp:
         raise PlanError(
             f"plan tp={plan.tp} but the mesh's tp group has {mesh.size('tp')} ranks; build the "

@@ -103,6 +103,17 @@ class Plan:
                 raise PlanError(
                     f"tp={self.tp} and tp3d={_fmt_tp3d(self.tp3d)} are exclusive; use one of them"
                 )
+            for active, what in (
+                (self.pp > 1, f"pp={self.pp}"),
+                (self.ep > 1, f"ep={self.ep}"),
+                (self.overlap.tp_subbatches > 1, f"tp_subbatches={self.overlap.tp_subbatches}"),
+                (self.sequence_parallel, "sequence_parallel=true"),
+            ):
+                if active:
+                    raise PlanError(
+                        f"tp3d={_fmt_tp3d(self.tp3d)} with {what} is not implemented yet; "
+                        f"drop {what}"
+                    )
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
@@ -153,7 +164,6 @@ class Plan:
 
     def _check_implemented(self) -> None:
         pending = [
-            (self.tp3d is not None, "tp3d (3D tensor parallelism)", "no tp3d"),
             (
                 self.ep > 1 and self.tp_size > 1,
                 f"ep={self.ep} combined with tensor parallelism",
@@ -176,7 +186,9 @@ class Plan:
         return f"launch {self.world_size} ranks (--nproc {self.world_size})"
 
     def _check_spec(self, spec: Any) -> None:
-        tp = self.tp_size
+        tp = self.tp  # 1D; 1 under tp3d, whose grid _check_tp3d checks
+        if self.tp3d is not None:
+            self._check_tp3d(spec)
         if spec.d_model % spec.n_heads:
             raise PlanError(
                 f"hidden size d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}; "
@@ -219,6 +231,31 @@ class Plan:
                 f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
                 f"use ep in {_divisors(spec.n_experts)}"
             )
+
+    def _check_tp3d(self, spec: Any) -> None:
+        """The grid (x, y, z) splits this model: heads and ffn over y, d_model over x and y,
+        each rank's weight block over z; experts are not split."""
+        assert self.tp3d is not None
+        x, y, z = self.tp3d
+        grid = _fmt_tp3d(self.tp3d)
+        if spec.n_experts:
+            raise PlanError(
+                f"tp3d={grid} does not split Mixture-of-Experts models; use a dense model "
+                "or tp=N"
+            )
+        for name, value, factor, why in (
+            ("d_model", spec.d_model, x, "x (hidden of the residual stream)"),
+            ("n_heads", spec.n_heads, y, "y (heads of q, k, v)"),
+            ("ffn_dim", spec.ffn_dim, y, "y (features of the up projection)"),
+            ("d_model", spec.d_model, x * z, "x·z (rows of a transposed layer's weight)"),
+            ("d_model", spec.d_model, y * z, "y·z (rows of a q, k, v weight)"),
+            ("ffn_dim", spec.ffn_dim, y * z, "y·z (rows of an up weight)"),
+        ):
+            if value % factor:
+                raise PlanError(
+                    f"{name}={value} is not divisible by {factor}, the tp3d={grid} factor "
+                    f"{why}; use a grid whose factor divides {value}"
+                )
 
     def _check_pipeline(self, spec: Any) -> None:
         """The schedule can run this many micro-batches over pp stages of this model."""

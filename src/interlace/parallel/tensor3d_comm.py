@@ -1,0 +1,166 @@
+"""The communication of 3D tensor parallelism (AxoNN-style), as autograd functions.
+
+A 3D grid of x·y·z ranks, groups "tp_x", "tp_y", "tp_z". A 3D linear layer splits its input
+features over one of the X / Y groups (its `in_group`) and its output features over the other
+(`out_group`); each rank's [out/|out_group|, in/|in_group|] block is cut again over Z by rows
+(the row-major flattened block cut into z contiguous pieces). Its function:
+
+    forward   W = all-gather over Z;  O = all-reduce over in_group of (X_local · Wᵀ)
+    backward  W = all-gather over Z again (not cached: the formula's two all-gathers);
+              dX = dO · W, all-reduce over out_group, issued async and waited after the dW matmul;
+              dW = dOᵀ · X, reduce-scatter over Z, issued async: the gradient is added to the
+              weight's `.grad` by a callback queued to run when the whole backward pass ends
+              (`torch.autograd`'s `queue_callback`), so it never blocks the next layer's backward.
+
+The other conjugate pairs of the layout:
+
+    split_last_dim    forward: this rank's slice of the last dim   backward: all-gather
+    sum_over          forward: all-reduce (sum)                     backward: all-reduce (sum)
+    mean_over         forward: all-reduce / p                       backward: gradient / p
+
+(`gather_last_dim` of `tp_comm` is the inverse of `split_last_dim`.) Every collective passes the
+comm meter (`interlace.comm`); a group of one rank issues none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from interlace import comm
+from interlace.comm import Group
+from interlace.parallel.tp_comm import gather_last_dim
+
+_pending: list[tuple[dist.Work, torch.Tensor, torch.nn.Parameter]] = []
+"""Weight gradients being reduce-scattered over Z: (work, output buffer, parameter)."""
+
+
+def _finish_weight_gradients() -> None:
+    """Wait for every pending Z reduce-scatter and add its result to its parameter's `.grad`."""
+    while _pending:
+        work, shard, param = _pending.pop(0)
+        work.wait()
+        param.grad = shard if param.grad is None else param.grad.add_(shard)
+
+
+def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z: Group) -> None:
+    """Start the async reduce-scatter of a full block gradient `grad` [rows, cols] over Z into
+    the gradient of `param` [rows/z, cols], finished at the end of this backward pass."""
+    shard = torch.empty_like(param)
+    work = comm.reduce_scatter(shard, grad.contiguous(), z, async_op=True)
+    assert work is not None
+    if not _pending:
+        torch.autograd.Variable._execution_engine.queue_callback(_finish_weight_gradients)
+    _pending.append((work, shard, param))
+
+
+def gather_weight(shard: torch.Tensor, z: Group) -> torch.Tensor:
+    """This rank's Z piece [rows/z, cols] of a weight block → the block [rows, cols]."""
+    if z.size == 1:
+        return shard
+    block = torch.empty((z.size * shard.shape[0], shard.shape[1]), dtype=shard.dtype,
+                        device=shard.device)  # fmt: skip
+    comm.all_gather(block, shard.detach().contiguous(), z)
+    return block
+
+
+def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, group)
+    return out
+
+
+class _Linear3D(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, in_group, out_group, z):
+        ctx.save_for_backward(x, weight)
+        ctx.groups = (in_group, out_group, z)
+        partial = torch.matmul(x, gather_weight(weight, z).t())
+        return _summed(partial, in_group)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        _, out_group, z = ctx.groups
+        grad_x = torch.matmul(grad_out, gather_weight(weight, z))
+        work = None
+        if out_group.size > 1:
+            work = comm.all_reduce(grad_x, out_group, async_op=True)
+        grad_w = None
+        if weight.requires_grad:  # overlaps the dX all-reduce
+            grad_w = grad_out.flatten(0, -2).t().matmul(x.flatten(0, -2))
+            if z.size > 1:
+                _reduce_scatter_weight_grad(grad_w, weight, z)
+                grad_w = None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, None, None, None
+
+
+def linear3d(
+    x: torch.Tensor, weight: torch.nn.Parameter, in_group: Group, out_group: Group, z: Group
+) -> torch.Tensor:
+    """x [..., in/|in_group|] (this rank's input features and tokens) and this rank's weight
+    piece [out/(|out_group|·z), in/|in_group|] → O [..., out/|out_group|], summed over
+    `in_group` (no bias). See the module docstring for the backward."""
+    return _Linear3D.apply(x, weight, in_group, out_group, z)
+
+
+class _SplitLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = x.shape[-1] // group.size
+        return x.narrow(-1, group.rank * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_last_dim(grad, ctx.group), None
+
+
+def split_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Replicated x [..., n] → this rank's slice [..., n/p]; backward all-gathers the gradient
+    (every rank's consumers see only their slice)."""
+    return x if group.size == 1 else _SplitLastDim.apply(x, group)
+
+
+def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Slices [..., n/p] → [..., n] in rank order; backward keeps this rank's slice."""
+    return x if group.size == 1 else gather_last_dim(x, group)
+
+
+class _SumOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _summed(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group), None
+
+
+def sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum of x (any shape) over `group` on every rank; each rank's use of the sum differs, so
+    the gradient is summed too (statistics of a LayerNorm over a sharded hidden)."""
+    return x if group.size == 1 else _SumOver.apply(x, group)
+
+
+class _MeanOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.size = group.size
+        return _summed(x, group) / group.size
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+def mean_over(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Mean of x (a loss of this rank's batch slice) over `group`; each rank back-propagates
+    1/p of the gradient through its own slice, so gradients summed over the group are those of
+    the mean."""
+    return x if group.size == 1 else _MeanOver.apply(x, group)

@@ -1,0 +1,135 @@
+"""3D tensor parallelism: parallel equals serial, bytes as AxoNN's formula, plans refused.
+
+Every rank gets the serial model (built once in the parent) and the same batches. The 3D model
+takes its z slice of each batch; its loss, every gradient (each rank's piece against the slice
+of the serial gradient, cut here by hand from the layout in `interlace.parallel.tensor3d`), the
+gradient norm and the parameters after two SGD steps must agree with the serial run in fp32.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from interlace import comm
+from interlace.mesh import build_mesh
+from interlace.models import build_model, get_preset
+from interlace.parallel.tensor3d import Grid, grad_norm3d
+from interlace.parallelize import parallelize
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+
+B, T = 4, 16
+ATOL = 1e-5
+NORMAL = ("q_proj", "k_proj", "v_proj", "up")
+TRANSPOSED = ("out_proj", "down")
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 256, (B, T + 1), generator=torch.Generator().manual_seed(step))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # SGD, not AdamW: Adam divides by sqrt(v), which magnifies rounding on tiny gradients
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _serial_run(steps: int = 2) -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny"))
+    initial = copy.deepcopy(model)
+    opt = _optimizer(model)
+    ref: dict = {"losses": [], "grads": []}
+    for step in range(steps):
+        tokens = _batch(step)
+        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        loss.backward()
+        ref["losses"].append(loss.detach())
+        ref["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if step == 0:
+            ref["norm"] = torch.nn.utils.get_total_norm(list(ref["grads"][0].values()))
+        opt.step()
+        opt.zero_grad()
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return initial, ref
+
+
+def _cut(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+def _expected_piece(name: str, full: torch.Tensor, at: dict[str, tuple[int, int]]) -> torch.Tensor:
+    """This rank's piece of a serial tensor; `at` = {axis: (rank, size)}."""
+    owner, _, kind = name.rpartition(".")
+    layer = owner.rpartition(".")[2]
+    if layer in NORMAL + TRANSPOSED:
+        rows, cols = ("x", "y") if layer in TRANSPOSED else ("y", "x")
+        piece = _cut(full, 0, *at[rows])
+        if kind == "weight":
+            piece = _cut(_cut(piece, 1, *at[cols]), 0, *at["z"])
+        return piece
+    if name.startswith("blocks.") and ".ln_" in name:
+        return _cut(full, 0, *at["x"])
+    return full
+
+
+def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -> dict:
+    plan = Plan(tp3d=tp3d, dp=dp)
+    mesh = build_mesh(plan)
+    par = parallelize(model, plan, mesh)
+    grid = Grid.from_mesh(mesh)
+    at = {a: (grid.axis(a).rank, grid.axis(a).size) for a in "xyz"}
+    dp_group = mesh.group("dp")
+    opt = _optimizer(par)
+    errors: dict[str, float] = {}
+    for step, serial_loss in enumerate(ref["losses"]):
+        tokens = _batch(step)
+        rows = B // dp
+        mine = tokens[dp_group.rank * rows : (dp_group.rank + 1) * rows]
+        loss = par(mine[:, :-1], mine[:, 1:])[1]
+        loss.backward()
+        for p in par.parameters():  # data parallel: mean over dp
+            if dp > 1:
+                comm.all_reduce(p.grad, dp_group)
+                p.grad /= dp
+        if dp > 1:
+            comm.all_reduce(loss.detach(), dp_group)
+        errors[f"loss {step}"] = (loss.detach() / dp - serial_loss).abs().item()
+        for name, p in par.named_parameters():
+            expected = _expected_piece(name, ref["grads"][step][name], at)
+            assert p.grad.shape == expected.shape, f"{name}: {p.grad.shape} != {expected.shape}"
+            errors[f"grad {name} {step}"] = (p.grad - expected).abs().max().item()
+        if step == 0:
+            errors["grad norm"] = (grad_norm3d(par.parameters(), grid) - ref["norm"]).abs().item()
+        opt.step()
+        opt.zero_grad()
+    for name, p in par.named_parameters():
+        expected = _expected_piece(name, ref["params"][name], at)
+        errors[f"param {name}"] = (p.detach() - expected).abs().max().item()
+    return {"errors": errors, "report": par.parallel_report}
+
+
+def _assert_equal_to_serial(tp3d: tuple[int, int, int], dp: int = 1) -> list[dict]:
+    model, ref = _serial_run()
+    results = run_ranks(dp * tp3d[0] * tp3d[1] * tp3d[2], _compare, model, ref, tp3d, dp)
+    for rank, result in enumerate(results):
+        bad = {k: v for k, v in result["errors"].items() if not v <= ATOL}
+        assert not bad, f"rank {rank} differs from serial: {bad}"
+    return results
+
+
+@pytest.mark.parametrize("tp3d", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)])
+def test_3d_parallel_equals_serial(tp3d):
+    results = _assert_equal_to_serial(tp3d)
+    assert results[0]["report"][0].startswith("3D tensor parallel over")
+
+
+@pytest.mark.slow
+def test_3d_parallel_2x2x2_equals_serial():
+    _assert_equal_to_serial((2, 2, 2))
+
+
+def test_3d_with_data_parallel_equals_serial():
+    _assert_equal_to_serial((2, 1, 1), dp=2)
