@@ -10,7 +10,9 @@ comm meter counted (interlace's modes) and what left the network interface (all 
 DTensor TP is torch's `parallelize_module` with ColwiseParallel on q/k/v/up and
 RowwiseParallel on out_proj/down (the attention reshapes with view(B, T, -1, head_dim), so
 sharded q/k/v need no head-count patch); its embedding and LM head stay replicated, and each
-of q, k, v all-reduces its own input gradient. Megatron-Core is not run: see `MEGATRON_SKIP`.
+of q, k, v all-reduces its own input gradient. Megatron-Core's ColumnParallelLinear /
+RowParallelLinear run as a peer when the `peers` extra is installed (`tp_megatron.py`); without
+it the mode is skipped with the reason printed and recorded.
 """
 
 from __future__ import annotations
@@ -32,16 +34,13 @@ from interlace.bench.base import (
 )
 from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
+from interlace.bench.tp_megatron import megatron_tp, unavailable
 from interlace.comm import Group
 from interlace.errors import ConfigError
 from interlace.models import GPTConfig, build_model
 from interlace.parallel import apply_tensor_parallel, check_divisible, find_structure
 from interlace.parallel.tensor_overlap import apply_tp_overlap
 
-MEGATRON_SKIP = (
-    "Megatron-Core not run: 0.17+ needs Python >= 3.12 and triton to import, neither "
-    "installable on this Python 3.11 CPU machine"
-)
 _METER = comm.CommMeter()
 
 
@@ -189,6 +188,14 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     modes[f"overlapped_tp_k{k}"] = _measure(ctx, overlapped, batch, metered=True)
     del overlapped
     modes["dtensor_tp"] = _measure(ctx, _dtensor_tp(options, p), batch, metered=False)
+    skipped = {}
+    reason = unavailable()
+    if reason is None:
+        peer = megatron_tp(_model(options), p)
+        modes["megatron_core_tp"] = _measure(ctx, peer, batch, metered=False)
+    else:
+        print(f"tp bench: {reason}", flush=True)
+        skipped["megatron_core"] = reason
     for name, mode in modes.items():
         own = compute["overlapped"] if name.startswith("overlapped") else compute["plain"]
         mode["hidden_fraction"] = hidden_fraction(own, comm_s, mode["step_median_s"])
@@ -205,7 +212,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
         "comm_calls": len(recorder.calls),
         "comm_bytes": sum(n for _, n in recorder.calls),
         "modes": modes,
-        "peers_skipped": {"megatron_core": MEGATRON_SKIP},
+        "peers_skipped": skipped,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
@@ -230,7 +237,7 @@ def table(doc: dict[str, Any]) -> str:
             f"{m.get('meter_all_reduce_calls', '-')!s:>6s} {m['tx_bytes'] / 1e6:11.1f} "
             f"{m['loss']:8.4f}"
         )
-    lines.append(r["peers_skipped"]["megatron_core"])
+    lines += r["peers_skipped"].values()
     return "\n".join(lines)
 
 
@@ -278,10 +285,11 @@ BENCHMARK = Benchmark(
     describe=(
         "A forward + backward of the built-in GPT split by 1D tensor parallelism over all "
         "ranks: interlace's plain TP (one blocking all-reduce per attention and MLP each way), "
-        "interlace's overlapped TP (each layer in `subbatches` interleaved sub-batches, forward "
-        "all-reduces async; backward not overlapped) and torch's DTensor TP (parallelize_module, "
-        "Colwise q/k/v/up, Rowwise out_proj/down). The limit of a step is max(compute, comm); "
-        "no overlap gives their sum. Megatron-Core is skipped (not installable here)."
+        "interlace's overlapped TP (each layer in `subbatches` interleaved sub-batches whose "
+        "all-reduces take turns, forward and backward), torch's DTensor TP (parallelize_module, "
+        "Colwise q/k/v/up, Rowwise out_proj/down) and, with the `peers` extra, Megatron-Core's "
+        "Column/RowParallelLinear in the same places. The limit of a step is max(compute, "
+        "comm); no overlap gives their sum."
     ),
     table=table,
     plot=plot,
