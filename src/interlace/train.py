@@ -39,6 +39,7 @@ from interlace.optim import build_optimizer, lr_at
 from interlace.parallel import clip_grad_norm_, sharded_parameter_names
 from interlace.parallel import expert as expert_parallel
 from interlace.parallel.pipeline import PipelineRunner
+from interlace.parallel.tensor3d import Grid, clip_grad_norm3d_, shard3d_keys
 from interlace.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
@@ -72,6 +73,12 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     plan.validate(world_size, model_config)
     accum = config.accumulation(plan.dp)
     rows = config.global_batch // plan.dp // accum
+    if plan.tp3d is not None and rows % plan.tp3d[2]:
+        raise PlanError(
+            f"tp3d z={plan.tp3d[2]} splits each micro-batch's rows, but a rank's micro-batch "
+            f"holds {rows} sequences (global_batch={config.global_batch}, dp={plan.dp}); use "
+            f"a --global-batch that gives a multiple of {plan.tp3d[2]}"
+        )
     if rows % plan.micro_batches:
         raise PlanError(
             f"micro_batches={plan.micro_batches} does not divide the {rows} sequences of a "
@@ -113,6 +120,8 @@ class Trainer:
         self.accum = self.config.accumulation(self.dp_size)
 
         self.tp = mesh.group("tp") if mesh is not None and self.plan.tp > 1 else None
+        tp3d = mesh is not None and self.plan.tp3d is not None
+        self.grid = Grid.from_mesh(mesh) if tp3d else None  # type: ignore[arg-type]
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
         if mesh is not None:  # tensor and expert parallel; then stages; data parallel last
@@ -128,6 +137,8 @@ class Trainer:
                 name: f"{name}.tp{self.tp.rank}" for name in sharded_parameter_names(self.model)
             }
             if self.tp is not None
+            else shard3d_keys(self.model, self.grid)
+            if self.grid is not None
             else {}
         )
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
@@ -141,7 +152,8 @@ class Trainer:
     def _wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         if self.dp is None or self.dp.size == 1:
             return model
-        if not self.plan.overlap.dp_overlap or self.pipeline is not None:
+        # tp3d: Z reduce-scatters of weight gradients finish after backward, so not in DDP
+        if not self.plan.overlap.dp_overlap or self.pipeline is not None or self.grid is not None:
             for name, param in model.named_parameters():
                 if name not in self.expert_names:  # experts differ over the ep group
                     comm.broadcast(param.data, 0, self.dp)
@@ -235,6 +247,8 @@ class Trainer:
             return self.pipeline.clip_grad_norm_(max_norm)
         if self.tp is not None:
             return clip_grad_norm_(self.model.parameters(), max_norm, self.tp)
+        if self.grid is not None:
+            return clip_grad_norm3d_(self.model.parameters(), max_norm, self.grid)
         if self.experts is not None:
             ep_group, ep_dp_group = self.experts
             expert_parallel.reduce_expert_gradients(self.model, ep_dp_group, self.dp_size)
@@ -283,11 +297,12 @@ class Trainer:
             self.dp_rank,
             self.dp_size,
         ):
-            if self.pipeline is not None:  # the schedule runs whole micro-batches only
-                usable = len(x) - len(x) % self.plan.micro_batches
-                x, y = x[:usable], y[:usable]
-                if not usable:
-                    continue
+            # whole micro-batches for a pipeline, rows split evenly over tp3d's z (both 1 else)
+            unit = self.plan.micro_batches * (self.plan.tp3d[2] if self.plan.tp3d else 1)
+            usable = len(x) - len(x) % unit
+            x, y = x[:usable], y[:usable]
+            if not usable:
+                continue
             x, y = x.to(self.device), y.to(self.device)
             loss = self.pipeline.evaluate(x, y) if self.pipeline else self.model(x, y)[1]
             total += loss * len(x)

@@ -20,6 +20,7 @@ REGISTRY: dict[str, str] = {
     "svm": "interlace.bench.svm",
     "tp": "interlace.bench.tp",
     "moe": "interlace.bench.moe",
+    "planner": "interlace.bench.planner",
 }
 
 

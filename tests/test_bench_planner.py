@@ -1,0 +1,78 @@
+"""bench planner: its statistics against hand-computed values, and one tiny plan run for real
+on 2 forked ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from interlace.bench import get_benchmark
+from interlace.bench.base import RankContext
+from interlace.bench.planner import run_rank, spearman, summarize
+from interlace.comm import Group
+from interlace.errors import ConfigError
+from interlace.testing import run_ranks
+
+
+def test_spearman_hand_values():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks (0,1,2,3) vs (1,0,2,3): 1 − 6·Σd²/(n(n²−1)) = 1 − 6·2/60 = 0.8
+    assert spearman([1, 2, 3, 4], [2, 1, 3, 4]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)  # ties share a rank
+
+
+def test_summarize_hand_values():
+    runs = [
+        {
+            "model": "a",
+            "plan": "x",
+            "step_median_s": 1.0,
+            "predicted_s": 1.1,
+            "memory_bytes": 100.0,
+            "predicted_memory_bytes": 90.0,
+        },
+        {
+            "model": "a",
+            "plan": "y",
+            "step_median_s": 2.0,
+            "predicted_s": 1.0,
+            "memory_bytes": 100.0,
+            "predicted_memory_bytes": 100.0,
+        },
+    ]
+    s = summarize(runs)
+    assert s["median_abs_rel_error"] == pytest.approx((0.1 + 0.5) / 2)
+    assert s["memory_max_abs_rel_error"] == pytest.approx(0.1)
+    assert s["best"]["a"] == {
+        "predicted_best": "y",
+        "measured_best": "x",
+        "predicted_best_slower_by": 1.0,
+    }
+    assert s["best_within_5pct"] is False and s["spearman"] == pytest.approx(-1.0)
+
+
+def _rank(options):
+    group = Group("world", dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    return run_rank(RankContext(group, None, "lo", options))
+
+
+def test_one_tiny_plan_runs_and_is_predicted():
+    bench = get_benchmark("planner")
+    options = {
+        **bench.options,
+        "model": "tiny",
+        "moe_model": "",
+        "global_batch": 4,
+        "steps": 1,
+        "plans": 1,
+    }
+    bench.check(options)
+    result = run_ranks(2, _rank, options, timeout=120)[0]
+    (run,) = result["runs"]
+    assert run["plan"] == "dp=2" and run["step_median_s"] > 0 and run["predicted_s"] > 0
+    assert run["memory_bytes"] > run["state_bytes"] > 0
+    assert result["calibration"]["link_bandwidth_Bps"] > 0
+    assert "1 plans" in bench.table({"result": result})
+    with pytest.raises(ConfigError, match="steps=0"):
+        bench.check({**options, "steps": 0})
