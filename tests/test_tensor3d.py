@@ -7,18 +7,24 @@ gradient norm and the parameters after two SGD steps must agree with the serial 
 """
 
 import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from interlace import comm
+from interlace.checkpoint import checkpoint_name
 from interlace.mesh import build_mesh
 from interlace.models import build_model, get_preset
 from interlace.parallel.tensor3d import Grid, grad_norm3d
 from interlace.parallelize import parallelize
 from interlace.plan import Plan
+from interlace.report import read_metrics
 from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
 
 B, T = 4, 16
 ATOL = 1e-5
@@ -133,3 +139,69 @@ def test_3d_parallel_2x2x2_equals_serial():
 
 def test_3d_with_data_parallel_equals_serial():
     _assert_equal_to_serial((2, 1, 1), dp=2)
+
+
+# ----------------------------------------------------------------------------- Trainer
+
+CONFIG = TrainConfig(
+    model="tiny", steps=3, global_batch=8, eval_every=3, out=None, progress=False,
+    warmup_steps=1, lr=5e-4,
+)  # fmt: skip
+
+
+def _trainer_run(config: TrainConfig, plan_text: str, resume_from: Path | None = None) -> dict:
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan) if plan.world_size > 1 else None
+    trainer = Trainer(prepare_run(config, plan, plan.world_size), mesh)
+    if resume_from is not None:
+        trainer.resume(resume_from)
+    if config.out:
+        trainer.fit()
+        rows = read_metrics(Path(config.out) / "metrics.jsonl")
+    else:
+        rows = [trainer.train_step() for _ in range(config.steps)]
+    at = {}
+    if mesh is not None:
+        grid = Grid.from_mesh(mesh)
+        at = {a: (grid.axis(a).rank, grid.axis(a).size) for a in "xyz"}
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {"rows": rows, "params": params, "at": at, "eval": trainer.evaluate()}
+
+
+def _assert_trainer_follows(result: dict, serial: dict, atol: float = 1e-5) -> None:
+    for key in ("loss", "grad_norm"):
+        got = [r[key] for r in result["rows"]]
+        assert got == pytest.approx([r[key] for r in serial["rows"]], abs=atol), key
+    assert result["eval"] == pytest.approx(serial["eval"], abs=atol)
+    for name, value in result["params"].items():
+        expected = _expected_piece(name, serial["params"][name], result["at"])
+        torch.testing.assert_close(value, expected, atol=atol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def serial_training() -> dict:
+    return run_ranks(1, _trainer_run, CONFIG, "")[0]
+
+
+@pytest.mark.parametrize("plan_text", ["tp3d=2x1x1,dp=2", "tp3d=1x2x2"])
+def test_trainer_3d_follows_serial(serial_training, plan_text):
+    plan = Plan.parse(plan_text)
+    split = {f"tp_{a}" for a, n in zip("xyz", plan.tp3d, strict=True) if n > 1}
+    for result in run_ranks(plan.world_size, _trainer_run, CONFIG, plan_text):
+        _assert_trainer_follows(result, serial_training)
+        assert split <= set(result["rows"][0]["comm_bytes"])
+
+
+def test_trainer_3d_resume_continues_the_same_trajectory(tmp_path):
+    config = dataclasses.replace(CONFIG, steps=4, ckpt_every=2, out=str(tmp_path / "full"))
+    full = run_ranks(4, _trainer_run, config, "tp3d=2x1x2")
+    checkpoint = tmp_path / "full" / "checkpoints" / checkpoint_name(2)
+    resumed_config = dataclasses.replace(config, out=str(tmp_path / "resumed"))
+    resumed = run_ranks(4, _trainer_run, resumed_config, "tp3d=2x1x2", checkpoint)
+    for before, after in zip(full, resumed, strict=True):
+        assert [r["step"] for r in after["rows"]] == [3, 4]
+        assert [r["loss"] for r in after["rows"]] == pytest.approx(
+            [r["loss"] for r in before["rows"][2:]], abs=1e-6
+        )
+        for name, value in after["params"].items():
+            torch.testing.assert_close(value, before["params"][name], atol=1e-6, rtol=0)
