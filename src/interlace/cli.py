@@ -156,6 +156,21 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="replace an earlier run's files in --out instead of refusing",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="OUT.json",
+        help="record the second step's pipeline timeline on every rank (pp > 1): a Chrome "
+        "trace for Perfetto at OUT.json and OUT.png beside it",
+    )
+
+
+def _check_trace(args: argparse.Namespace, plan: Plan) -> None:
+    """ConfigError for a --trace path or plan that cannot be traced (before any work)."""
+    if args.trace is not None:
+        from interlace.parallel.pipeline.trace import check_trace_path
+
+        check_trace_path(args.trace, plan.pp)
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -238,6 +253,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from interlace.train import Trainer, prepare_run
 
     setup = prepare_run(config, plan, args.nproc)
+    _check_trace(args, plan)
     _check_out_dir(args)
     checkpoint = _checkpoint_to_resume(args, setup)
     _clear_out_dir(args)
@@ -286,7 +302,7 @@ def _train_rank(args: argparse.Namespace) -> int:
             _check_out_dir(args)
             _clear_out_dir(args)
         dist.barrier()
-        trainer = Trainer(setup, build_mesh(plan, device))
+        trainer = Trainer(setup, build_mesh(plan, device), trace=args.trace)
         if checkpoint is not None:
             trainer.resume(checkpoint)
         report = trainer.fit()

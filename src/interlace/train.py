@@ -39,6 +39,7 @@ from interlace.optim import build_optimizer, lr_at
 from interlace.parallel import clip_grad_norm_, sharded_parameter_names
 from interlace.parallel import expert as expert_parallel
 from interlace.parallel.pipeline import PipelineRunner
+from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.parallel.tensor3d import Grid, clip_grad_norm3d_, shard3d_keys
 from interlace.parallelize import parallelize
 from interlace.plan import Plan
@@ -104,9 +105,16 @@ def run_identity(setup: RunSetup) -> dict[str, Any]:
 
 
 class Trainer:
-    """Trains `setup`'s model under its plan on `mesh` (None = one process, no distribution)."""
+    """Trains `setup`'s model under its plan on `mesh` (None = one process, no distribution).
 
-    def __init__(self, setup: RunSetup, mesh: Mesh | None = None) -> None:
+    `trace`: a .json path; the run's second step (its only one if it has one) is recorded on
+    every rank and written there as a Chrome trace, with a PNG beside it (pp > 1 only; see
+    `parallel/pipeline/trace.py`).
+    """
+
+    def __init__(
+        self, setup: RunSetup, mesh: Mesh | None = None, trace: str | Path | None = None
+    ) -> None:
         self.setup = setup
         self.config = setup.config
         self.plan = setup.plan
@@ -147,6 +155,7 @@ class Trainer:
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
         self.step = 0
         self.out = Path(self.config.out) if self.config.out else None
+        self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
 
     # ------------------------------------------------------------------ set-up
     def _wrap_data_parallel(self, model: nn.Module) -> nn.Module:
@@ -320,8 +329,10 @@ class Trainer:
         bar = self._progress_bar()
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
+        traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
         while self.step < cfg.steps:
-            row = self.train_step()
+            with self._traced(traced_step):
+                row = self.train_step()
             final = self.step == cfg.steps
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or final):
                 row["eval_loss"] = self.evaluate()
@@ -336,6 +347,12 @@ class Trainer:
         if bar is not None:
             bar.close()
         return self._finish(history, time.perf_counter() - started)
+
+    def _traced(self, step: int) -> contextlib.AbstractContextManager:
+        """Record this step's pipeline timeline to `trace` if it is `step`."""
+        if self.trace is None or self.step != step:
+            return contextlib.nullcontext()
+        return trace_to_file(self.pipeline, self.trace, self.optimizer)
 
     def save(self) -> Path:
         """Checkpoint the current step under `<out>/checkpoints/` (collective)."""

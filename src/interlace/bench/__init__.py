@@ -21,6 +21,8 @@ REGISTRY: dict[str, str] = {
     "tp": "interlace.bench.tp",
     "moe": "interlace.bench.moe",
     "planner": "interlace.bench.planner",
+    "pipeline": "interlace.bench.pipeline",
+    "scale": "interlace.bench.scale",
 }
 
 

@@ -109,6 +109,7 @@ class PipelineRunner:
         self._tied_copy = self.module.lm_head.weight if tied and self.holds_last else None
         tied_param = self.module.wte.weight if self.holds_first else self._tied_copy
         self.tied = TiedEmbedding(mesh, tied_param) if tied else None
+        self.pipeline_stages: list[PipelineStage] = []  # torch's stages (none when shifted)
         self.schedule = self._schedule()
         self._losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
@@ -139,12 +140,15 @@ class PipelineRunner:
                 self.device,
             )
         n_stages = self.layout.n_stages
-        pipeline_stages = [
+        self.pipeline_stages = [
             PipelineStage(stage, index, n_stages, self.device, group=self.pp.pg)
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
         return build_schedule(
-            self.plan.schedule, pipeline_stages, self.plan.micro_batches, self._micro_batch_loss
+            self.plan.schedule,
+            self.pipeline_stages,
+            self.plan.micro_batches,
+            self._micro_batch_loss,
         )
 
     # ------------------------------------------------------------------ one step

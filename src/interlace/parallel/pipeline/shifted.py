@@ -28,7 +28,9 @@ group directly: interlace's comm meter counts collectives only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +71,10 @@ class ShiftedSchedule:
     `stage`'s checkpointed blocks (its first ones) form the recomputed prefix, with the
     embedding on the first stage. `loss_fn(logits, targets)` returns the micro-batch's loss as
     it should be differentiated (already divided by M). `trace` lists the last step's actions
-    ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran.
+    ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran. `on_compute`, when set,
+    is called as on_compute(kind "F" | "R" | "B", micro-batch, start, end) with
+    `time.perf_counter` seconds around each action's computation (receives excluded); the
+    step timeline recorder (`trace.py`) sets it.
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class ShiftedSchedule:
         self.prefix = [piece for piece, _ in pieces[:n_prefix]]
         self.suffix = [piece for piece, _ in pieces[n_prefix:]]
         self.trace: list[tuple[str, int]] = []
+        self.on_compute: Callable[[str, int, float, float], None] | None = None
         self._shape: tuple[int, int, int] = (0, 0, 0)  # [b, T, d] of this step's activations
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -129,7 +135,7 @@ class ShiftedSchedule:
             dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
             inputs.requires_grad_(keep_graph)
         rng, boundary = None, None
-        with torch.set_grad_enabled(keep_graph):
+        with self._timed("F", i), torch.set_grad_enabled(keep_graph):
             h = inputs
             if self.prefix and keep_graph:
                 rng = _rng_state(self.device)
@@ -149,7 +155,7 @@ class ShiftedSchedule:
         replay = None
         if kept.boundary is not None:
             self.trace.append(("R", i))
-            with torch.random.fork_rng(devices=_rng_devices(self.device)):
+            with self._timed("R", i), torch.random.fork_rng(devices=_rng_devices(self.device)):
                 _set_rng_state(kept.rng, self.device)
                 replay = _run(self.prefix, kept.inputs)
         grad = None
@@ -158,11 +164,22 @@ class ShiftedSchedule:
             grad = torch.empty_like(kept.output)
             dist.recv(grad, group=self.group.pg, group_src=self.group.rank + 1)
         self.trace.append(("B", i))
-        torch.autograd.backward(kept.output, grad)
-        if replay is not None:
-            torch.autograd.backward(replay, kept.boundary.grad)
+        with self._timed("B", i):
+            torch.autograd.backward(kept.output, grad)
+            if replay is not None:
+                torch.autograd.backward(replay, kept.boundary.grad)
         if not self.stage.is_first:
             self._send(kept.inputs.grad, self.group.rank - 1)
+
+    @contextmanager
+    def _timed(self, kind: str, i: int) -> Iterator[None]:
+        """Report the enclosed computation to `on_compute` (nothing when it is unset)."""
+        if self.on_compute is None:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        self.on_compute(kind, i, start, time.perf_counter())
 
     def _send(self, tensor: torch.Tensor, peer: int) -> None:
         tensor = tensor.contiguous()  # kept alive until the send completes
