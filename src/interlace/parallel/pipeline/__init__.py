@@ -12,6 +12,9 @@
 - `layout`: `pipeline_layout(model, plan)`, the partition and recomputation of every stage,
   shared by the runner and `interlace plan --show-stages`.
 - `runner`: `PipelineRunner`, one training step on every pipeline rank.
+- `trace`: `StepRecorder`, a timeline span per stage forward, backward and recomputation of
+  every micro-batch, gathered to one rank and written as a Chrome trace + PNG (imported from
+  `interlace.parallel.pipeline.trace`, not re-exported here: it imports the runner).
 """
 
 from interlace.parallel.pipeline.layout import PipelineLayout, pipeline_layout
