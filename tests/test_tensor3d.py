@@ -8,6 +8,8 @@ gradient norm and the parameters after two SGD steps must agree with the serial 
 
 import copy
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,14 @@ from torch import nn
 
 from interlace import comm
 from interlace.checkpoint import checkpoint_name
+from interlace.cli import main
+from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.models import build_model, get_preset
-from interlace.parallel.tensor3d import Grid, grad_norm3d
+from interlace.parallel.detect import find_structure
+from interlace.parallel.tensor3d import Grid, check_tensor3d, grad_norm3d, layer_wire_bytes
 from interlace.parallelize import parallelize
-from interlace.plan import Plan
+from interlace.plan import Overlap, Plan
 from interlace.report import read_metrics
 from interlace.testing import run_ranks
 from interlace.train import Trainer, prepare_run
@@ -205,3 +210,123 @@ def test_trainer_3d_resume_continues_the_same_trajectory(tmp_path):
         )
         for name, value in after["params"].items():
             torch.testing.assert_close(value, before["params"][name], atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def _axonn_bytes(h: int, kh: int, tokens: int, grid: dict[str, int], transposed: bool) -> dict:
+    """REFERENCE.md §3 for a layer h → kh, b = 4: X 2(x−1)/x·T·kh/y·b, Y 2(y−1)/y·T·h/x·b,
+    Z 3(z−1)/z·h·kh/(x·y)·b; a transposed layer swaps the roles of X and Y."""
+    x, y = (grid["y"], grid["x"]) if transposed else (grid["x"], grid["y"])
+    z = grid["z"]
+    first, second = ("tp_y", "tp_x") if transposed else ("tp_x", "tp_y")
+    return {
+        first: 2 * (x - 1) / x * tokens * kh / y * 4,
+        second: 2 * (y - 1) / y * tokens * h / x * 4,
+        "tp_z": 3 * (z - 1) / z * kh * h / (x * y) * 4,
+    }
+
+
+def _wire(snapshot: dict, group: str, *ops: str) -> float:
+    return sum(snapshot.get(group, {}).get(op, {}).get("wire_bytes", 0.0) for op in ops)
+
+
+def _measure_bytes(tp3d: tuple[int, int, int], model: nn.Module) -> dict:
+    from interlace.parallel.tensor3d import Linear3D
+
+    plan = Plan(tp3d=tp3d)
+    grid = Grid.from_mesh(build_mesh(plan))
+    out: dict = {}
+    for transposed, (n_in, n_out) in ((False, (64, 256)), (True, (256, 64))):
+        torch.manual_seed(0)
+        layer = Linear3D(nn.Linear(n_in, n_out, bias=False), grid, transposed)
+        width = n_in // (grid.y.size if transposed else grid.x.size)
+        comm.meter.reset()
+        layer(torch.randn(8, width, requires_grad=True)).sum().backward()
+        out[transposed] = comm.meter.snapshot()
+    par = parallelize(model, plan, build_mesh(plan))
+    comm.meter.reset()
+    tokens = _batch(0)
+    par(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    out["model"] = comm.meter.snapshot()
+    return out
+
+
+def test_bytes_per_collective_equal_the_axonn_formula():
+    tp3d = (2, 2, 2)
+    grid = dict(zip("xyz", tp3d, strict=True))
+    model, _ = _serial_run(steps=1)
+    cfg = model.config
+    d, f, layers = cfg.d_model, cfg.ffn_dim, cfg.n_layers
+    for measured in run_ranks(8, _measure_bytes, tp3d, model):
+        for transposed, (h, kh) in ((False, (64, 256)), (True, (256, 64))):
+            expected = _axonn_bytes(h, kh, 8, grid, transposed)
+            snap = measured[transposed]
+            assert _wire(snap, "tp_x", "all_reduce") == pytest.approx(expected["tp_x"])
+            assert _wire(snap, "tp_y", "all_reduce") == pytest.approx(expected["tp_y"])
+            got_z = _wire(snap, "tp_z", "all_gather", "reduce_scatter")
+            assert got_z == pytest.approx(expected["tp_z"])
+            assert layer_wire_bytes(h, kh, 8, tp3d, transposed) == pytest.approx(expected)
+        # the whole model, one step: q, k, v and up normal; out_proj and down transposed
+        tokens = B * T // grid["z"]
+        per_layer = [_axonn_bytes(d, d, tokens, grid, False)] * 3 + [
+            _axonn_bytes(d, d, tokens, grid, True),
+            _axonn_bytes(d, f, tokens, grid, False),
+            _axonn_bytes(f, d, tokens, grid, True),
+        ]
+        total = {g: layers * sum(b[g] for b in per_layer) for g in ("tp_x", "tp_y", "tp_z")}
+        norms = layers * 2 * 2 * (2 * (grid["x"] - 1) / grid["x"] * tokens * 2 * 4)
+        snap = measured["model"]
+        assert _wire(snap, "tp_y", "all_reduce") == pytest.approx(total["tp_y"])
+        assert _wire(snap, "tp_x", "all_reduce") == pytest.approx(total["tp_x"] + norms)
+        assert _wire(snap, "tp_z", "all_gather", "reduce_scatter") == pytest.approx(total["tp_z"])
+        # residual split (backward) and gather (forward) over x: [tokens, d/x] each
+        gathers = 2 * (grid["x"] - 1) * tokens * d // grid["x"] * 4
+        assert _wire(snap, "tp_x", "all_gather") == pytest.approx(gathers)
+
+
+# ----------------------------------------------------------------------------- refused plans
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (Plan(tp3d=(3, 1, 1)), "d_model=64 is not divisible by 3, the tp3d=3x1x1 factor x"),
+        (Plan(tp3d=(1, 3, 1)), "n_heads=4 is not divisible by 3, the tp3d=1x3x1 factor y"),
+        (Plan(tp3d=(1, 2, 64)), "d_model=64 is not divisible by 128, the tp3d=1x2x64 factor y·z"),
+        (Plan(dp=2, ep=2, tp3d=(2, 1, 1)), "tp3d=2x1x1 with ep=2 is not implemented yet"),
+        (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
+    ],
+)
+def test_plans_the_grid_cannot_split_are_refused(plan, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        plan.validate(plan.world_size, get_preset("tiny"))
+
+
+def test_mixture_of_experts_and_other_models_are_refused():
+    with pytest.raises(PlanError, match="does not split Mixture-of-Experts"):
+        Plan(tp3d=(2, 1, 1)).validate(2, get_preset("moe-tiny"))
+    other = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256))
+    with pytest.raises(PlanError, match=r"built-in GPT .* not Sequential; use tp=N"):
+        check_tensor3d(other, find_structure(other), (2, 1, 1))
+
+
+def test_batch_not_divisible_by_z_is_refused_before_training():
+    config = dataclasses.replace(CONFIG, global_batch=6)
+    with pytest.raises(PlanError, match=r"tp3d z=2 .* holds 3 sequences"):
+        prepare_run(config, Plan(dp=2, tp3d=(1, 1, 2)), 4)
+
+
+@pytest.mark.slow
+def test_cli_trains_tp3d_with_data_parallel(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "run"
+    args = ["train", "--model", "tiny", "--global-batch", "4", "--eval-batches", "1"]
+    args += ["--no-progress", "--steps", "2", "--out", str(out), "--plan", "tp3d=2x1x1,dp=2"]
+    assert main([*args, "--nproc", "4"]) == 0, capfd.readouterr().err
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["comm_bytes"]["tp_x"] > 0 and r["comm_bytes"]["dp"] > 0 for r in rows)
+    report = json.loads((out / "report.json").read_text())
+    assert any(line.startswith("3D tensor parallel") for line in report["parallel"])
