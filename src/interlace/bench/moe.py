@@ -29,7 +29,10 @@ and token dispatch/combine), the slowest rank's step time (median), and one MoE 
 T_Trans + T_Agg for the layer's count matrix and placement, with B̄ calibrated from a measured
 all_to_all on this cluster and t from a measured expert forward. The same B̄ and t drive the
 shadow and prophet searches. The non-MoE op's gradients are not all-reduced (the same cost for
-every strategy). DeepSpeed-MoE is listed as a peer and skipped (an optional extra).
+every strategy). `trans_overlap` (default true) runs Trans/Agg overlapped with compute, each
+block issuing the next one's Trans after its dispatch (`interlace.parallel.expert`); false
+runs them synchronously, for comparison. The searches model Trans/Agg as not hidden either way.
+DeepSpeed-MoE is listed as a peer and skipped (an optional extra).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from interlace.moe.routing_workloads import (
     record_routing,
     sample_assignments,
 )
-from interlace.parallel.expert import ExpertParallelMoE
+from interlace.parallel.expert import ExpertParallelMoE, schedule_transfers
 from interlace.plotting import new_figure, save_figure
 
 STRATEGIES = ("none", "dropless", "shadow", "prophet")
@@ -217,7 +220,9 @@ def _build(ctx: RankContext, experts: int, k: int, strategy: str, cal: dict) -> 
             modelled |= {"replan_every": o["prophet_replan"], "alpha": o["alpha"]}
         options = modelled if strategy in ("shadow", "prophet") else {}
         balancer = make_balancer(strategy, **options)
-        blocks.append(_Block(ExpertParallelMoE(layer, group, balancer), o["d_model"]))
+        moe = ExpertParallelMoE(layer, group, balancer, overlap=o["trans_overlap"])
+        blocks.append(_Block(moe, o["d_model"]))
+    schedule_transfers([b.moe for b in blocks])
     return blocks
 
 
@@ -315,6 +320,7 @@ def _time_layer(ctx: RankContext, block: _Block, work: Any, k: int, cal: dict) -
     slowest rank), and the performance model's estimate for its counts and placement."""
     o, group = ctx.options, ctx.group
     moe = block.moe
+    schedule_transfers([moe])  # alone: it no longer issues the next layer's Trans
     _set_routing([block], work, o["warmup"] + o["steps"], group.rank, o, k)
     x = torch.randn(1, o["tokens"], o["d_model"], generator=_generator(o["seed"], group.rank, 98))
     x.requires_grad_(True)
@@ -558,6 +564,7 @@ BENCHMARK = Benchmark(
         "recorded_batch": 8,
         "prophet_replan": 1,
         "alpha": 0.1,
+        "trans_overlap": True,
         "steps": 8,
         "warmup": 2,
         "layer_samples": 3,

@@ -32,6 +32,19 @@ alone holds the expert's gradient and optimizer state. Every token meets the sam
 without replicas: output, loss and gradients equal the dropless layer's (up to the order of
 floating-point sums).
 
+**Overlap** (Pro-Prophet's scheduler; `overlap=True`, the default). A block is an MoE layer
+and the non-MoE compute up to the next one; `schedule_transfers` links the layers in forward
+order. Trans of layer l+1 is planned and issued asynchronously (a metered
+`comm.all_to_all(..., async_op=True)`) right after layer l's dispatch, so it flies during
+layer l's expert compute and combine, the block's non-MoE compute, and layer l+1's routing,
+count all-gather, dispatch and local experts; layer l+1 waits on the handle only when it
+computes its replicas. The first layer issues its own Trans at the start of its forward. In the
+backward, Agg is issued asynchronously where the synchronous path runs it; a callback queued on
+the autograd engine waits on it at the end of the backward pass (the latest point before the
+expert gradients are reduced and stepped) and adds the replicas' gradients into the owner's
+`.grad`. The collectives, their bytes and the math are those of the synchronous path
+(`overlap=False`); only the forward order moves.
+
 **Gradients.** Router gradients are local (each rank's own tokens), like every non-expert
 parameter: average them over dp as usual. An owner's expert gradient is the sum over its expert
 group's tokens; to equal data parallelism's average over dp, sum it over the ep_dp group and
@@ -43,11 +56,13 @@ every `ep`.
 
 Collectives run in the same order on every rank, backward included: every rank issues the
 count all-gather, Trans (when anything is replicated), dispatch and combine in every forward,
-with empty shares where it has nothing to send.
+with empty shares where it has nothing to send (with overlap, layer l+1's Trans between layer
+l's dispatch and combine).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -55,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -139,35 +155,84 @@ class _Trans(torch.autograd.Function):
 
     Inputs are all local experts' parameters (every rank has some, so the node exists on every
     rank); the output is the flat parameters of the experts replicated here, [len(recv_experts)
-    · numel], ascending by expert.
+    · numel], ascending by expert. With `overlap`, both directions are issued asynchronously:
+    the forward appends its work handle to `works` and returns the buffer still filling (wait
+    on the handle before reading it); the backward returns no parameter gradients and instead
+    queues, for the end of the backward pass, a wait and the addition of the replicas'
+    gradients into the owner's `.grad`.
     """
 
     @staticmethod
-    def forward(ctx, route: _TransRoute, group: Group, *params: torch.Tensor):
-        ctx.route, ctx.group = route, group
+    def forward(ctx, route: _TransRoute, group: Group, overlap: bool, works: list, *params):
+        ctx.route, ctx.group, ctx.overlap = route, group, overlap
         ctx.shapes = [p.shape for p in params]
+        ctx.params = params if overlap else ()
         per_expert = len(params) // route.local
         pieces = [
             p.reshape(-1) for row in route.send_rows for p in _of_expert(params, row, per_expert)
         ]
         send = torch.cat(pieces) if pieces else params[0].new_empty(0)
-        return _exchange(send, group, route.recv_numel, route.send_numel)
+        out = send.new_empty(sum(route.recv_numel))
+        works.append(comm.all_to_all(out, send, group, route.recv_numel, route.send_numel, overlap))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         route = ctx.route
-        back = _exchange(grad, ctx.group, route.send_numel, route.recv_numel)
-        summed: dict[int, torch.Tensor] = {}  # local expert → its replicas' summed gradient
-        for row, piece in zip(route.send_rows, back.view(-1, route.numel), strict=True):
-            summed[row] = summed[row] + piece if row in summed else piece
-        per_expert = len(ctx.shapes) // route.local
-        grads: list[torch.Tensor | None] = [None] * len(ctx.shapes)
-        for row, flat in summed.items():
-            shapes = _of_expert(ctx.shapes, row, per_expert)
-            pieces = flat.split([math.prod(shape) for shape in shapes])
-            for i, (piece, shape) in enumerate(zip(pieces, shapes, strict=True)):
-                grads[row * per_expert + i] = piece.view(shape)
-        return None, None, *grads
+        grad = grad.contiguous()
+        back = grad.new_empty(sum(route.send_numel))
+        work = comm.all_to_all(
+            back, grad, ctx.group, route.send_numel, route.recv_numel, ctx.overlap
+        )
+        if not ctx.overlap:
+            return None, None, None, None, *_owner_grads(back, route, ctx.shapes)
+
+        def add_into_owner() -> None:  # Agg waited at the end of the backward pass
+            work.wait()
+            for p, g in zip(ctx.params, _owner_grads(back, route, ctx.shapes), strict=True):
+                if g is not None:
+                    p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+        torch.autograd.Variable._execution_engine.queue_callback(add_into_owner)
+        return None, None, None, None, *([None] * len(ctx.shapes))
+
+
+def _owner_grads(
+    back: torch.Tensor, route: _TransRoute, shapes: list[torch.Size]
+) -> list[torch.Tensor | None]:
+    """The replicas' gradients `back` [len(send_rows) · numel], summed per local expert and
+    cut into its parameters' shapes; None for the parameters of experts not replicated."""
+    summed: dict[int, torch.Tensor] = {}  # local expert → its replicas' summed gradient
+    for row, piece in zip(route.send_rows, back.view(-1, route.numel), strict=True):
+        summed[row] = summed[row] + piece if row in summed else piece
+    per_expert = len(shapes) // route.local
+    grads: list[torch.Tensor | None] = [None] * len(shapes)
+    for row, flat in summed.items():
+        own = _of_expert(shapes, row, per_expert)
+        pieces = flat.split([math.prod(shape) for shape in own])
+        for i, (piece, shape) in enumerate(zip(pieces, own, strict=True)):
+            grads[row * per_expert + i] = piece.view(shape)
+    return grads
+
+
+@dataclass
+class _InFlight:
+    """A layer's Trans, issued (maybe ahead of the layer): its placement, the replicas' flat
+    parameters [experts · numel] (None when nothing is replicated) and their global indices,
+    the pending work handle (None once complete) and the versions of the parameters sent."""
+
+    placement: Placement
+    replicas: torch.Tensor | None
+    experts: tuple[int, ...]
+    work: dist.Work | None
+    versions: tuple[int, ...]
+
+    def wait(self) -> torch.Tensor | None:
+        """The replicas' parameters, once they have arrived."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.replicas
 
 
 def _of_expert(items: list | tuple, row: int, per_expert: int) -> list | tuple:
@@ -202,6 +267,10 @@ class ExpertParallelMoE(nn.Module):
     `routing_history` gains the [D, E] count matrix (tokens routed from rank s to expert e,
     before capacity drops, on the CPU), at most `history` of them, newest last. `placement` is
     the expert placement in use.
+
+    `overlap` (default) issues Trans and Agg asynchronously (module docstring, "Overlap");
+    False runs them synchronously inside the forward and backward. `schedule_transfers` links
+    consecutive layers so that each issues the next one's Trans.
     """
 
     def __init__(
@@ -210,6 +279,7 @@ class ExpertParallelMoE(nn.Module):
         group: Group,
         balance: str | Balancer = "none",
         history: int = 16,
+        overlap: bool = True,
     ):
         super().__init__()
         n_experts = len(layer.experts)
@@ -236,6 +306,9 @@ class ExpertParallelMoE(nn.Module):
         self.iteration = 0
         self.aux_loss = torch.zeros(())
         self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
+        self.overlap = overlap
+        self._next: tuple[ExpertParallelMoE, ...] = ()  # a tuple: not registered as a child
+        self._inflight: _InFlight | None = None  # this layer's Trans, issued ahead of it
 
         template = self._local_experts()[0]
         self._param_names = [name for name, _ in template.named_parameters()]
@@ -248,14 +321,15 @@ class ExpertParallelMoE(nn.Module):
     def _local_experts(self) -> list[nn.Module]:
         return list(self.experts.values())
 
+    def _expert_params(self) -> list[nn.Parameter]:
+        return [p for e in self._local_experts() for p in e.parameters()]
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d_model] → [B, T, d_model]; collective over the expert group."""
         tokens = x.reshape(-1, x.shape[-1])
-        if self.training:
-            self._replan()
-        placement = self.placement
-        replicas, replicated_here = self._transfer(placement)
+        trans = self._take_inflight()
+        placement = trans.placement
         routing = self.router(tokens)
         self.aux_loss = routing.aux_loss
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
@@ -273,9 +347,10 @@ class ExpertParallelMoE(nn.Module):
         sent = torch.where(replica_mask, 0, kept)  # [D, E] tokens that travel to the owner
 
         out = self._dispatch_and_combine(tokens, expert[~here], token[~here], gate[~here], sent)
-        if replicas is not None:
+        if trans.replicas is not None:
+            replicas = trans.wait()
             assignments = expert[here], token[here], gate[here]
-            self._compute_replicas(out, tokens, replicas, replicated_here, *assignments)
+            self._compute_replicas(out, tokens, replicas, trans.experts, *assignments)
             out = _KeepInGraph.apply(out, replicas)
         return out.view_as(x)
 
@@ -312,6 +387,7 @@ class ExpertParallelMoE(nn.Module):
         order = torch.argsort(expert, stable=True)
         token, gate = token[order], gate[order]
         inbox = _AllToAll.apply(tokens[token], self.group, output_splits, input_splits)
+        self._issue_next_trans()  # flies during these experts and the non-MoE compute after
         results = self._run_local_experts(inbox, received)
         back = _AllToAll.apply(results, self.group, input_splits, output_splits)
         out = torch.zeros_like(tokens)
@@ -336,14 +412,39 @@ class ExpertParallelMoE(nn.Module):
             counts = self.routing_history[-1]
             self.placement = self.balancer.search(counts, self.base_placement, self.expert_size)
 
-    def _transfer(self, placement: Placement) -> tuple[torch.Tensor | None, tuple[int, ...]]:
-        """Trans (autograd: Agg): the flat parameters of the experts replicated on this rank
-        [experts · numel] and their indices; (None, ()) when nothing is replicated anywhere."""
+    def _issue_trans(self) -> _InFlight:
+        """Plan (at a planning iteration, in training) and issue this layer's Trans
+        (autograd: Agg): asynchronous with `overlap`, else complete on return."""
+        if self.training:
+            self._replan()
+        params = self._expert_params()
+        versions = tuple(p._version for p in params)
+        placement = self.placement
         if not placement.replicated:
-            return None, ()
+            return _InFlight(placement, None, (), None, versions)
         route = _TransRoute.build(placement, self.group.rank, self._numel)
-        params = [p for e in self._local_experts() for p in e.parameters()]
-        return _Trans.apply(route, self.group, *params), route.recv_experts
+        works: list[dist.Work | None] = []
+        replicas = _Trans.apply(route, self.group, self.overlap, works, *params)
+        return _InFlight(placement, replicas, route.recv_experts, works[0], versions)
+
+    def _issue_next_trans(self) -> None:
+        """With `overlap`, issue the next layer's Trans now (every rank at the same point)."""
+        if not (self.overlap and self._next):
+            return
+        following = self._next[0]
+        if following._inflight is not None:  # issued earlier and never used: drop it
+            following._inflight.wait()
+        following._inflight = following._issue_trans()
+
+    def _take_inflight(self) -> _InFlight:
+        """This layer's Trans: the one issued ahead of it if its parameters have not changed
+        since (an optimizer step in between makes it stale), else one issued now."""
+        trans, self._inflight = self._inflight, None
+        if trans is not None:
+            if trans.versions == tuple(p._version for p in self._expert_params()):
+                return trans
+            trans.wait()
+        return self._issue_trans()
 
     def _compute_replicas(
         self,
@@ -395,9 +496,14 @@ class ExpertParallelMoE(nn.Module):
 
 
 def parallelize_experts(
-    model: nn.Module, group: Group, balance: str | Balancer = "none", history: int = 16
+    model: nn.Module,
+    group: Group,
+    balance: str | Balancer = "none",
+    history: int = 16,
+    overlap: bool = True,
 ) -> list[str]:
-    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group` (in place).
+    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group` (in place),
+    linked in module order by `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
 
     Every rank must pass the same full model. The built-in GPT keeps summing each layer's
     `aux_loss`. Returns one report line per replaced layer.
@@ -405,16 +511,29 @@ def parallelize_experts(
     balancer = make_balancer(balance) if isinstance(balance, str) else balance
     report = []
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    layers = []
     for name, layer in targets:
         parent_name, _, child = name.rpartition(".")
-        parallel = ExpertParallelMoE(layer, group, balancer, history)
+        parallel = ExpertParallelMoE(layer, group, balancer, history, overlap)
         setattr(model.get_submodule(parent_name), child, parallel)
+        layers.append(parallel)
         last = parallel.first_expert + parallel.num_local - 1
         report.append(
             f"{name}: experts {parallel.first_expert}-{last} of {parallel.num_experts} on this "
             f"rank (ep={group.size}, {group.name} group), balance={balancer.name}"
         )
+    schedule_transfers(layers)
     return report
+
+
+def schedule_transfers(layers: list[ExpertParallelMoE]) -> None:
+    """Link `layers`, given in forward order, so that each issues the next one's Trans right
+    after its own dispatch (when the layers overlap); the last issues none (so one layer
+    passed alone is unlinked). Every rank must link the same layers."""
+    for layer, following in itertools.pairwise(layers):
+        layer._next = (following,)
+    if layers:
+        layers[-1]._next = ()
 
 
 # ---------------------------------------------------------------------- gradients
