@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "sketch": "interlace.bench.sketch",
     "svm": "interlace.bench.svm",
     "tp": "interlace.bench.tp",
+    "tp3d": "interlace.bench.tp3d",
     "moe": "interlace.bench.moe",
     "planner": "interlace.bench.planner",
     "pipeline": "interlace.bench.pipeline",
