@@ -285,11 +285,13 @@ def test_batch_not_divisible_by_micro_batches_is_refused_before_any_work():
     assert all(m is not None and "micro_batches=3" in m for m in messages)
 
 
-def test_runner_refuses_moe_and_tensor_parallel_before_building():
+def test_runner_refuses_moe_3d_tensor_parallel_and_an_unsplit_model_before_building():
     moe = build_model(dataclasses.replace(get_preset("moe-tiny"), n_layers=4))
     with pytest.raises(PlanError, match="Mixture-of-Experts"):
         PipelineRunner(moe, Plan(pp=2, micro_batches=2), mesh=None)
-    with pytest.raises(PlanError, match="tensor"):
+    with pytest.raises(PlanError, match="1D tensor parallelism only"):
+        PipelineRunner(_model(_config(4)), Plan(pp=2, tp3d=(2, 1, 1), micro_batches=2), None)
+    with pytest.raises(PlanError, match=r"interlace\.parallelize"):
         PipelineRunner(_model(_config(4)), Plan(pp=2, tp=2, micro_batches=2), mesh=None)
 
 

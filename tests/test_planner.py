@@ -236,11 +236,13 @@ def test_search_returns_valid_plans_fastest_first():
 
 
 def test_runnable_only_keeps_to_plan_validate():
-    results = search(TINY, hw(devices_per_node=4), 8, global_batch=16, runnable_only=True)
+    moe = get_preset("moe-tiny")  # pp with ep (and ep with tp) are not implemented
+    results = search(moe, hw(devices_per_node=4), 8, global_batch=16, runnable_only=True)
     for cost in results:
-        cost.plan.validate(8, TINY)
-    everything = search(TINY, hw(devices_per_node=4), 8, global_batch=16)
+        cost.plan.validate(8, moe)
+    everything = search(moe, hw(devices_per_node=4), 8, global_batch=16)
     assert len(everything) > len(results)
+    assert any(c.plan.pp > 1 and c.plan.ep > 1 for c in everything)
 
 
 def test_search_prunes_by_memory():

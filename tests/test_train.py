@@ -346,3 +346,23 @@ def test_pipeline_resume_continues_the_same_trajectory(tmp_path):
     for before, after in zip(full, resumed, strict=True):
         assert [r["step"] for r in after["rows"]] == [3, 4]
         _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "pp=2,tp=2,micro_batches=2",
+        "pp=2,tp=2,micro_batches=4,schedule=shifted,recompute=full",
+        "pp=2,tp=2,micro_batches=2,sequence_parallel=true,schedule=gpipe",
+        "pp=2,tp=2,micro_batches=2,tp_subbatches=2,schedule=interleaved",
+        "pp=2,tp=2,micro_batches=2,tp_subbatches=2,recompute=full",
+        "pp=2,tp=2,dp=2,micro_batches=2",
+    ],
+)
+def test_pipeline_with_tensor_parallel_training_equals_serial(tmp_path, plan_text):
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, n_layers=4))
+    serial_run = _train(config, "dp=1", 1)
+    world_size = Plan.parse(plan_text).world_size
+    for result in run_ranks(world_size, _tensor_parallel_run, config, plan_text, world_size):
+        assert result["params"]  # this stage's parameters, whole, under the serial names
+        _assert_follows_serial(result, serial_run)

@@ -170,9 +170,9 @@ class Plan:
                 "ep=1 or tp=1",
             ),
             (
-                self.pp > 1 and (self.tp_size > 1 or self.ep > 1),
-                f"pp={self.pp} combined with tensor or expert parallelism",
-                "pp=1, or tp=1 and ep=1",
+                self.pp > 1 and self.ep > 1,
+                f"pp={self.pp} combined with expert parallelism",
+                "pp=1 or ep=1",
             ),
         ]
         for active, what, fix in pending:

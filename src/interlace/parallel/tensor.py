@@ -102,6 +102,13 @@ def shard_spec(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, _SPEC_ATTR, None)
 
 
+def copy_shard_spec(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Mark `target` as sharded like `source` (nothing if `source` is replicated)."""
+    spec = shard_spec(source)
+    if spec is not None:
+        setattr(target, _SPEC_ATTR, spec)
+
+
 def sharded_parameter_names(model: nn.Module) -> dict[str, ShardSpec]:
     """{parameter name: ShardSpec} of every sharded parameter of `model`, tied aliases included
     (both `wte.weight` and `lm_head.weight`: a state dict holds both)."""

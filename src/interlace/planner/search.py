@@ -9,8 +9,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
 
 Each candidate passes the Plan's own checks (values, world size, divisibility by the model's
 heads/widths/vocabulary, what the pipeline schedule can run). The runtime does not yet combine
-pipeline with tensor or expert parallelism; `Plan.validate` rejects that as "not implemented
-yet". By default the search prices them anyway (they are the layouts
+pipeline or tensor parallelism with expert parallelism; `Plan.validate` rejects that as "not
+implemented yet". By default the search prices them anyway (they are the layouts
 large models need); `runnable_only=True` keeps to what `Plan.validate` accepts today.
 """
 

@@ -39,6 +39,8 @@ from interlace.parallel.pipeline.recompute import checkpointed_layers
 from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
+from interlace.parallel.tensor import VocabParallelHead, vocab_parallel_cross_entropy
+from interlace.parallel.tensor import grad_norm as tensor_grad_norm
 from interlace.plan import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -82,12 +84,15 @@ class PipelineRunner:
             model = build_model(model, device=mesh.device)
         _check_model(model, plan, mesh)
         self.plan, self.mesh = plan, mesh
-        self.loss_fn = loss_fn or cross_entropy_loss
+        self.tp = mesh.group("tp") if plan.tp > 1 else None
+        self.loss_fn = loss_fn or self._default_loss()
         self.pp = mesh.group("pp")
         self.device = mesh.device
         self.seq_len = model.config.seq_len
+        # the partitioner reads layer shapes; under tp it reads those of the unsplit model
+        shapes = model if plan.tp == 1 else build_model(model.config, device="meta")
         self.layout = pipeline_layout(
-            model,
+            shapes,
             plan,
             virtual_stages=virtual_stages,
             layers_per_stage=layers_per_stage,
@@ -115,6 +120,13 @@ class PipelineRunner:
         self._loss_scale = 1.0
 
     # ------------------------------------------------------------------ construction
+    def _default_loss(self) -> LossFn:
+        """Cross-entropy of full logits, or of this rank's vocabulary slice under tp."""
+        if self.tp is None:
+            return cross_entropy_loss
+        tp = self.tp
+        return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
+
     def _stage(self, model: GPT, index: int, n_stages: int, tied: bool) -> GPTStage:
         start, stop = self.partition.bounds[index]
         layers = range(start, stop)
@@ -244,12 +256,11 @@ class PipelineRunner:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale local gradients so the whole model's gradient norm is at most `max_norm`;
         returns that norm (before clipping), equal on every pipeline rank. Squared norms are
-        summed over the "pp" group, the tied embedding counted once. Call after `step`'s sync."""
+        summed over the "pp" group (and tensor parallel shards over "tp"), the tied embedding
+        counted once. Call after `step`'s sync."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        square = torch.zeros((), device=self.device)
-        for p in self.parameters():
-            if p.grad is not None and p is not self._tied_copy:
-                square += p.grad.detach().float().pow(2).sum()
+        counted = [p for p in self.parameters() if p is not self._tied_copy]
+        square = tensor_grad_norm(counted, self.tp).pow(2)
         comm.all_reduce(square, self.pp)
         norm = square.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -269,10 +280,15 @@ def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
             "pp>1 with Mixture-of-Experts layers is not supported yet (the load-balancing "
             "loss would be lost between stages); use pp=1 or a dense model"
         )
-    if plan.tp_size > 1 or plan.ep > 1:
+    if plan.tp3d is not None or plan.ep > 1:
         raise PlanError(
-            "pipeline parallelism does not compose with tensor or expert parallelism yet; "
-            "use tp=1 (no tp3d) and ep=1 with pp>1"
+            "pipeline parallelism composes with 1D tensor parallelism only; use tp=... (no "
+            "tp3d) and ep=1 with pp>1"
+        )
+    if plan.tp > 1 and not isinstance(model.lm_head, VocabParallelHead):
+        raise PlanError(
+            f"plan tp={plan.tp} but the model is not tensor parallel; split it first with "
+            "interlace.parallelize(model, plan, mesh), then build the PipelineRunner"
         )
     if plan.pp < 2:
         raise PlanError(f"PipelineRunner needs pp >= 2, got pp={plan.pp}; train the model directly")

@@ -33,6 +33,7 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
+from interlace.parallel.tensor import VocabParallelHead, copy_shard_spec
 
 TIED_GROUP_NAME = "pp_ends"
 """Comm-meter name of the {first, last} pipeline rank group that sums the tied embedding."""
@@ -92,13 +93,17 @@ class GPTStage(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def _copy_of(head: nn.Linear) -> nn.Linear:
-    weight = head.weight
-    copy = nn.Linear(
-        head.in_features, head.out_features, bias=False, device=weight.device, dtype=weight.dtype
-    )
-    with torch.no_grad():
-        copy.weight.copy_(head.weight)
+def _copy_of(head: nn.Module) -> nn.Module:
+    """The LM head with its weight as a new Parameter of the same values (and, under tensor
+    parallelism, the same vocabulary shard): the last stage's copy of the tied embedding."""
+    weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    copy_shard_spec(head.weight, weight)
+    if isinstance(head, VocabParallelHead):
+        return VocabParallelHead(
+            weight, head.bias, head.group, head.gather_output, head.sequence_parallel
+        )
+    copy = nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
+    copy.weight = weight
     return copy
 
 
