@@ -240,8 +240,7 @@ class Plan:
         grid = _fmt_tp3d(self.tp3d)
         if spec.n_experts:
             raise PlanError(
-                f"tp3d={grid} does not split Mixture-of-Experts models; use a dense model "
-                "or tp=N"
+                f"tp3d={grid} does not split Mixture-of-Experts models; use a dense model or tp=N"
             )
         for name, value, factor, why in (
             ("d_model", spec.d_model, x, "x (hidden of the residual stream)"),
