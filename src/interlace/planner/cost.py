@@ -48,8 +48,14 @@ keeps its d-wide input, divided by tp only with sequence parallel) × tokens per
 micro-batches in flight (`micro_batches_in_flight`: all m under GPipe, ≤ p − s under 1F1B)
 in the compute dtype, plus one layer's full activations as the working set of a recomputation.
 
-Not modelled yet: 3D tensor parallelism (tp3d), gradient compression (priced as dense), MoE load
-imbalance and balancing traffic, the optimizer step, kernel efficiency falling with small
+- **tp_x / tp_y / tp_z** (3D, AxoNN): per layer the weight all-gathers over Z, the output
+  all-reduces and the asynchronous input-gradient all-reduces (hidden under the dW matmul) and
+  dW reduce-scatters (hidden under the backward), LayerNorm statistics; see
+  `interlace.planner.cost3d`. The embedding and head are replicated (compute split by z only),
+  and the dp all-reduce follows the backward, exposed.
+
+Not modelled yet: gradient compression (priced as dense), MoE load imbalance and balancing
+traffic, the optimizer step, kernel efficiency falling with small
 matmuls, and contention between groups sharing a link.
 """
 
@@ -315,16 +321,14 @@ def step_terms(
     dtype: str = "bf16",
 ) -> StepTerms:
     """The terms of one step of `config` under `plan` (see `StepTerms` and the module
-    docstring). PlanError for tp3d or a batch the plan cannot split."""
-    if plan.tp3d is not None:
-        raise PlanError("the cost model prices 1D tensor parallelism only; use tp=..., not tp3d")
+    docstring). PlanError for a batch the plan cannot split."""
     seq = seq_len or config.seq_len
     profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
     act_bytes = DTYPE_BYTES.get(dtype, 2)
     rate = hardware.matmul_flops(dtype)
     rows = micro_batch_rows(plan, global_batch)
     tokens = rows * seq
-    tp, pp, m = plan.tp, plan.pp, plan.micro_batches
+    tp, pp, m = plan.tp_size, plan.pp, plan.micro_batches
     v = INTERLEAVED_VIRTUAL_STAGES if plan.schedule == "interleaved" else 1
     stages = _stages(profile, pp, tuple(recompute_ratios(plan)))
     dpn = hardware.devices_per_node
@@ -334,11 +338,15 @@ def step_terms(
     slowest = max(stages, key=lambda st: 3 * st.flops + st.recompute_flops)
     compute_mb = 3 * slowest.flops * tokens / tp / rate
     recompute_mb = slowest.recompute_flops * tokens / tp / rate
+    if plan.tp3d is not None:  # the embedding and head are replicated: only z splits them
+        ends = slowest.flops - slowest.layer_flops
+        z = plan.tp3d[2]
+        compute_mb = 3 * (slowest.layer_flops / tp + ends / z) * tokens / rate
 
     # ---- tensor parallel collectives per micro-batch
     comm: dict[str, float] = {}
     forward_calls = total_calls = 0
-    if tp > 1:
+    if plan.tp > 1:
         count = 4 * slowest.n_layers + 2 * slowest.n_checkpointed
         count += int(slowest.has_embed) + int(slowest.has_head)
         forward_calls += 2 * slowest.n_layers + int(slowest.has_embed)
@@ -359,6 +367,11 @@ def step_terms(
                 count * s * collective_seconds("all_reduce", payload, tp, inside, hardware)
             )
     hidden: dict[str, float] = {}
+    if plan.tp3d is not None:
+        forward_share = _add_tp3d(
+            comm, hidden, plan, slowest, config, tokens, act_bytes, rate, hardware
+        )
+        forward_calls, total_calls = forward_share, 1.0
     if plan.overlap.tp_subbatches > 1 and comm:
         total = sum(comm.values())
         s = plan.overlap.tp_subbatches
@@ -394,11 +407,13 @@ def step_terms(
     # ---- data parallel gradient all-reduce
     dp_exposed = dp_hidden = 0.0
     dense_params = max(st.params - st.expert_params for st in stages) / tp
+    if plan.tp3d is not None:
+        dense_params = max(st.layer_params / tp + st.params - st.layer_params for st in stages)
     if plan.dp > 1:
         grad = dense_params * GRAD_BYTES
         inside = group_inside_node(plan.dp, tp, dpn)
         dp_exposed = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
-        if plan.overlap.dp_overlap and pp == 1:
+        if plan.overlap.dp_overlap and pp == 1 and plan.tp3d is None:
             bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
             last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
             full, backward = dp_exposed, 2 / 3 * m * compute_mb
@@ -443,7 +458,7 @@ def estimate(
 ) -> PlanCost:
     """Estimate one optimizer step of `config` under `plan` on `hardware` with `global_batch`
     sequences of `seq_len` tokens (default: the config's): `step_terms`, summed. The plan's tp
-    must be 1D (tp3d is not priced yet). Raises PlanError for a batch the plan cannot split."""
+    may be 1D or 3D. Raises PlanError for a batch the plan cannot split."""
     terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype)
     breakdown, hidden = terms.breakdown()
     profile = terms.profile
@@ -479,6 +494,42 @@ def estimate(
     )
 
 
+def _add_tp3d(
+    comm: dict[str, float],
+    hidden: dict[str, float],
+    plan: Plan,
+    stage: _Stage,
+    config: GPTConfig,
+    tokens: int,
+    act_bytes: int,
+    rate: float,
+    hardware: Hardware,
+) -> float:
+    """Add the 3D tensor parallel terms of `stage` per micro-batch (`planner.cost3d`) to
+    `comm` (exposed) and `hidden`; return the exposed share issued in forward."""
+    # imported here: cost3d builds on this module's collective pricing
+    from interlace.planner.cost3d import ends_seconds, layer_cost
+
+    assert plan.tp3d is not None
+    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware)
+    forward = 0.0
+    for key, seconds in layer.exposed.items():
+        comm[key] = comm.get(key, 0.0) + stage.n_layers * seconds
+    for key, seconds in layer.forward.items():
+        comm[key] = comm.get(key, 0.0) + stage.n_checkpointed * seconds
+        forward += (stage.n_layers + stage.n_checkpointed) * seconds
+    for key, seconds in layer.hidden.items():
+        hidden[key] = hidden.get(key, 0.0) + stage.n_layers * seconds
+    ends = (int(stage.has_embed) + int(stage.has_head)) * ends_seconds(
+        config, plan.tp3d, tokens, act_bytes, hardware
+    )
+    if ends:
+        comm["tp_x.all_gather"] = comm.get("tp_x.all_gather", 0.0) + ends
+        forward += int(stage.has_head) * ends / (int(stage.has_embed) + int(stage.has_head))
+    total = sum(comm.values())
+    return forward / total if total else 0.0
+
+
 @dataclass(frozen=True)
 class _Stage:
     """What one pipeline stage holds and runs (FLOPs per token, forward)."""
@@ -494,6 +545,14 @@ class _Stage:
     @functools.cached_property
     def flops(self) -> float:
         return sum(s.flops for s in self.shards)
+
+    @functools.cached_property
+    def layer_flops(self) -> float:
+        return sum(s.flops for s in self.shards if s.kind == "layer")
+
+    @functools.cached_property
+    def layer_params(self) -> int:
+        return sum(s.params for s in self.shards if s.kind == "layer")
 
     @functools.cached_property
     def recompute_flops(self) -> float:
@@ -554,13 +613,22 @@ def _stage_memory(
     s: int,
     v: int,
 ) -> dict[str, float]:
-    tp = plan.tp
+    tp = plan.tp_size
     params = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
     boundary = d / tp if plan.sequence_parallel else d
     saved = sum(
         boundary if ckpt else shard.activations / tp
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
+    if plan.tp3d is not None:  # layers split x·y·z (tokens over z), embedding and head only z
+        x, y, z = plan.tp3d
+        params = stage.layer_params / tp + (stage.params - stage.layer_params)
+        saved = sum(
+            (d / x if ckpt else shard.activations / (x * y)) / z
+            if shard.kind == "layer"
+            else shard.activations / z
+            for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
+        )
     if plan.pp > 1:
         in_flight = micro_batches_in_flight(plan.schedule, s, plan.pp, plan.micro_batches, v)
     else:

@@ -5,7 +5,9 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     tp · pp · dp = N, tp and pp powers of two (pp ≤ layers), ep a power of two dividing dp and
     n_experts (MoE models); with pp > 1: micro_batches a power of two (or the whole per-rank
     batch) dividing global_batch / dp, schedule gpipe, 1f1b, interleaved or shifted, recompute
-    none or full; with tp > 1: tp_subbatches 1 or 2 (overlapped tensor parallelism).
+    none or full; with tp > 1: tp_subbatches 1 or 2 (overlapped tensor parallelism); and, for
+    dense models, 3D tensor parallelism tp3d = (x, y, z) × dp (powers of two, the batch split
+    over dp and then z), priced by `interlace.planner.cost3d`.
 
 Each candidate passes the Plan's own checks (values, world size, divisibility by the model's
 heads/widths/vocabulary, what the pipeline schedule can run). The runtime does not yet combine
@@ -105,6 +107,25 @@ def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Itera
                             overlap=Overlap(tp_subbatches=subbatches),
                             **pipeline,
                         )
+    yield from _tp3d_plans(n_devices, spec, global_batch)
+
+
+def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
+    """3D tensor parallel plans (tp3d × dp, the combination the runtime runs): every grid
+    x·y·z ≥ 2 of powers of two dividing the devices, for dense models, the batch split over
+    dp then z."""
+    if spec.is_moe:
+        return
+    for x in powers_of_two(n_devices):
+        for y in powers_of_two(n_devices // x):
+            for z in powers_of_two(n_devices // (x * y)):
+                size = x * y * z
+                dp = n_devices // size
+                if size < 2 or n_devices % size or global_batch % dp:
+                    continue
+                if (global_batch // dp) % z:
+                    continue
+                yield Plan(dp=dp, tp3d=(x, y, z))
 
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:

@@ -1,0 +1,136 @@
+"""Cost terms of 3D tensor parallelism (`tp3d = (x, y, z)`), as `interlace.parallel.tensor3d`
+runs it, for `planner.cost.step_terms`.
+
+Per transformer layer and micro-batch, with T = tokens / z on each rank and b bytes per element,
+for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection, down — the
+"in" and "out" groups swap; `tensor3d.layer_wire_bytes` gives the same bytes on the wire):
+
+- forward: all_gather of the weight over Z (no prefetch: exposed) and all_reduce of the output
+  [T, n_out/p_out] over the "in" group (exposed);
+- backward: the weight gathered again over Z (exposed); the input gradient [T, n_in/p_in]
+  all-reduced over the "out" group asynchronously while the dW matmul runs, so only
+  max(0, all_reduce − dW) is exposed; the dW block [n_out/p_out, n_in/p_in] reduce-scattered
+  over Z asynchronously, waited before the optimizer: hidden under the rest of the
+  micro-batch's backward, exposed beyond it;
+- recomputation replays the forward collectives of checkpointed layers;
+- each of the block's two LayerNorms all-reduces [T, 2] statistics over X forward and
+  backward; the first stage splits the embedding output over X and the last gathers the
+  residual [T, d/x] over X before the replicated final norm and head.
+
+Groups sit in rank order x (stride 1), y (stride x), z (stride x·y). The embedding and LM
+head are replicated: their compute is divided by z only (their tokens), their weights not at
+all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from interlace.models.config import GPTConfig
+from interlace.planner.cost import collective_seconds, group_inside_node
+from interlace.planner.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Linear3DShape:
+    """One linear layer of a block: n_in → n_out, normal or transposed."""
+
+    n_in: int
+    n_out: int
+    transposed: bool
+
+
+def block_linears(config: GPTConfig) -> tuple[Linear3DShape, ...]:
+    """The built-in GPT block's linears in execution order: q, k, v, out (transposed), up,
+    down (transposed)."""
+    d, f = config.d_model, config.ffn_dim
+    return (
+        Linear3DShape(d, d, False),
+        Linear3DShape(d, d, False),
+        Linear3DShape(d, d, False),
+        Linear3DShape(d, d, True),
+        Linear3DShape(d, f, False),
+        Linear3DShape(f, d, True),
+    )
+
+
+@dataclass(frozen=True)
+class Layer3DCost:
+    """Seconds of one layer's 3D-TP collectives per micro-batch, by comm-meter term:
+    `exposed` on the critical path and `hidden` under compute; `forward` the share of
+    `exposed` that a recomputation replays."""
+
+    exposed: dict[str, float]
+    hidden: dict[str, float]
+    forward: dict[str, float]
+
+
+def _add(into: dict[str, float], key: str, seconds: float) -> None:
+    if seconds:
+        into[key] = into.get(key, 0.0) + seconds
+
+
+def layer_cost(
+    config: GPTConfig,
+    tp3d: tuple[int, int, int],
+    tokens: float,
+    act_bytes: int,
+    rate: float,
+    hardware: Hardware,
+) -> Layer3DCost:
+    """The collectives of one transformer layer per micro-batch of `tokens` tokens (before the
+    split over z), `rate` FLOP/s per device, on `hardware` (see the module docstring)."""
+    x, y, z = tp3d
+    per_node = hardware.devices_per_node
+    size = {"x": x, "y": y, "z": z}
+    inside = {
+        "x": group_inside_node(x, 1, per_node),
+        "y": group_inside_node(y, x, per_node),
+        "z": group_inside_node(z, x * y, per_node),
+    }
+    t = tokens / z
+    exposed: dict[str, float] = {}
+    hidden: dict[str, float] = {}
+    forward: dict[str, float] = {}
+    scatter = 0.0
+    for lin in block_linears(config):
+        in_axis, out_axis = ("y", "x") if lin.transposed else ("x", "y")
+        p_in, p_out = size[in_axis], size[out_axis]
+        block = lin.n_in * lin.n_out / (x * y) * act_bytes
+
+        def seconds(op: str, payload: float, axis: str) -> float:
+            return collective_seconds(op, payload, size[axis], inside[axis], hardware)
+
+        gather = seconds("all_gather", block / z, "z")
+        out_reduce = seconds("all_reduce", t * lin.n_out / p_out * act_bytes, in_axis)
+        for into in (exposed, forward):
+            _add(into, "tp_z.all_gather", gather)
+            _add(into, f"tp_{in_axis}.all_reduce", out_reduce)
+        _add(exposed, "tp_z.all_gather", gather)  # the backward's gather
+        dx = seconds("all_reduce", t * lin.n_in / p_in * act_bytes, out_axis)
+        dw = 2 * t * lin.n_in * lin.n_out / (x * y) / rate
+        _add(exposed, f"tp_{out_axis}.all_reduce", max(0.0, dx - dw))
+        _add(hidden, f"tp_{out_axis}.all_reduce", min(dx, dw))
+        scatter += seconds("reduce_scatter", block, "z")
+    backward = 4 * t * sum(s.n_in * s.n_out for s in block_linears(config)) / (x * y) / rate
+    _add(exposed, "tp_z.reduce_scatter", max(0.0, scatter - backward))
+    _add(hidden, "tp_z.reduce_scatter", min(scatter, backward))
+    norms = 2 * collective_seconds("all_reduce", t * 2 * act_bytes, x, inside["x"], hardware)
+    _add(exposed, "tp_x.all_reduce", 2 * norms)
+    _add(forward, "tp_x.all_reduce", norms)
+    return Layer3DCost(exposed, hidden, forward)
+
+
+def ends_seconds(
+    config: GPTConfig,
+    tp3d: tuple[int, int, int],
+    tokens: float,
+    act_bytes: int,
+    hardware: Hardware,
+) -> float:
+    """The all-gather over X of the residual [T, d/x] before the replicated final norm and head
+    (once per micro-batch on the last stage)."""
+    x, _, z = tp3d
+    shard = tokens / z * config.d_model / x * act_bytes
+    inside = group_inside_node(x, 1, hardware.devices_per_node)
+    return collective_seconds("all_gather", shard, x, inside, hardware)

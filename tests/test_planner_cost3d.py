@@ -1,0 +1,60 @@
+"""3D tensor parallel cost terms against AxoNN's per-layer byte formula (REFERENCE.md §3)."""
+
+import pytest
+
+from interlace.models import GPTConfig
+from interlace.parallel.tensor3d import layer_wire_bytes
+from interlace.plan import Plan
+from interlace.planner.cost import estimate
+from interlace.planner.cost3d import block_linears, layer_cost
+from interlace.planner.hardware import local
+from interlace.planner.search import search
+
+CONFIG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4)
+BANDWIDTH = 1e9
+
+
+@pytest.mark.parametrize("grid", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (4, 2, 1)])
+def test_layer_seconds_times_bandwidth_are_the_axonn_bytes(grid):
+    x, _, z = grid
+    tokens, b = 512, 4
+    # no latency, one link everywhere, compute so fast that nothing hides
+    hardware = local(1e30, BANDWIDTH, latency=0.0, devices_per_node=64)
+    cost = layer_cost(CONFIG, grid, tokens, b, 1e30, hardware)
+    expected = {"tp_x": 0.0, "tp_y": 0.0, "tp_z": 0.0}
+    for lin in block_linears(CONFIG):
+        for axis, nbytes in layer_wire_bytes(
+            lin.n_in, lin.n_out, tokens // z, grid, lin.transposed, b
+        ).items():
+            expected[axis] += nbytes
+    # two LayerNorms, forward and backward: an all-reduce of [T, 2] statistics over X each
+    expected["tp_x"] += 4 * 2 * (x - 1) / x * (tokens // z) * 2 * b
+    measured = {axis: 0.0 for axis in expected}
+    for key, seconds in cost.exposed.items():
+        measured[key.split(".")[0]] += seconds * BANDWIDTH
+    assert measured == pytest.approx(expected, rel=1e-9, abs=1e-6)
+    assert sum(cost.hidden.values()) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_backward_reductions_hide_under_the_weight_gradient_matmul():
+    grid, tokens, b = (1, 2, 2), 512, 4
+    hardware = local(1e30, BANDWIDTH, latency=0.0, devices_per_node=64)
+    slow_compute = layer_cost(CONFIG, grid, tokens, b, 1e3, hardware)
+    # compute slow enough to cover every async collective: the dX all-reduces over Y and the
+    # dW reduce-scatters over Z are all hidden, the forward ones stay exposed
+    assert "tp_z.reduce_scatter" not in slow_compute.exposed
+    assert slow_compute.hidden["tp_z.reduce_scatter"] > 0
+    fast = layer_cost(CONFIG, grid, tokens, b, 1e30, hardware)
+    assert slow_compute.exposed["tp_y.all_reduce"] < fast.exposed["tp_y.all_reduce"]
+
+
+def test_estimate_and_search_price_tp3d():
+    hardware = local(1e12, BANDWIDTH, latency=1e-5, devices_per_node=8)
+    cost = estimate(Plan(dp=2, tp3d=(2, 2, 1)), CONFIG, hardware, global_batch=8, dtype="fp32")
+    assert {"tp_x.all_reduce", "tp_y.all_reduce", "dp.all_reduce"} <= set(cost.breakdown)
+    assert cost.step_seconds == pytest.approx(sum(cost.breakdown.values()))
+    flat = estimate(Plan(dp=8), CONFIG, hardware, global_batch=8, dtype="fp32")
+    # layer weights split over 4 ranks, the embedding and head replicated
+    assert cost.memory["params_grads_optimizer"] < flat.memory["params_grads_optimizer"]
+    plans = {str(c.plan) for c in search(CONFIG, hardware, 8, global_batch=8, dtype="fp32")}
+    assert "tp3d=2x2x2" in plans and "dp=2,tp3d=2x2x1" in plans
