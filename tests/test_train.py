@@ -325,13 +325,20 @@ def test_expert_parallel_training_equals_serial(tmp_path, plan_text):
         "pp=2,dp=2,micro_batches=2,schedule=gpipe",
         "pp=4,micro_batches=4,schedule=shifted,recompute=stage-aware",
         "pp=2,micro_batches=4,schedule=interleaved,recompute=full",
+        # with 1D tensor parallelism: each stage's tensor-parallel shards gathered whole
+        "pp=2,tp=2,micro_batches=2",
+        "pp=2,tp=2,micro_batches=4,schedule=shifted,recompute=full",
+        "pp=2,tp=2,micro_batches=2,sequence_parallel=true,schedule=gpipe",
+        "pp=2,tp=2,micro_batches=2,tp_subbatches=2,schedule=interleaved",
+        "pp=2,tp=2,micro_batches=2,tp_subbatches=2,recompute=full",
+        "pp=2,tp=2,dp=2,micro_batches=2",
     ],
 )
 def test_pipeline_training_equals_serial(tmp_path, plan_text):
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, n_layers=4))
     serial_run = _train(config, "dp=1", 1)
     world_size = Plan.parse(plan_text).world_size
-    for result in run_ranks(world_size, _train, config, plan_text, world_size):
+    for result in run_ranks(world_size, _tensor_parallel_run, config, plan_text, world_size):
         assert result["params"]  # this stage's parameters, under the serial model's names
         _assert_follows_serial(result, serial_run)
 
@@ -346,23 +353,3 @@ def test_pipeline_resume_continues_the_same_trajectory(tmp_path):
     for before, after in zip(full, resumed, strict=True):
         assert [r["step"] for r in after["rows"]] == [3, 4]
         _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)
-
-
-@pytest.mark.parametrize(
-    "plan_text",
-    [
-        "pp=2,tp=2,micro_batches=2",
-        "pp=2,tp=2,micro_batches=4,schedule=shifted,recompute=full",
-        "pp=2,tp=2,micro_batches=2,sequence_parallel=true,schedule=gpipe",
-        "pp=2,tp=2,micro_batches=2,tp_subbatches=2,schedule=interleaved",
-        "pp=2,tp=2,micro_batches=2,tp_subbatches=2,recompute=full",
-        "pp=2,tp=2,dp=2,micro_batches=2",
-    ],
-)
-def test_pipeline_with_tensor_parallel_training_equals_serial(tmp_path, plan_text):
-    config = dataclasses.replace(BASE, model=_model_file(tmp_path, n_layers=4))
-    serial_run = _train(config, "dp=1", 1)
-    world_size = Plan.parse(plan_text).world_size
-    for result in run_ranks(world_size, _tensor_parallel_run, config, plan_text, world_size):
-        assert result["params"]  # this stage's parameters, whole, under the serial names
-        _assert_follows_serial(result, serial_run)
