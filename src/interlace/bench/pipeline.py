@@ -277,6 +277,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     left.set_xlabel("micro-batches m")
     left.set_ylabel("bubble fraction")
     left.set_xscale("log", base=2)
+    left.set_xticks(counts, [str(m) for m in counts])
     left.legend(fontsize=7)
     left.set_title(f"bubble, pp={r['pp']}", fontsize=9)
     names = list(r["compared"])
@@ -288,6 +289,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for k, (mode, row) in enumerate(r["memory"].items()):
         stages = [s + k * width for s in range(r["pp"])]
         right.bar(stages, [b / 1e6 for b in row["peak_bytes"]], width=width, label=mode)
+    centres = [s + width * (len(r["memory"]) - 1) / 2 for s in range(r["pp"])]
+    right.set_xticks(centres, [str(s) for s in range(r["pp"])])
     right.set_xlabel("stage")
     right.set_ylabel("peak saved activations (MB)")
     right.set_title("1F1B activation memory per stage", fontsize=9)
