@@ -5,6 +5,8 @@
   the user's counts or split points); `describe_stages` prints the result.
 - `stage`: the built-in GPT's stage modules (original parameter names kept) and the tied
   embedding shared by the first and last stage.
+- `hf_stage`: stage modules of Hugging Face decoder LMs (GPT-2, Llama, …), their parts found
+  by structure, HF parameter names kept.
 - `schedule`: torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B for a Plan.
 - `shifted`: Merak's shifted critical-path schedule (recomputation before the gradient
   receive; one more warm-up forward on stage P − 2), our own executor.
@@ -17,6 +19,7 @@
   `interlace.parallel.pipeline.trace`, not re-exported here: it imports the runner).
 """
 
+from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage, hf_local_module
 from interlace.parallel.pipeline.layout import PipelineLayout, pipeline_layout
 from interlace.parallel.pipeline.partition import (
     Partition,
@@ -45,7 +48,9 @@ from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_mod
 
 __all__ = [
     "PIPELINE_SCHEDULES",
+    "DecoderParts",
     "GPTStage",
+    "HFStage",
     "Partition",
     "PipelineLayout",
     "PipelineRunner",
@@ -58,6 +63,7 @@ __all__ = [
     "checkpointed_layers",
     "cross_entropy_loss",
     "describe_stages",
+    "hf_local_module",
     "local_module",
     "micro_batches_in_flight",
     "model_shards",

@@ -164,7 +164,7 @@ def model_shards(model: nn.Module, seq_len: int | None = None) -> tuple[Shard, .
             "pipeline partitioning found no layer list (an nn.ModuleList of attention blocks); "
             "pp>1 needs a model built as a chain of layers"
         )
-    T = seq_len or _seq_len_of(model)
+    T = seq_len or seq_len_of(model)
     d = structure.d_model
     layer_list = model.get_submodule(structure.layers)
     q_width = {a.name: a.n_heads * a.head_dim for a in structure.attentions}
@@ -202,7 +202,9 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def _seq_len_of(model: nn.Module) -> int:
+def seq_len_of(model: nn.Module) -> int:
+    """The model's sequence length T: its config's `seq_len`, `n_positions` or
+    `max_position_embeddings`."""
     config = getattr(model, "config", None)
     for attr in ("seq_len", "n_positions", "max_position_embeddings"):
         value = getattr(config, attr, None)

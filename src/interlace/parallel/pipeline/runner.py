@@ -1,4 +1,4 @@
-"""PipelineRunner: one training step of the built-in GPT over the mesh's "pp" dimension.
+"""PipelineRunner: one training step of a decoder LM over the mesh's "pp" dimension.
 
     runner = PipelineRunner(model, plan, mesh)     # every rank passes the same full model
     loss = runner.step(x, y)                       # x, y [B, T]; grads in runner.parameters()
@@ -12,6 +12,10 @@ interleaved 1F1B (`schedule`), or our shifted critical-path executor (`shifted`)
 and their gradients travel point-to-point inside torch's schedules (or by isend/recv in the
 shifted executor), outside interlace's comm meter; the tied-embedding all-reduce, the loss
 broadcast and the clipping all-reduce go through `interlace.comm`.
+
+The model is the built-in GPT (`GPTStage`, composing with 1D tensor parallelism) or a Hugging
+Face decoder LM such as GPT-2 or Llama (`HFStage`, read by structure; tp = 1), under the same
+schedules, recomputation and tied-embedding handling.
 
 `step` splits the batch into `plan.micro_batches` equal micro-batches along B. The first rank
 feeds x, the last computes `loss_fn(logits, y)` per micro-batch; backward accumulates each
@@ -33,6 +37,7 @@ from interlace import comm
 from interlace.errors import ConfigError, PlanError
 from interlace.mesh import Mesh
 from interlace.models import GPT, GPTConfig, build_model
+from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage, hf_local_module
 from interlace.parallel.pipeline.layout import pipeline_layout
 from interlace.parallel.pipeline.partition import Partition
 from interlace.parallel.pipeline.recompute import checkpointed_layers
@@ -52,11 +57,11 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 class PipelineRunner:
-    """This rank's share of a pipeline-parallel GPT and the schedule that trains it.
+    """This rank's share of a pipeline-parallel decoder LM and the schedule that trains it.
 
-    model: the full built-in GPT (same weights on every rank: build it with the same seed), or
-    a GPTConfig to build one from the current RNG state. Only this rank's stages are kept;
-    drop other references to the full model to free the rest.
+    model: the full built-in GPT or Hugging Face decoder LM (same weights on every rank: build
+    it with the same seed), or a GPTConfig to build a GPT from the current RNG state. Only
+    this rank's stages are kept; drop other references to the full model to free the rest.
     loss_fn(logits [b, T, V], targets [b, T]) → mean loss of one micro-batch (default:
     cross-entropy). Options (each overrides the default the Plan implies):
     layers_per_stage / split_points: see `partition.partition` (one entry per virtual stage);
@@ -68,7 +73,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        model: GPT | GPTConfig,
+        model: nn.Module | GPTConfig,
         plan: Plan,
         mesh: Mesh,
         loss_fn: LossFn | None = None,
@@ -82,13 +87,13 @@ class PipelineRunner:
     ) -> None:
         if isinstance(model, GPTConfig):
             model = build_model(model, device=mesh.device)
-        _check_model(model, plan, mesh)
+        self.hf = _check_model(model, plan, mesh)  # a HF decoder's parts; None for the GPT
         self.plan, self.mesh = plan, mesh
         self.tp = mesh.group("tp") if plan.tp > 1 else None
         self.loss_fn = loss_fn or self._default_loss()
         self.pp = mesh.group("pp")
         self.device = mesh.device
-        self.seq_len = model.config.seq_len
+        self.seq_len = model.config.seq_len if self.hf is None else self.hf.seq_len
         # the partitioner reads layer shapes; under tp it reads those of the unsplit model
         shapes = model if plan.tp == 1 else build_model(model.config, device="meta")
         self.layout = pipeline_layout(
@@ -105,14 +110,18 @@ class PipelineRunner:
         self.recompute_ratios = self.layout.rank_ratios
         n_stages = self.layout.n_stages
         self.stage_indices = self.layout.stages_of(self.pp.rank)
-        tied = model.lm_head.weight is model.wte.weight
+        embedding, head = (
+            ("wte", "lm_head") if self.hf is None else (self.hf.embedding, self.hf.head)
+        )
+        tied = model.get_submodule(head).weight is model.get_submodule(embedding).weight
         self.stages = [self._stage(model, s, n_stages, tied) for s in self.stage_indices]
-        self.module = local_module(self.stages)
+        self.module = (local_module if self.hf is None else hf_local_module)(self.stages)
         self.holds_first = 0 in self.stage_indices
         self.holds_last = n_stages - 1 in self.stage_indices
         # the head's copy of the tied embedding is counted once, at the embedding
-        self._tied_copy = self.module.lm_head.weight if tied and self.holds_last else None
-        tied_param = self.module.wte.weight if self.holds_first else self._tied_copy
+        part = self.module.get_submodule
+        self._tied_copy = part(head).weight if tied and self.holds_last else None
+        tied_param = part(embedding).weight if self.holds_first else self._tied_copy
         self.tied = TiedEmbedding(mesh, tied_param) if tied else None
         self.pipeline_stages: list[PipelineStage] = []  # torch's stages (none when shifted)
         self.schedule = self._schedule()
@@ -127,18 +136,20 @@ class PipelineRunner:
         tp = self.tp
         return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
 
-    def _stage(self, model: GPT, index: int, n_stages: int, tied: bool) -> GPTStage:
+    def _stage(self, model: nn.Module, index: int, n_stages: int, tied: bool) -> GPTStage | HFStage:
         start, stop = self.partition.bounds[index]
         layers = range(start, stop)
         first, last = index == 0, index == n_stages - 1
-        stage = GPTStage(
-            model,
-            layers,
-            first=first,
-            last=last,
-            checkpointed=checkpointed_layers(layers, self.layout.stage_ratios[index]),
-            head_copy=tied and last and not first,
-        )
+        options = {
+            "first": first,
+            "last": last,
+            "checkpointed": checkpointed_layers(layers, self.layout.stage_ratios[index]),
+            "head_copy": tied and last and not first,
+        }
+        if self.hf is None:
+            stage = GPTStage(model, layers, **options)
+        else:
+            stage = HFStage(model, self.hf, layers, **options)
         return stage.to(self.device)
 
     def _schedule(self):
@@ -241,12 +252,13 @@ class PipelineRunner:
         return self.module.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the full GPT."""
+        """This rank's parameters under their names in the full model."""
         return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's weights under the full GPT's state-dict names (the tied head's copy as
-        `lm_head.weight`, the embedding as `wte.weight`): distinct keys on distinct stages."""
+        """This rank's weights under the full model's state-dict names (the tied head's copy as
+        `lm_head.weight`, the embedding as `wte.weight` or e.g. `transformer.wte.weight`):
+        distinct keys on distinct stages."""
         return self.module.state_dict()
 
     def zero_grad(self) -> None:
@@ -269,13 +281,17 @@ class PipelineRunner:
         return norm
 
 
-def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
+def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | None:
+    """Refuse what the runner cannot run; return a HF decoder's parts (None for the GPT)."""
+    parts = None
     if not isinstance(model, GPT):
-        raise PlanError(
-            f"pipeline execution supports the built-in GPT; got {type(model).__name__} "
-            "(Hugging Face models can be partitioned and described, not yet run)"
-        )
-    if model.config.is_moe:
+        if plan.tp > 1:
+            raise PlanError(
+                f"pipeline × tensor parallelism runs the built-in GPT only; got "
+                f"{type(model).__name__} with tp={plan.tp}: use tp=1 for Hugging Face models"
+            )
+        parts = DecoderParts.read(model)
+    elif model.config.is_moe:
         raise PlanError(
             "pp>1 with Mixture-of-Experts layers is not supported yet (the load-balancing "
             "loss would be lost between stages); use pp=1 or a dense model"
@@ -297,3 +313,4 @@ def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
             f"plan pp={plan.pp} but the mesh's pp group has {mesh.size('pp')} ranks; build the "
             "mesh from the same plan (build_mesh(plan))"
         )
+    return parts

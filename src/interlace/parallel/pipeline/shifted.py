@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.comm import Group
+from interlace.parallel.pipeline.hf_stage import HFStage
 from interlace.parallel.pipeline.stage import GPTStage
 
 
@@ -66,7 +67,7 @@ class _InFlight:
 
 
 class ShiftedSchedule:
-    """Runs one GPT stage per rank under the shifted critical-path order.
+    """Runs one stage (`GPTStage` or `HFStage`) per rank under the shifted critical-path order.
 
     `stage`'s checkpointed blocks (its first ones) form the recomputed prefix, with the
     embedding on the first stage. `loss_fn(logits, targets)` returns the micro-batch's loss as
@@ -79,7 +80,7 @@ class ShiftedSchedule:
 
     def __init__(
         self,
-        stage: GPTStage,
+        stage: GPTStage | HFStage,
         index: int,
         group: Group,
         micro_batches: int,
@@ -122,8 +123,7 @@ class ShiftedSchedule:
 
     def stage_width(self) -> int:
         """Width of the activations entering this stage (d_model)."""
-        block = next(iter(self.stage.blocks.values()))
-        return block.ln_1.normalized_shape[0]
+        return self.stage.width
 
     # ------------------------------------------------------------------ actions
     def _forward(self, x: torch.Tensor, y: torch.Tensor, i: int, keep_graph: bool) -> _InFlight:

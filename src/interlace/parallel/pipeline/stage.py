@@ -61,12 +61,13 @@ class GPTStage(nn.Module):
         super().__init__()
         self.is_first, self.is_last = first, last
         self.checkpointed = checkpointed
+        self.width = model.config.d_model  # of the activations between stages
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if last:
             self.ln_f = model.ln_f
-            self.lm_head = _copy_of(model.lm_head) if head_copy else model.lm_head
+            self.lm_head = copy_head(model.lm_head) if head_copy else model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes."""
@@ -93,7 +94,7 @@ class GPTStage(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def _copy_of(head: nn.Module) -> nn.Module:
+def copy_head(head: nn.Module) -> nn.Module:
     """The LM head with its weight as a new Parameter of the same values (and, under tensor
     parallelism, the same vocabulary shard): the last stage's copy of the tied embedding."""
     weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
