@@ -77,6 +77,7 @@ CASES = [
     ("llama", "pp=2,micro_batches=4,schedule=1f1b"),
     ("llama", "pp=2,micro_batches=4,schedule=gpipe,recompute=full"),
     ("llama", "pp=2,micro_batches=4,schedule=shifted,recompute=stage-aware"),
+    ("gpt2", "pp=2,micro_batches=4,schedule=interleaved"),
     ("gpt2", "pp=4,micro_batches=4,schedule=1f1b"),
 ]
 
