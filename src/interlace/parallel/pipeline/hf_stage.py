@@ -228,7 +228,7 @@ class HFStage(nn.Module):
 
     def _layer_kwargs(self, h: torch.Tensor) -> dict[str, object]:
         """What HF's decoder forward passes every layer: causal mask, positions, rotary."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask  # the optional hf extra
 
         positions = _positions(h)
         mask = create_causal_mask(
