@@ -4,8 +4,10 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from interlace.bench import get_benchmark
+from interlace.bench import get_benchmark, moe_deepspeed
 from interlace.bench.moe import ForcedRouter
 from interlace.bench.runner import parse_options, run_benchmark
 from interlace.errors import ConfigError
@@ -102,15 +104,22 @@ def test_moe_benchmark_loopback_smoke(tmp_path):
     assert set(result["workloads"]) == {"skewed", "recorded"}
     assert result["calibration"]["bandwidth_Bps"] > 0
     assert result["model_error"]["count"] == 8
-    assert "skipped" in result["peers"]["deepspeed_moe"]
+    peer = moe_deepspeed.unavailable() is None
+    assert ("ran" if peer else "skipped") in result["peers"]["deepspeed_moe"]
     recorded = result["workloads"]["recorded"]["workload"]
     assert len(recorded["counts"]) == 2 and recorded["experts"] == 4
     skewed = result["workloads"]["skewed"]["top1"]
     strategies = skewed["strategies"]
-    assert set(strategies) == {"none", "dropless", "shadow", "prophet"}
-    for m in strategies.values():
-        assert m["step_median_s"] > 0 and m["layer_s"] > 0 and m["model_layer_s"] > 0
+    peers = {"deepspeed_drop", "deepspeed_dropless"} if peer else set()
+    assert set(strategies) == {"none", "dropless", "shadow", "prophet"} | peers
+    for name, m in strategies.items():
+        assert m["step_median_s"] > 0 and m["layer_s"] > 0
+        assert (m["model_layer_s"] is None) == (name in peers)
         assert m["all_to_all_bytes"] > 0 and m["balance_degree"] >= 0
+    if peer:  # DeepSpeed drops where interlace's capacity rule does, and is unbalanced alike
+        ds = strategies["deepspeed_drop"]
+        assert ds["dropped_fraction"] == pytest.approx(strategies["none"]["dropped_fraction"])
+        assert strategies["deepspeed_dropless"]["dropped_fraction"] == 0
     assert strategies["none"]["dropped_fraction"] > 0  # capacity drops under skew
     for s in ("dropless", "shadow", "prophet"):
         assert strategies[s]["dropped_fraction"] == 0
@@ -122,3 +131,27 @@ def test_moe_benchmark_loopback_smoke(tmp_path):
     }
     assert "prophet balance" in get_benchmark("moe").headline(doc)
     assert (tmp_path / "moe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+class _LinearGate(nn.Module):
+    """Stands in for DeepSpeed's TopKGate: logits = x · wgᵀ."""
+
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.wg = nn.Linear(d, experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.wg.weight)
+
+
+def test_forced_gate_logits_pick_the_workload_choices():
+    d, experts = 8, 6
+    gate = moe_deepspeed.ForcedGate(_LinearGate(d, experts), d, experts)
+    choices = torch.multinomial(
+        torch.ones(50, experts), 2, generator=torch.Generator().manual_seed(0)
+    )
+    gate.choices = choices
+    logits = gate(torch.randn(50, d))
+    top2 = logits.topk(2, dim=-1).indices
+    assert torch.equal(top2, choices)
+    assert torch.equal(logits.sum(-1), torch.full((50,), 30.0))  # x itself has no say

@@ -32,12 +32,15 @@ shadow and prophet searches. The non-MoE op's gradients are not all-reduced (the
 every strategy). `trans_overlap` (default true) runs Trans/Agg overlapped with compute, each
 block issuing the next one's Trans after its dispatch (`interlace.parallel.expert`); false
 runs them synchronously, for comparison. The searches model Trans/Agg as not hidden either way.
-DeepSpeed-MoE is listed as a peer and skipped (an optional extra).
+
+**Peer.** With the `peers` extra installed and `peers=true`, DeepSpeed-MoE's layer runs in
+the same blocks on the same routing, with token drops (`deepspeed_drop`, capacity_factor as
+above) and without (`deepspeed_dropless`); see `moe_deepspeed.py`. It has no balancing; its
+bytes are computed from its capacity-padded buffers, and its layer has no performance model.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 from typing import Any
@@ -48,12 +51,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from interlace import comm
+from interlace.bench import moe_deepspeed
 from interlace.bench.base import Benchmark, RankContext, check_names
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.models import get_preset
 from interlace.models.mlp import MLP
-from interlace.moe.balance import LayerCost, balance_degree, device_loads, layer_time, make_balancer
+from interlace.moe.balance import (
+    LayerCost,
+    Placement,
+    balance_degree,
+    device_loads,
+    layer_time,
+    make_balancer,
+)
 from interlace.moe.gating import Routing, TopKRouter, _slot_in_expert
 from interlace.moe.layer import MoELayer
 from interlace.moe.routing_workloads import (
@@ -248,9 +259,9 @@ class _Run:
     """One strategy's model on one workload and top-k, stepped one iteration at a time so that
     the strategies can take turns (a shared machine's load then affects them alike)."""
 
-    def __init__(self, ctx: RankContext, experts: int, k: int, strategy: str, cal: dict):
+    def __init__(self, ctx: RankContext, k: int, blocks: list[_Block]):
         self.ctx, self.k = ctx, k
-        self.blocks = _build(ctx, experts, k, strategy, cal)
+        self.blocks = blocks
         self.model = nn.Sequential(*self.blocks)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=ctx.options["lr"])
         self.step_s: list[float] = []
@@ -279,17 +290,27 @@ class _Run:
         if step < o["warmup"]:
             return
         self.step_s.append(slowest(elapsed, group))
-        self.a2a.append(_total(sent, group))
-        stats = [_layer_stats(b, group) for b in self.blocks]
+        stats = [self._stats(b) for b in self.blocks]
+        self.a2a.append(self._all_to_all_bytes(sent, stats))
         self.balance.append(sum(s["balance_degree"] for s in stats) / len(stats))
         self.load.append(sum(s["max_mean"] for s in stats) / len(stats))
         self.dropped += sum(s["dropped"] for s in stats)
         self.assigned += sum(s["assignments"] for s in stats)
         self.trans.append(sum(s["trans_bytes"] for s in stats))
 
+    def _stats(self, block: _Block) -> dict[str, Any]:
+        return _layer_stats(block, self.ctx.group)
+
+    def _all_to_all_bytes(self, sent: float, stats: list[dict[str, Any]]) -> float:
+        """This step's all_to_all bytes over every rank (as the comm meter counted them)."""
+        return _total(sent, self.ctx.group)
+
+    def _layer(self, work: Any, cal: dict) -> dict[str, Any]:
+        return _time_layer(self.ctx, self.blocks[0], work, self.k, cal)
+
     def result(self, work: Any, cal: dict) -> dict[str, Any]:
         """The measured steps' figures, then one layer timed alone against the model."""
-        layer = _time_layer(self.ctx, self.blocks[0], work, self.k, cal)
+        layer = self._layer(work, cal)
         trans_bytes = median(self.trans)
         return {
             "step_s": self.step_s,
@@ -305,10 +326,65 @@ class _Run:
         }
 
 
-def _run_strategies(ctx: RankContext, work: Any, experts: int, k: int, cal: dict):
-    """Every strategy, taking turns step by step: {strategy: figures}."""
+class _DeepSpeedRun(_Run):
+    """DeepSpeed-MoE's layer in the same blocks: counts, drops and bytes from its capacity."""
+
+    def _stats(self, block: _Block) -> dict[str, Any]:
+        moe, group, tokens = block.moe, self.ctx.group, self.ctx.options["tokens"]
+        routed = _gather(torch.bincount(moe.router.choices.flatten(), minlength=moe.experts), group)
+        capacity = moe.capacity(tokens)
+        kept = routed if capacity is None else routed.clamp(max=capacity)
+        placement = Placement.blocked(moe.experts, group.size)
+        computed, _ = device_loads(kept, placement)
+        rows = moe.experts * (capacity if capacity is not None else int(routed.max()))
+        return {
+            "balance_degree": balance_degree(kept, placement),
+            "max_mean": float(computed.max() / computed.mean().clamp(min=1e-9)),
+            "dropped": int(routed.sum() - kept.sum()),
+            "assignments": int(routed.sum()),
+            "trans_bytes": 0,
+            # dispatch and combine, forward and backward: [E, C, d] fp32 from every rank
+            "a2a_bytes": 4 * group.size * rows * self.ctx.options["d_model"] * 4,
+        }
+
+    def _all_to_all_bytes(self, sent: float, stats: list[dict[str, Any]]) -> float:
+        return float(sum(s["a2a_bytes"] for s in stats))
+
+    def _layer(self, work: Any, cal: dict) -> dict[str, Any]:
+        o, group, block = self.ctx.options, self.ctx.group, self.blocks[0]
+        _set_routing([block], work, o["warmup"] + o["steps"], group.rank, o, self.k)
+        x = torch.randn(1, o["tokens"], o["d_model"], generator=_generator(o["seed"], 98))
+        x.requires_grad_(True)
+
+        def fwd_bwd() -> None:
+            block.moe(x).float().pow(2).mean().backward()
+
+        seconds = median(sample(fwd_bwd, group, min_samples=o["layer_samples"], min_seconds=0))
+        return {"layer_s": seconds, "model_layer_s": None, "model_rel_error": None}
+
+
+def _deepspeed_blocks(ctx: RankContext, experts: int, k: int, drop: bool) -> list[_Block]:
     o = ctx.options
-    runs = {s: _Run(ctx, experts, k, s, cal) for s in o["strategies"].split(",")}
+    torch.manual_seed(o["seed"])
+    return [
+        _Block(
+            moe_deepspeed.DeepSpeedMoE(
+                o["d_model"], o["ffn"], experts, k, o["capacity_factor"], drop, ctx.group.size
+            ),
+            o["d_model"],
+        )
+        for _ in range(o["layers"])
+    ]
+
+
+def _run_strategies(ctx: RankContext, work: Any, experts: int, k: int, cal: dict, peer: bool):
+    """Every strategy (and DeepSpeed-MoE when `peer`), taking turns step by step:
+    {strategy: figures}."""
+    o = ctx.options
+    runs = {s: _Run(ctx, k, _build(ctx, experts, k, s, cal)) for s in o["strategies"].split(",")}
+    if peer:
+        for name, drop in (("deepspeed_drop", True), ("deepspeed_dropless", False)):
+            runs[name] = _DeepSpeedRun(ctx, k, _deepspeed_blocks(ctx, experts, k, drop))
     for step in range(o["warmup"] + o["steps"]):
         for run in runs.values():
             run.step(work, step)
@@ -375,19 +451,21 @@ def _targets(strategies: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _deepspeed_peer() -> dict[str, str]:
-    if importlib.util.find_spec("deepspeed") is None:
-        reason = "deepspeed is not installed (optional extra); DeepSpeed-MoE peer not run"
+def _deepspeed_peer(wanted: bool) -> str | None:
+    """None when DeepSpeed-MoE runs (initialised here), else why it is skipped (printed)."""
+    reason = moe_deepspeed.unavailable() if wanted else "DeepSpeed-MoE not run: peers=false"
+    if reason is None:
+        moe_deepspeed.init_deepspeed()
     else:
-        reason = "DeepSpeed-MoE needs its own engine and launcher; not run on this cluster"
-    print(f"moe bench: skipping DeepSpeed-MoE: {reason}", flush=True)
-    return {"skipped": reason}
+        print(f"moe bench: {reason}", flush=True)
+    return reason
 
 
 def run_rank(ctx: RankContext) -> dict[str, Any]:
     """Calibrate, then every workload × top-k × strategy."""
     o, group = ctx.options, ctx.group
     cal = _calibrate(ctx)
+    skipped = _deepspeed_peer(o["peers"])
     workloads: dict[str, Any] = {}
     errors = []
     for name in o["workloads"].split(","):
@@ -397,15 +475,19 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
             raise ConfigError(f"{name}: {experts} experts cannot be split over {group.size} ranks")
         entry: dict[str, Any] = {"workload": info}
         for k in (int(v) for v in o["top_k"].split(",")):
-            strategies = _run_strategies(ctx, work, experts, k, cal)
-            errors += [v["model_rel_error"] for v in strategies.values()]
+            strategies = _run_strategies(ctx, work, experts, k, cal, skipped is None)
+            errors += [
+                v["model_rel_error"]
+                for v in strategies.values()
+                if v["model_rel_error"] is not None
+            ]
             entry[f"top{k}"] = {"strategies": strategies, "targets": _targets(strategies)}
         workloads[name] = entry
     return {
         "calibration": cal,
         "workloads": workloads,
         "model_error": {"mean_relative_error": sum(errors) / len(errors), "count": len(errors)},
-        "peers": {"deepspeed_moe": _deepspeed_peer()},
+        "peers": {"deepspeed_moe": {"skipped": skipped} if skipped else {"ran": True}},
     }
 
 
@@ -434,18 +516,21 @@ def table(doc: dict[str, Any]) -> str:
             f"{'a2a MB':>7s} {'Trans MB':>8s} {'step s':>7s} {'layer s':>8s} {'model s':>8s}"
         )
         for s, m in value["strategies"].items():
+            modelled = "-" if m["model_layer_s"] is None else f"{m['model_layer_s']:.4f}"
             lines.append(
                 f"  {s:9s} {m['balance_degree']:8.1f} {m['max_mean_load']:8.2f} "
                 f"{m['dropped_fraction']:8.1%} {m['all_to_all_bytes'] / 1e6:7.2f} "
                 f"{m['trans_bytes'] / 1e6:8.2f} {m['step_median_s']:7.3f} "
-                f"{m['layer_s']:8.4f} {m['model_layer_s']:8.4f}"
+                f"{m['layer_s']:8.4f} {modelled:>8s}"
             )
         for t, v in value["targets"].items():
             shown = "perfect" if v["value"] is None else f"{v['value']:.2f}x"
             lines.append(
                 f"  {t}: {shown} (target {v['target']}x, {'met' if v['met'] else 'not met'})"
             )
-    lines.append(f"DeepSpeed-MoE: skipped: {r['peers']['deepspeed_moe']['skipped']}")
+    skipped = r["peers"]["deepspeed_moe"].get("skipped")
+    if skipped:
+        lines.append(skipped)
     return "\n".join(lines)
 
 
@@ -565,6 +650,7 @@ BENCHMARK = Benchmark(
         "prophet_replan": 1,
         "alpha": 0.1,
         "trans_overlap": True,
+        "peers": True,
         "steps": 8,
         "warmup": 2,
         "layer_samples": 3,
