@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from interlace.bench import get_benchmark
-from interlace.bench.pipeline import theoretical_bubble
 from interlace.bench.runner import parse_options, run_benchmark
 from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.errors import ConfigError
+from interlace.planner.cost import bubble_fraction
 
 
 def test_theoretical_bubble():
-    assert theoretical_bubble(4, 4) == pytest.approx(3 / 7)
-    assert theoretical_bubble(1, 8) == 0.0
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(1, 8) == 0.0
 
 
 def test_saved_tensor_meter_counts_activations_once_and_releases_them():

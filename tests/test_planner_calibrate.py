@@ -108,6 +108,19 @@ def test_plan_cli_on_local_hardware(cache, capsys):
 def test_real_short_calibration():
     flops = cal.measure_matmul_flops(1, min_seconds=0.05)
     assert 1e8 < flops < 1e13
-    alpha, bandwidth = cal.measure_loopback_link((16 * 2**10, 256 * 2**10, 2 * 2**20), 2)
+    alpha, bandwidth = cal.measure_loopback_link((16 * 2**10, 1 * 2**20, 8 * 2**20), 3)
     assert 0 <= alpha < 0.05
     assert 1e6 < bandwidth < 1e12
+
+
+def test_model_efficiency_is_the_step_rate_over_the_matmul_rate(monkeypatch):
+    from interlace.models import get_preset
+
+    tiny = get_preset("tiny")
+    efficiency = cal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
+    assert 0 < efficiency <= 1
+    # against a matmul rate a thousand times higher, the same step reaches a thousandth of it
+    measured = cal.measure_matmul_flops(1)
+    monkeypatch.setattr(cal, "measure_matmul_flops", lambda threads: 1000 * measured)
+    slower = cal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
+    assert slower < efficiency / 100

@@ -9,6 +9,7 @@ from typing import Any
 
 from interlace.comm import Group
 from interlace.errors import ConfigError
+from interlace.models.config import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,18 @@ class RankContext:
     def tx_bytes(self) -> int:
         """Bytes this rank's interface has sent so far (kernel counter, headers included)."""
         return int(Path(f"/sys/class/net/{self.ifname}/statistics/tx_bytes").read_text())
+
+
+def gpt_config(options: dict[str, Any]) -> GPTConfig:
+    """The dense GPT that a benchmark's `vocab`, `seq_len`, `d_model`, `layers` and `heads`
+    options describe."""
+    return GPTConfig(
+        vocab_size=options["vocab"],
+        seq_len=options["seq_len"],
+        d_model=options["d_model"],
+        n_layers=options["layers"],
+        n_heads=options["heads"],
+    )
 
 
 def check_names(options: dict[str, Any], key: str, valid: Iterable[str]) -> None:

@@ -512,13 +512,13 @@ def table(doc: dict[str, Any]) -> str:
     for name, key, value in _configs(r):
         lines.append(f"{name} {key}:")
         lines.append(
-            f"  {'strategy':9s} {'balance':>8s} {'max/mean':>8s} {'dropped':>8s} "
+            f"  {'strategy':18s} {'balance':>8s} {'max/mean':>8s} {'dropped':>8s} "
             f"{'a2a MB':>7s} {'Trans MB':>8s} {'step s':>7s} {'layer s':>8s} {'model s':>8s}"
         )
         for s, m in value["strategies"].items():
             modelled = "-" if m["model_layer_s"] is None else f"{m['model_layer_s']:.4f}"
             lines.append(
-                f"  {s:9s} {m['balance_degree']:8.1f} {m['max_mean_load']:8.2f} "
+                f"  {s:18s} {m['balance_degree']:8.1f} {m['max_mean_load']:8.2f} "
                 f"{m['dropped_fraction']:8.1%} {m['all_to_all_bytes'] / 1e6:7.2f} "
                 f"{m['trans_bytes'] / 1e6:8.2f} {m['step_median_s']:7.3f} "
                 f"{m['layer_s']:8.4f} {modelled:>8s}"
@@ -595,10 +595,18 @@ def headline(doc: dict[str, Any]) -> str:
         if not t:
             continue
         shown = {n: "perfect" if v["value"] is None else f"{v['value']:.2f}x" for n, v in t.items()}
+        strategies = value["strategies"]
+        peer = ""
+        if "deepspeed_drop" in strategies and "prophet" in strategies:
+            mine = strategies["prophet"]["step_median_s"]
+            peer = ", DeepSpeed-MoE {:.2f}x with drops / {:.2f}x dropless".format(
+                strategies["deepspeed_drop"]["step_median_s"] / mine,
+                strategies["deepspeed_dropless"]["step_median_s"] / mine,
+            )
         parts.append(
             f"{name} {key}: prophet balance {shown.get('balance_vs_shadow', '-')} shadow's "
             f"(target 5x), step {shown.get('speedup_vs_dropless', '-')} dropless (1.3x), "
-            f"{shown.get('speedup_vs_shadow', '-')} shadow (1.1x)"
+            f"{shown.get('speedup_vs_shadow', '-')} shadow (1.1x){peer}"
         )
     error = doc["result"]["model_error"]["mean_relative_error"]
     return "; ".join(parts) + f"; performance model error {error:.0%}"

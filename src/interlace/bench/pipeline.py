@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, gpt_config
 from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import median, slowest
 from interlace.errors import ConfigError
 from interlace.mesh import Mesh, build_mesh
-from interlace.models import GPTConfig, build_model
+from interlace.models import build_model
 from interlace.parallel.pipeline import PipelineRunner
 from interlace.parallel.pipeline.partition import micro_batches_in_flight
 from interlace.parallel.pipeline.trace import (
@@ -44,6 +44,7 @@ from interlace.parallel.pipeline.trace import (
     write_step_trace,
 )
 from interlace.plan import Plan
+from interlace.planner.cost import bubble_fraction as theoretical_bubble
 from interlace.timeline import Span, spans_from_json, spans_to_json
 
 BUBBLE_SCHEDULES = ("gpipe", "1f1b")
@@ -55,21 +56,6 @@ COMPARED = {  # name: (schedule, recompute)
 RECOMPUTE_MODES = ("none", "full", "stage-aware")
 
 
-def theoretical_bubble(pp: int, micro_batches: int) -> float:
-    """(p − 1) / (m + p − 1): the idle share of a GPipe / 1F1B step with equal stages."""
-    return (pp - 1) / (micro_batches + pp - 1)
-
-
-def _config(options: dict[str, Any]) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=options["vocab"],
-        seq_len=options["seq_len"],
-        d_model=options["d_model"],
-        n_layers=options["layers"],
-        n_heads=options["heads"],
-    )
-
-
 def _micro_batch_counts(options: dict[str, Any]) -> list[int]:
     return [int(m) for m in str(options["micro_batches"]).split(",")]
 
@@ -77,7 +63,7 @@ def _micro_batch_counts(options: dict[str, Any]) -> list[int]:
 def _runner(options: dict[str, Any], mesh: Mesh, m: int, schedule: str, recompute: str):
     torch.manual_seed(0)
     plan = Plan(pp=mesh.size("pp"), micro_batches=m, schedule=schedule, recompute=recompute)
-    return PipelineRunner(build_model(_config(options)), plan, mesh)
+    return PipelineRunner(build_model(gpt_config(options)), plan, mesh)
 
 
 def _batch(options: dict[str, Any], m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +187,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
         return {"solo_stage_s": solo}
     return {
         "pp": p,
-        "params": _config(options).num_params(),
+        "params": gpt_config(options).num_params(),
         "theory": {str(m): theoretical_bubble(p, m) for m in counts},
         "bubble": bubble,
         "compared": compared,

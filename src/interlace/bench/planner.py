@@ -3,9 +3,12 @@ MoE-GPT) trained for a few steps on the cluster's ranks, each beside its predict
 
 On every rank first the machine is calibrated on the cluster itself (so on the emulated link
 when it is shaped): an all_reduce size sweep over the world group fitted as α + bytes /
-bandwidth (`planner.calibrate.link_sweep`, `fit_link`) and matmul FLOP/s at the rank's thread
-count. Then each plan whose world size is the cluster's runs through the Trainer: one warm-up
-step, then `steps` steps, the slowest rank's step time per step, the median kept. Memory per
+bandwidth (`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the rank's thread
+count, and the efficiency the dense model's own step reaches at that rate
+(`measure_model_efficiency`, one rank's share of the batch, all ranks measuring at once as they
+run): the machine's achieved efficiency at the model's shapes, one number for every plan.
+Then each plan whose world size is the cluster's runs through the Trainer: one warm-up step,
+then `steps` steps, the slowest rank's step time per step, the median kept. Memory per
 rank is measured as the optimizer's parameter, gradient and AdamW state bytes plus the peak of
 the activations autograd keeps for backward (saved tensors counted once per storage while they
 are alive; parameters excluded; tensors a checkpointed layer recomputes inside its backward are
@@ -18,9 +21,9 @@ memory model's relative error.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +31,19 @@ import torch
 import torch.distributed as dist
 
 from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
+from interlace.models import get_preset
 from interlace.plan import Plan
-from interlace.planner.calibrate import fit_link, link_sweep, measure_matmul_flops, memory_bytes
+from interlace.planner.calibrate import (
+    fit_link,
+    link_sweep,
+    measure_matmul_flops,
+    measure_model_efficiency,
+    memory_bytes,
+)
 from interlace.planner.cost import estimate
 from interlace.planner.hardware import local
 from interlace.train import Trainer, prepare_run
@@ -62,40 +73,6 @@ MOE_PLANS = {1: ["dp=1"], 2: ["dp=2", "dp=2,ep=2"], 4: ["dp=4,ep=2", "dp=4,ep=4"
 """The MoE model's plans per cluster size."""
 
 
-class SavedTensorPeak:
-    """Peak bytes of the tensors autograd saves for backward (each storage once, while any
-    tensor on it is saved and alive); storages in `exclude` (the parameters) are not counted."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.refs: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context manager that counts while it is active."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.exclude or tensor.device.type == "meta":
-            return tensor
-        if ptr not in self.refs:
-            self.refs[ptr] = 0
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-        self.refs[ptr] += 1
-        weakref.finalize(tensor, self._release, ptr, storage.nbytes())
-        return tensor
-
-    def _release(self, ptr: int, nbytes: int) -> None:
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            del self.refs[ptr]
-            self.current -= nbytes
-
-
 def _state_bytes(trainer: Trainer) -> int:
     """Bytes of this rank's parameters, gradients and optimizer state tensors."""
     params = list(trainer.model.parameters())
@@ -114,12 +91,23 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
             1e12,
         )
     )
-    flops = measure_matmul_flops(torch.get_num_threads())
+    threads = torch.get_num_threads()
+    # every rank measures at once, as they compute at once in the runs
+    dist.barrier(group=ctx.group.pg)
+    flops = measure_matmul_flops(threads)
+    options = ctx.options
+    config = get_preset(options["model"])
+    if options["seq_len"]:
+        config = dataclasses.replace(config, seq_len=options["seq_len"])
+    rows = max(1, options["global_batch"] // ctx.group.size)
+    dist.barrier(group=ctx.group.pg)
+    efficiency = measure_model_efficiency(config, rows, threads, min_seconds=1.5)
     return {
         "link_latency_s": alpha,
         "link_bandwidth_Bps": bandwidth,
         "matmul_flops": slowest(-flops, ctx.group) * -1,  # the slowest rank's rate
-        "threads": torch.get_num_threads(),
+        "model_efficiency": slowest(-efficiency, ctx.group) * -1,
+        "threads": threads,
     }
 
 
@@ -138,16 +126,15 @@ def _run_plan(ctx: RankContext, model: str, text: str) -> dict[str, Any]:
     setup = prepare_run(config, plan, group.size)
     trainer = Trainer(setup, build_mesh(plan))
     trainer.train_step()  # warm-up
-    exclude = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    peak = SavedTensorPeak(exclude)
+    meter = SavedTensorMeter(exclude=trainer.model.parameters())
     times = []
     for _ in range(options["steps"]):
         dist.barrier(group=group.pg)
-        with peak.hooks():
+        with meter:
             row = trainer.train_step()
         times.append(slowest(row["step_time_s"], group))
     state = _state_bytes(trainer)
-    memory = slowest(float(state + peak.peak), group)
+    memory = slowest(float(state + meter.peak_bytes), group)
     return {
         "plan": str(plan),
         "model": model,
@@ -155,7 +142,7 @@ def _run_plan(ctx: RankContext, model: str, text: str) -> dict[str, Any]:
         "step_median_s": statistics.median(times),
         "memory_bytes": memory,
         "state_bytes": state,
-        "activation_peak_bytes": peak.peak,
+        "activation_peak_bytes": meter.peak_bytes,
         "model_config": setup.model_config,
     }
 
@@ -178,12 +165,16 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     """Calibrate on the cluster, run every plan of the cluster's size, predict each."""
     options, p = ctx.options, ctx.group.size
     calibration = _calibrate(ctx)
-    hardware = local(
-        calibration["matmul_flops"],
-        calibration["link_bandwidth_Bps"],
-        memory_bytes=memory_bytes() / p,
-        devices_per_node=p,
-        latency=calibration["link_latency_s"],
+    hardware = dataclasses.replace(
+        local(
+            calibration["matmul_flops"],
+            calibration["link_bandwidth_Bps"],
+            memory_bytes=memory_bytes() / p,
+            devices_per_node=p,
+            latency=calibration["link_latency_s"],
+            reduce_scatter_as_all_reduce=True,  # gloo
+        ),
+        matmul_efficiency=calibration["model_efficiency"],
     )
     runs = []
     jobs = [(options["model"], t) for t in DENSE_PLANS.get(p, [])]
@@ -260,6 +251,7 @@ def table(doc: dict[str, Any]) -> str:
     c = r["calibration"]
     lines = [
         f"calibrated: {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank ({c['threads']} threads), "
+        f"model steps at {c.get('model_efficiency', 1.0):.0%} of that, "
         f"link {c['link_bandwidth_Bps'] / 1e6:.0f} MB/s, α {c['link_latency_s'] * 1e6:.0f} µs",
         f"{'model':10s} {'plan':56s} {'meas s':>7s} {'pred s':>7s} {'err':>6s} "
         f"{'mem MB':>7s} {'pred MB':>7s}",

@@ -1,13 +1,14 @@
 """Activation memory, measured as the bytes of the tensors autograd keeps for backward.
 
-torch keeps no allocator statistics on CPU, so the `pipeline` benchmark counts what
-recomputation changes instead: `torch.autograd.graph.saved_tensors_hooks` sees every tensor an
+torch keeps no allocator statistics on CPU, so the `pipeline` and `planner` benchmarks count
+what recomputation changes instead: `torch.autograd.graph.saved_tensors_hooks` sees every tensor an
 operation saves for its backward. A saved tensor counts from the moment it is saved until
 autograd releases it (after that node's backward), once per storage (q, k and v saving the
 same input count it once), parameters excluded. Inside a checkpointed layer torch's own
 checkpoint hooks take over, so such a layer counts only the input it keeps; the activations it
 rebuilds during backward live for one layer's backward and are not counted. Not counted
-either: parameters, gradients, optimizer state and transient buffers of an op.
+either: parameters, gradients, optimizer state and transient buffers of an op. The hooks are
+per thread, so what overlapped tensor parallelism's sub-batch threads save is not seen.
 """
 
 from __future__ import annotations

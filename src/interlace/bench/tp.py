@@ -29,6 +29,7 @@ from interlace import comm
 from interlace.bench.base import (
     Benchmark,
     RankContext,
+    gpt_config,
     mode_step_times,
     plot_modes_against_limits,
 )
@@ -37,7 +38,7 @@ from interlace.bench.timing import median, sample, slowest
 from interlace.bench.tp_megatron import megatron_tp, unavailable
 from interlace.comm import Group
 from interlace.errors import ConfigError
-from interlace.models import GPTConfig, build_model
+from interlace.models import build_model
 from interlace.parallel import apply_tensor_parallel, check_divisible, find_structure
 from interlace.parallel.tensor_overlap import apply_tp_overlap
 
@@ -56,19 +57,9 @@ class _RecordingMeter(comm.CommMeter):
         self.calls.append((op, payload))
 
 
-def _config(options: dict[str, Any]) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=options["vocab"],
-        seq_len=options["seq_len"],
-        d_model=options["d_model"],
-        n_layers=options["layers"],
-        n_heads=options["heads"],
-    )
-
-
 def _model(options: dict[str, Any]) -> nn.Module:
     torch.manual_seed(0)
-    return build_model(_config(options))
+    return build_model(gpt_config(options))
 
 
 def _interlace_tp(options: dict[str, Any], group: Group, subbatches: int) -> nn.Module:
@@ -271,11 +262,13 @@ def headline(doc: dict[str, Any]) -> str:
     plain, dtensor = modes["plain_tp"], modes["dtensor_tp"]
     name = next(n for n in modes if n.startswith("overlapped"))
     over = modes[name]
+    megatron = modes.get("megatron_core_tp")
+    peer = "" if megatron is None else f", Megatron-Core TP {megatron['step_median_s']:.3f} s"
     return (
         f"{name} step {over['step_median_s']:.3f} s vs plain TP {plain['step_median_s']:.3f} s "
-        f"({plain['step_median_s'] / over['step_median_s']:.2f}x) and DTensor TP "
-        f"{dtensor['step_median_s']:.3f} s; hidden communication {over['hidden_fraction']:.2f} "
-        f"vs {plain['hidden_fraction']:.2f} (plain)"
+        f"({plain['step_median_s'] / over['step_median_s']:.2f}x), DTensor TP "
+        f"{dtensor['step_median_s']:.3f} s{peer}; hidden communication "
+        f"{over['hidden_fraction']:.2f} vs {plain['hidden_fraction']:.2f} (plain)"
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.base import Benchmark, RankContext, gpt_config
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
@@ -45,16 +45,6 @@ def layouts(ranks: int) -> list[tuple[int, int, int] | None]:
 
 def _name(grid: tuple[int, int, int] | None, ranks: int) -> str:
     return f"tp={ranks}" if grid is None else "tp3d=" + "x".join(map(str, grid))
-
-
-def _config(options: dict[str, Any]) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=options["vocab"],
-        seq_len=options["seq_len"],
-        d_model=options["d_model"],
-        n_layers=options["layers"],
-        n_heads=options["heads"],
-    )
 
 
 def predicted_3d(
@@ -88,7 +78,7 @@ def predicted_1d(cfg: GPTConfig, tokens: int, p: int) -> dict[str, float]:
 
 def _measure(options: dict[str, Any], grid: tuple[int, int, int] | None, ranks: int, ctx):
     plan = Plan(tp=ranks) if grid is None else Plan(tp3d=grid)
-    cfg = _config(options)
+    cfg = gpt_config(options)
     torch.manual_seed(0)
     model = parallelize(build_model(cfg), plan, build_mesh(plan))
     g = torch.Generator().manual_seed(1)
@@ -131,7 +121,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     ranks, options = ctx.group.size, ctx.options
     rows = {_name(g, ranks): _measure(options, g, ranks, ctx) for g in layouts(ranks)}
     return {
-        "params": _config(options).num_params(),
+        "params": gpt_config(options).num_params(),
         "layouts": rows,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -33,6 +33,9 @@ import torch
 
 from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import GPT
+from interlace.planner.cost import model_profile
 from interlace.planner.hardware import Hardware, local
 
 CACHE_ENV = "INTERLACE_HARDWARE_CACHE"
@@ -112,6 +115,38 @@ def measure_matmul_flops(threads: int, min_seconds: float = 0.3) -> float:
     finally:
         torch.set_num_threads(saved)
     return 2 * n * k * m / best
+
+
+def measure_model_efficiency(
+    config: GPTConfig, rows: int, threads: int, min_seconds: float = 0.5
+) -> float:
+    """The fraction of `measure_matmul_flops` a training step of `config` itself reaches on one
+    rank: 3 · forward FLOPs per token · tokens / (forward + backward seconds), with `rows`
+    sequences of config.seq_len tokens, on `threads` threads (median timing). Small widths,
+    LayerNorms, softmax and the loss make a small model's step slower than its FLOPs at large-
+    matmul speed; this is the machine's achieved efficiency at the model's shapes, for
+    `Hardware.matmul_efficiency`. In (0, 1]."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = GPT(config)
+        ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1))
+
+        def step() -> float:
+            start = time.perf_counter()
+            model(ids[:, :-1], ids[:, 1:])[1].backward()
+            return time.perf_counter() - start
+
+        step()  # warm-up
+        times: list[float] = []
+        while sum(times) < min_seconds or len(times) < 3:
+            times.append(step())
+        model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(saved)
+    flops = 3 * model_profile(config).forward_flops_per_token * rows * config.seq_len
+    achieved = flops / statistics.median(times)
+    return min(1.0, achieved / measure_matmul_flops(threads))
 
 
 # --------------------------------------------------------------------------- link
@@ -247,6 +282,7 @@ def hardware_from(
         memory_bytes=calibration.memory_bytes / ranks,
         devices_per_node=max(ranks, 1),
         latency=calibration.link_latency,
+        reduce_scatter_as_all_reduce=True,  # gloo, the CPU backend
     )
 
 
@@ -270,5 +306,6 @@ __all__ = [
     "measure",
     "measure_loopback_link",
     "measure_matmul_flops",
+    "measure_model_efficiency",
     "threads_per_rank",
 ]

@@ -33,6 +33,8 @@ class Hardware:
     memory_bytes: device memory; devices_per_node: devices sharing the fast intra-node link.
     intra_/inter_node_bandwidth: bytes/s one device sends per direction on that link;
     intra_/inter_node_latency: seconds per message (α) on that link.
+    reduce_scatter_as_all_reduce: the backend runs reduce_scatter as a full all-reduce (gloo
+        does), so it costs an all-reduce's traffic.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Hardware:
     intra_node_latency: float
     inter_node_bandwidth: float
     inter_node_latency: float
+    reduce_scatter_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1:
@@ -170,11 +173,12 @@ def local(
     latency: float = 50e-6,
     dtype: str = "fp32",
     name: str = "local",
+    reduce_scatter_as_all_reduce: bool = False,
 ) -> Hardware:
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
     `dtype` (so matmul_efficiency is 1), `link_bandwidth` bytes/s per direction between two
     devices of a node; `inter_node_bandwidth` defaults to the same link, `latency` is α of
-    both links."""
+    both links; `reduce_scatter_as_all_reduce` for a backend that runs it so (gloo)."""
     return Hardware(
         name=name,
         peak_flops={dtype: float(matmul_flops)},
@@ -187,6 +191,7 @@ def local(
             link_bandwidth if inter_node_bandwidth is None else inter_node_bandwidth
         ),
         inter_node_latency=latency,
+        reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
     )
 
 
