@@ -349,3 +349,19 @@ def test_cli_prices_one_plan_and_rejects_missing_mode(capsys):
         run_planner(parse(["--model", "tiny"]))
     with pytest.raises(PlanError, match="not divisible by the tensor parallel degree"):
         run_planner(parse(["--model", "tiny", "--plan", "tp=8", "--vocab-multiple", "1"]))
+
+
+def test_recomputation_repeats_tensor_parallel_reductions_only_where_not_replayed():
+    def tp_terms(**fields):
+        base = {"tp": 2, "pp": 2, "micro_batches": 2}
+        cost = estimate(Plan(**base, **fields), TINY, hw(devices_per_node=4), global_batch=4)
+        return sum(v for k, v in cost.breakdown.items() if k.startswith("tp."))
+
+    # the replayed forward reuses its reduced outputs: no more tp traffic than without it
+    assert tp_terms(recompute="full") == pytest.approx(tp_terms())
+    # sequence-parallel gathers are not replayed: 2 more per recomputed layer (of 4 per layer)
+    sp, sp_full = (
+        tp_terms(sequence_parallel=True),
+        tp_terms(sequence_parallel=True, recompute="full"),
+    )
+    assert sp_full > sp

@@ -353,3 +353,19 @@ def test_pipeline_resume_continues_the_same_trajectory(tmp_path):
     for before, after in zip(full, resumed, strict=True):
         assert [r["step"] for r in after["rows"]] == [3, 4]
         _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)
+
+
+def _tp_bytes_per_step(config: TrainConfig, plan_text: str, world_size: int) -> int:
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(prepare_run(config, plan, world_size), build_mesh(plan))
+    trainer.train_step()
+    return trainer.train_step()["comm_bytes"]["tp"]
+
+
+def test_recomputation_replays_the_forward_reductions_without_communicating(tmp_path):
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, n_layers=4))
+    plain = "pp=2,tp=2,micro_batches=2"
+    plans = [plain, f"{plain},recompute=full", f"{plain},schedule=shifted,recompute=full"]
+    tp_bytes = [run_ranks(4, _tp_bytes_per_step, config, text, 4)[0] for text in plans]
+    # recomputing every block (first stage) moves no more tensor-parallel bytes than not
+    assert tp_bytes[0] > 0 and tp_bytes == [tp_bytes[0]] * 3

@@ -24,8 +24,9 @@ from DTensor's redistribution, whose collectives the meter cannot see.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,10 +110,93 @@ def _all_reduced_yielding(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+_replay_state = threading.local()
+
+
+class ReductionReplay:
+    """The results of the forward all-reduces (`reduce_from_tp`) of one checkpointed forward,
+    so that its recomputation replays them instead of communicating again: Oases' rule that
+    recomputation never repeats a forward all-reduce. It keeps one reduced [.., d] tensor per
+    reduction (two per block), the memory Oases spends on it.
+
+        replay = ReductionReplay()
+        with replay.recording():
+            out = forward(x)       # reduces as usual, keeps each result
+        with replay.replaying():
+            out = forward(x)       # the same results in the same order, no communication
+
+    `contexts()` gives the pair for `torch.utils.checkpoint`'s `context_fn`. The state is per
+    thread: reductions on other threads (overlapped sub-batches) communicate in both runs.
+    """
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[torch.Tensor, int]] = []
+        self._next = 0
+
+    @classmethod
+    def contexts(
+        cls,
+    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """(recording, replaying) context managers of a fresh replay: a checkpoint `context_fn`."""
+        replay = cls()
+        return replay.recording(), replay.replaying()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Reduce as usual and keep every result, in order."""
+        with self._active("record"):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Hand out the kept results instead of reducing; all of them must be used."""
+        with self._active("replay"):
+            yield
+        if self._next != len(self._kept):
+            raise RuntimeError(
+                f"recomputation issued {self._next} tensor parallel reductions, the forward "
+                f"{len(self._kept)}: the replayed forward must take the same path"
+            )
+        self._kept, self._next = [], 0
+
+    @contextlib.contextmanager
+    def _active(self, mode: str) -> Iterator[None]:
+        previous = getattr(_replay_state, "active", None)
+        _replay_state.active = (self, mode)
+        try:
+            yield
+        finally:
+            _replay_state.active = previous
+
+    def _keep(self, out: torch.Tensor) -> None:
+        kept = out.detach()
+        self._kept.append((kept, kept._version))
+
+    def _take(self, x: torch.Tensor) -> torch.Tensor:
+        if self._next >= len(self._kept):
+            raise RuntimeError(
+                "recomputation issued more tensor parallel reductions than the forward"
+            )
+        kept, version = self._kept[self._next]
+        self._next += 1
+        if kept.shape != x.shape or kept._version != version:
+            raise RuntimeError(
+                "a replayed reduction does not match the forward's (other shape, or its result "
+                "was modified in place since)"
+            )
+        return kept
+
+
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return _all_reduced_yielding(x, group)
+        active = getattr(_replay_state, "active", None)
+        if active is not None and active[1] == "replay":
+            return active[0]._take(x)
+        out = _all_reduced_yielding(x, group)
+        if active is not None:
+            active[0]._keep(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

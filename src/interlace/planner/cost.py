@@ -21,11 +21,13 @@ mesh order (outermost first) pp, dp, tp, a group of `size` ranks whose consecuti
 devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: stride tp·dp).
 
 - **tp** (1D, Megatron): per layer and micro-batch one all_reduce of the [tokens, d] activation
-  after attention and one after the MLP, the same two in backward, and two more when the layer
-  is recomputed (the replayed forward repeats them); the vocab-parallel embedding adds one
-  forward and the head's input one backward all_reduce. With `sequence_parallel` each becomes
-  an all_gather plus a reduce_scatter (same bytes). With `tp_subbatches` s > 1 the all-reduces
-  run under the other sub-batch's compute: exposed = max(comm / s, comm − layer compute).
+  after attention and one after the MLP, the same two in backward; a recomputed layer reuses
+  its forward's reduced outputs (`tp_comm.ReductionReplay`), except under sequence parallelism
+  or `tp_subbatches`, where the replayed forward repeats its two; the vocab-parallel
+  embedding adds one forward and the head's input one backward all_reduce. With
+  `sequence_parallel` each becomes an all_gather plus a reduce_scatter (same bytes). With
+  `tp_subbatches` s > 1 the all-reduces run under the other sub-batch's compute: exposed =
+  max(comm / s, comm − layer compute).
 - **ep**: per MoE layer and micro-batch a dispatch and a combine all_to_all forward and both
   again backward (+2 when recomputed) of tokens·top_k·capacity_factor rows of d (capacity 1 when
   dropless), and one all_gather of the [E] routing counts. Expert load is assumed balanced.
@@ -350,7 +352,10 @@ def step_terms(
     comm: dict[str, float] = {}
     forward_calls = total_calls = 0
     if plan.tp > 1:
-        count = 4 * slowest.n_layers + 2 * slowest.n_checkpointed
+        # a recomputation replays the forward's all-reduced outputs (ReductionReplay) unless
+        # they run on sub-batch threads or as sequence-parallel gathers
+        replayed = not plan.sequence_parallel and plan.overlap.tp_subbatches == 1
+        count = 4 * slowest.n_layers + (0 if replayed else 2 * slowest.n_checkpointed)
         count += int(slowest.has_embed) + int(slowest.has_head)
         forward_calls += 2 * slowest.n_layers + int(slowest.has_embed)
         total_calls += count

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from interlace.comm import Group
 from interlace.parallel.pipeline.hf_stage import HFStage
 from interlace.parallel.pipeline.stage import GPTStage
+from interlace.parallel.tp_comm import ReductionReplay
 
 
 def shifted_order(stage: int, pp: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -64,6 +65,7 @@ class _InFlight:
     output: torch.Tensor  # suffix output, or the scaled loss on the last stage
     boundary: torch.Tensor | None  # detached prefix output feeding the suffix (None: no prefix)
     rng: tuple[torch.Tensor, torch.Tensor | None] | None  # RNG state at the prefix's start
+    replay: ReductionReplay | None  # the prefix's tensor parallel reductions, for its replay
 
 
 class ShiftedSchedule:
@@ -134,12 +136,13 @@ class ShiftedSchedule:
             inputs = torch.empty(self._shape, device=self.device, dtype=self._dtype())
             dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
             inputs.requires_grad_(keep_graph)
-        rng, boundary = None, None
+        rng, boundary, replay = None, None, None
         with self._timed("F", i), torch.set_grad_enabled(keep_graph):
             h = inputs
             if self.prefix and keep_graph:
                 rng = _rng_state(self.device)
-                with torch.no_grad():
+                replay = ReductionReplay()
+                with torch.no_grad(), replay.recording():
                     h = _run(self.prefix, inputs)
                 boundary = h.requires_grad_()
             else:
@@ -149,7 +152,7 @@ class ShiftedSchedule:
                 out = self.loss_fn(out, y.to(self.device))
         if not self.stage.is_last:
             self._send(out.detach(), self.group.rank + 1)
-        return _InFlight(inputs, out, boundary, rng)
+        return _InFlight(inputs, out, boundary, rng, replay)
 
     def _backward(self, kept: _InFlight, i: int) -> None:
         replay = None
@@ -157,7 +160,9 @@ class ShiftedSchedule:
             self.trace.append(("R", i))
             with self._timed("R", i), torch.random.fork_rng(devices=_rng_devices(self.device)):
                 _set_rng_state(kept.rng, self.device)
-                replay = _run(self.prefix, kept.inputs)
+                assert kept.replay is not None
+                with kept.replay.replaying():
+                    replay = _run(self.prefix, kept.inputs)
         grad = None
         if not self.stage.is_last:
             self.trace.append(("recv_grad", i))

@@ -34,6 +34,7 @@ from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
 from interlace.parallel.tensor import VocabParallelHead, copy_shard_spec
+from interlace.parallel.tp_comm import ReductionReplay
 
 TIED_GROUP_NAME = "pp_ends"
 """Comm-meter name of the {first, last} pipeline rank group that sums the tied embedding."""
@@ -44,8 +45,10 @@ class GPTStage(nn.Module):
 
     forward: idx [b, T] (first) or hidden [b, T, d] → hidden [b, T, d], or logits [b, T, V]
     (last). Layers whose global index is in `checkpointed` run under activation checkpointing
-    (non-reentrant). `head_copy` makes the last stage's LM head an own Parameter copied from
-    the tied embedding (see the module docstring); otherwise the model's `lm_head` is used.
+    (non-reentrant); under tensor parallelism their recomputation reuses the forward's
+    all-reduced outputs instead of reducing again (`tp_comm.ReductionReplay`). `head_copy`
+    makes the last stage's LM head an own Parameter copied from the tied embedding (see the
+    module docstring); otherwise the model's `lm_head` is used.
     """
 
     def __init__(
@@ -72,7 +75,10 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes."""
         for piece, checkpointed in self.pieces():
-            x = checkpoint(piece, x, use_reentrant=False) if checkpointed else piece(x)
+            if checkpointed:  # the replay reuses the forward's tensor parallel reductions
+                x = checkpoint(piece, x, use_reentrant=False, context_fn=ReductionReplay.contexts)
+            else:
+                x = piece(x)
         return x
 
     def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:
