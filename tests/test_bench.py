@@ -14,10 +14,10 @@ import pytest
 from interlace.bench import get_benchmark
 from interlace.bench.cluster import LOOPBACK, PREFIX, Cluster, leftover_namespaces, parse_rate
 from interlace.bench.collectives import bus_factor
-from interlace.bench.overlap import hidden_fraction
 from interlace.bench.runner import BenchFailed, parse_options, run_benchmark
 from interlace.cli import main
 from interlace.errors import ConfigError
+from interlace.planner.calibrate import hidden_fraction
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,

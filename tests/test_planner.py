@@ -2,6 +2,7 @@
 validity, ordering and pruning, clear errors on bad input, and the CLI options."""
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -365,3 +366,12 @@ def test_recomputation_repeats_tensor_parallel_reductions_only_where_not_replaye
         tp_terms(sequence_parallel=True, recompute="full"),
     )
     assert sp_full > sp
+
+
+def test_overlap_efficiency_hides_only_its_share_of_the_hideable_part():
+    full, half = hw(), dataclasses.replace(hw(), overlap_efficiency=0.5)
+    plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2))
+    ideal, partial = (estimate(plan, TINY, h, global_batch=4) for h in (full, half))
+    hideable = ideal.hidden["tp.all_reduce"]
+    assert partial.hidden["tp.all_reduce"] == pytest.approx(hideable / 2)
+    assert partial.step_seconds == pytest.approx(ideal.step_seconds + hideable / 2)

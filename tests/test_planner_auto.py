@@ -24,6 +24,7 @@ def cached_calibration(tmp_path, monkeypatch):
         link_bandwidth=1e9,
         memory_bytes=8e9,
         fingerprint=cal.fingerprint(),
+        overlap_efficiency=0.6,
     )
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(calibration.to_dict()))

@@ -20,6 +20,7 @@ def _calibration(**overrides) -> cal.Calibration:
         "link_bandwidth": 1e9,
         "memory_bytes": 8e9,
         "fingerprint": cal.fingerprint(),
+        "overlap_efficiency": 0.6,
     }
     return cal.Calibration(**{**fields, **overrides})
 
@@ -124,3 +125,24 @@ def test_model_efficiency_is_the_step_rate_over_the_matmul_rate(monkeypatch):
     monkeypatch.setattr(cal, "measure_matmul_flops", lambda threads: 1000 * measured)
     slower = cal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
     assert slower < efficiency / 100
+
+
+def test_overlap_is_measured_between_two_ranks():
+    from interlace.testing import run_ranks
+
+    def rank() -> float:
+        import torch.distributed as dist
+
+        from interlace.comm import Group
+
+        world = Group("world", dist.group.WORLD, 2, dist.get_rank())
+        return cal.measure_overlap(world, seconds=0.01, repeats=3)
+
+    fractions = run_ranks(2, rank)
+    assert all(0 <= f <= 1 for f in fractions)
+
+
+def test_hidden_fraction_formula():
+    assert cal.hidden_fraction(1.0, 1.0, 2.0) == 0.0  # serialised
+    assert cal.hidden_fraction(1.0, 0.5, 1.0) == 1.0  # the shorter one vanished
+    assert cal.hidden_fraction(1.0, 0.5, 1.25) == pytest.approx(0.5)

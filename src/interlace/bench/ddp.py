@@ -23,12 +23,12 @@ from interlace.bench.base import (
     mode_step_times,
     plot_modes_against_limits,
 )
-from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models import get_preset
 from interlace.plan import Overlap, Plan
+from interlace.planner.calibrate import hidden_fraction
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 

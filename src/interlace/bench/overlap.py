@@ -20,6 +20,7 @@ from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
+from interlace.planner.calibrate import hidden_fraction
 from interlace.plotting import new_figure, save_figure
 
 _METER = comm.CommMeter()
@@ -48,11 +49,6 @@ def _calibrate_comm_rate(group: comm.Group) -> float:
         sample(lambda: comm.all_reduce(probe, group, meter=_METER), group, min_seconds=0.2)
     )
     return probe.nbytes / seconds
-
-
-def hidden_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
-    """(C + M − B) / min(C, M), clipped to [0, 1]."""
-    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
 
 
 def run_rank(ctx: RankContext) -> dict[str, Any]:

@@ -6,7 +6,8 @@ when it is shaped): an all_reduce size sweep over the world group fitted as α +
 bandwidth (`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the rank's thread
 count, and the efficiency the dense model's own step reaches at that rate
 (`measure_model_efficiency`, one rank's share of the batch, all ranks measuring at once as they
-run): the machine's achieved efficiency at the model's shapes, one number for every plan.
+run): the machine's achieved efficiency at the model's shapes, one number for every plan; and
+the share of an all-reduce that hides under concurrent compute (`measure_overlap`).
 Then each plan whose world size is the cluster's runs through the Trainer: one warm-up step,
 then `steps` steps, the slowest rank's step time per step, the median kept. Memory per
 rank is measured as the optimizer's parameter, gradient and AdamW state bytes plus the peak of
@@ -42,6 +43,7 @@ from interlace.planner.calibrate import (
     link_sweep,
     measure_matmul_flops,
     measure_model_efficiency,
+    measure_overlap,
     memory_bytes,
 )
 from interlace.planner.cost import estimate
@@ -102,11 +104,13 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
     rows = max(1, options["global_batch"] // ctx.group.size)
     dist.barrier(group=ctx.group.pg)
     efficiency = measure_model_efficiency(config, rows, threads, min_seconds=1.5)
+    overlap = measure_overlap(ctx.group) if ctx.group.size > 1 else 1.0
     return {
         "link_latency_s": alpha,
         "link_bandwidth_Bps": bandwidth,
         "matmul_flops": slowest(-flops, ctx.group) * -1,  # the slowest rank's rate
         "model_efficiency": slowest(-efficiency, ctx.group) * -1,
+        "overlap_efficiency": slowest(-overlap, ctx.group) * -1,
         "threads": threads,
     }
 
@@ -175,6 +179,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
             reduce_scatter_as_all_reduce=True,  # gloo
         ),
         matmul_efficiency=calibration["model_efficiency"],
+        overlap_efficiency=calibration["overlap_efficiency"],
     )
     runs = []
     jobs = [(options["model"], t) for t in DENSE_PLANS.get(p, [])]
@@ -252,6 +257,7 @@ def table(doc: dict[str, Any]) -> str:
     lines = [
         f"calibrated: {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank ({c['threads']} threads), "
         f"model steps at {c.get('model_efficiency', 1.0):.0%} of that, "
+        f"{c.get('overlap_efficiency', 1.0):.0%} of overlapped comm hidden, "
         f"link {c['link_bandwidth_Bps'] / 1e6:.0f} MB/s, α {c['link_latency_s'] * 1e6:.0f} µs",
         f"{'model':10s} {'plan':56s} {'meas s':>7s} {'pred s':>7s} {'err':>6s} "
         f"{'mem MB':>7s} {'pred MB':>7s}",

@@ -33,7 +33,6 @@ from interlace.bench.base import (
     mode_step_times,
     plot_modes_against_limits,
 )
-from interlace.bench.overlap import hidden_fraction
 from interlace.bench.timing import median, sample, slowest
 from interlace.bench.tp_megatron import megatron_tp, unavailable
 from interlace.comm import Group
@@ -41,6 +40,7 @@ from interlace.errors import ConfigError
 from interlace.models import build_model
 from interlace.parallel import apply_tensor_parallel, check_divisible, find_structure
 from interlace.parallel.tensor_overlap import apply_tp_overlap
+from interlace.planner.calibrate import hidden_fraction
 
 _METER = comm.CommMeter()
 

@@ -13,6 +13,9 @@ the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it 
   local run), fitted as t = a + b·bytes by least squares on relative error. A 2-rank ring
   all_reduce sends 2 messages and `wire_bytes` = n, so α = a / 2 and bandwidth = 1 / b.
   `link_sweep` and `fit_link` also run inside a benchmark's ranks, on an emulated link.
+- **Overlap**: the fraction of an all-reduce that hides under a matmul loop of about the same
+  length running at the same time (async c10d), on the same 2 ranks: `hidden_fraction`. On a
+  CPU the ranks' compute and gloo's transfer threads share the cores, so it is below 1.
 - **Memory**: the machine's RAM, shared by the ranks.
 
 torch has no calibration of its own; this module is the planner's, hence written here.
@@ -25,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +56,8 @@ class Calibration:
 
     matmul_flops: sustained fp32 FLOP/s of one rank, by its thread count ("1", "2", ...);
     link_latency: α seconds per message; link_bandwidth: bytes/s per direction;
-    memory_bytes: the machine's RAM; fingerprint: what the numbers belong to;
+    memory_bytes: the machine's RAM; overlap_efficiency: the fraction of a collective that hides
+    under concurrent compute (`measure_overlap`); fingerprint: what the numbers belong to;
     seconds: how long the calibration took.
     """
 
@@ -61,6 +66,7 @@ class Calibration:
     link_bandwidth: float
     memory_bytes: float
     fingerprint: dict[str, Any]
+    overlap_efficiency: float
     seconds: float = 0.0
 
     def flops_for_threads(self, threads: int) -> float:
@@ -149,6 +155,64 @@ def measure_model_efficiency(
     return min(1.0, achieved / measure_matmul_flops(threads))
 
 
+# --------------------------------------------------------------------------- overlap
+def hidden_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """(C + M − B) / min(C, M), clipped to [0, 1]: the share of the shorter of a computation
+    (C seconds alone) and a collective (M alone) that disappears when both run at once (B)."""
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
+
+
+def measure_overlap(group: Group, seconds: float = 0.05, repeats: int = 5) -> float:
+    """The hidden fraction of an async all_reduce over `group` under a matmul loop of about the
+    same length (`seconds`), both timed alone and together (medians of `repeats`); every rank
+    must call it. Uses its own comm meter."""
+    import torch.distributed as dist
+
+    from interlace import comm
+
+    meter = comm.CommMeter()
+    a = torch.randn(256, 256)
+
+    def timed(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group.pg)
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    per_matmul = timed(lambda: a @ a)
+    count = max(1, round(seconds / max(per_matmul, 1e-9)))
+    count = int(_agreed(torch.tensor([count]), group))
+
+    def compute() -> None:
+        for _ in range(count):
+            a @ a
+
+    compute_s = timed(compute)
+    probe = torch.zeros(2**18)  # 1 MB: sized below from its own time
+    probe_s = timed(lambda: comm.all_reduce(probe, group, meter=meter))
+    elements = max(1, int(probe.numel() * compute_s / max(probe_s, 1e-9)))
+    buffer = torch.zeros(int(_agreed(torch.tensor([elements]), group)))
+    comm_s = timed(lambda: comm.all_reduce(buffer, group, meter=meter))
+
+    def both() -> None:
+        work = comm.all_reduce(buffer, group, async_op=True, meter=meter)
+        compute()
+        work.wait()
+
+    return hidden_fraction(compute_s, comm_s, timed(both))
+
+
+def _agreed(value: torch.Tensor, group: Group) -> torch.Tensor:
+    """The largest of every rank's `value` (so all ranks run the same sizes)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.pg)
+    return value
+
+
 # --------------------------------------------------------------------------- link
 def link_sweep(
     group: Group, sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5
@@ -196,10 +260,24 @@ def fit_link(samples: list[tuple[int, float]], group_size: int = 2) -> tuple[flo
     return max(intercept, 0.0) / steps, 1 / slope
 
 
-def _sweep_rank(sizes: tuple[int, ...], repeats: int) -> list[tuple[int, float]]:
+def _sweep_rank(
+    sizes: tuple[int, ...], repeats: int, overlap: bool
+) -> tuple[list[tuple[int, float]], float | None]:
     import torch.distributed as dist
 
-    return link_sweep(Group("world", dist.group.WORLD, 2, dist.get_rank()), sizes, repeats)
+    world = Group("world", dist.group.WORLD, 2, dist.get_rank())
+    samples = link_sweep(world, sizes, repeats)
+    return samples, measure_overlap(world) if overlap else None
+
+
+def _loopback(sizes: tuple[int, ...], repeats: int, overlap: bool):
+    from interlace.testing import run_ranks
+
+    saved = torch.get_num_threads()
+    try:
+        return run_ranks(2, _sweep_rank, sizes, repeats, overlap, timeout=60.0)[0]
+    finally:
+        torch.set_num_threads(saved)
 
 
 def measure_loopback_link(
@@ -207,13 +285,7 @@ def measure_loopback_link(
 ) -> tuple[float, float]:
     """(α, bandwidth) between 2 forked gloo ranks on loopback (`link_sweep` + `fit_link`).
     The caller's torch thread count is restored afterwards."""
-    from interlace.testing import run_ranks
-
-    saved = torch.get_num_threads()
-    try:
-        samples = run_ranks(2, _sweep_rank, sizes, repeats, timeout=60.0)[0]
-    finally:
-        torch.set_num_threads(saved)
+    samples, _ = _loopback(sizes, repeats, overlap=False)
     return fit_link(samples)
 
 
@@ -227,7 +299,8 @@ def measure() -> Calibration:
     """Measure everything now (a few seconds): the link first (forking before any
     multi-threaded compute), then matmuls for every thread count a local run can give a rank."""
     started = time.perf_counter()
-    alpha, bandwidth = measure_loopback_link()
+    samples, overlap = _loopback(SWEEP_BYTES, 5, overlap=True)
+    alpha, bandwidth = fit_link(samples)
     cpus = os.cpu_count() or 1
     counts = sorted({threads_per_rank(r) for r in range(1, cpus + 1)})
     flops = {str(t): measure_matmul_flops(t) for t in counts}
@@ -237,6 +310,7 @@ def measure() -> Calibration:
         link_bandwidth=bandwidth,
         memory_bytes=memory_bytes(),
         fingerprint=fingerprint(),
+        overlap_efficiency=overlap,
         seconds=time.perf_counter() - started,
     )
 
@@ -283,6 +357,7 @@ def hardware_from(
         devices_per_node=max(ranks, 1),
         latency=calibration.link_latency,
         reduce_scatter_as_all_reduce=True,  # gloo, the CPU backend
+        overlap_efficiency=calibration.overlap_efficiency,
     )
 
 
@@ -307,5 +382,6 @@ __all__ = [
     "measure_loopback_link",
     "measure_matmul_flops",
     "measure_model_efficiency",
+    "measure_overlap",
     "threads_per_rank",
 ]

@@ -112,6 +112,12 @@ def collective_seconds(
     return alpha * ring_steps(op, group_size) + wire_bytes(op, payload, group_size) / bandwidth
 
 
+def exposed_after_overlap(total: float, ideal_exposed: float, hardware: Hardware) -> float:
+    """Seconds of a collective's `total` left on the critical path where a perfect overlap would
+    leave `ideal_exposed`: only `hardware.overlap_efficiency` of the hideable part hides."""
+    return total - hardware.overlap_efficiency * (total - ideal_exposed)
+
+
 def group_inside_node(size: int, stride: int, devices_per_node: int) -> bool:
     """True when a group of `size` ranks `stride` apart (in rank order) fits in one node."""
     return size <= 1 or size * stride <= devices_per_node
@@ -383,7 +389,8 @@ def step_terms(
     if plan.overlap.tp_subbatches > 1 and comm:
         total = sum(comm.values())
         s = plan.overlap.tp_subbatches
-        exposed = max(total / s, total - compute_mb - recompute_mb)
+        ideal = max(total / s, total - compute_mb - recompute_mb)
+        exposed = exposed_after_overlap(total, ideal, hardware)
         for key, value in comm.items():
             hidden[key] = value * (1 - exposed / total)
             comm[key] = value * exposed / total
@@ -425,7 +432,7 @@ def step_terms(
             bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
             last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
             full, backward = dp_exposed, 2 / 3 * m * compute_mb
-            dp_exposed = max(full - backward, last)
+            dp_exposed = exposed_after_overlap(full, max(full - backward, last), hardware)
             dp_hidden = full - dp_exposed
     ep_dp_seconds = 0.0
     ep_dp = plan.dp // plan.ep

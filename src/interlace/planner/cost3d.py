@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from interlace.models.config import GPTConfig
-from interlace.planner.cost import collective_seconds, group_inside_node
+from interlace.planner.cost import collective_seconds, exposed_after_overlap, group_inside_node
 from interlace.planner.hardware import Hardware
 
 
@@ -109,12 +109,14 @@ def layer_cost(
         _add(exposed, "tp_z.all_gather", gather)  # the backward's gather
         dx = seconds("all_reduce", t * lin.n_in / p_in * act_bytes, out_axis)
         dw = 2 * t * lin.n_in * lin.n_out / (x * y) / rate
-        _add(exposed, f"tp_{out_axis}.all_reduce", max(0.0, dx - dw))
-        _add(hidden, f"tp_{out_axis}.all_reduce", min(dx, dw))
+        dx_exposed = exposed_after_overlap(dx, max(0.0, dx - dw), hardware)
+        _add(exposed, f"tp_{out_axis}.all_reduce", dx_exposed)
+        _add(hidden, f"tp_{out_axis}.all_reduce", dx - dx_exposed)
         scatter += seconds("reduce_scatter", block, "z")
     backward = 4 * t * sum(s.n_in * s.n_out for s in block_linears(config)) / (x * y) / rate
-    _add(exposed, "tp_z.reduce_scatter", max(0.0, scatter - backward))
-    _add(hidden, "tp_z.reduce_scatter", min(scatter, backward))
+    scatter_exposed = exposed_after_overlap(scatter, max(0.0, scatter - backward), hardware)
+    _add(exposed, "tp_z.reduce_scatter", scatter_exposed)
+    _add(hidden, "tp_z.reduce_scatter", scatter - scatter_exposed)
     norms = 2 * collective_seconds("all_reduce", t * 2 * act_bytes, x, inside["x"], hardware)
     _add(exposed, "tp_x.all_reduce", 2 * norms)
     _add(forward, "tp_x.all_reduce", norms)

@@ -35,6 +35,8 @@ class Hardware:
     intra_/inter_node_latency: seconds per message (α) on that link.
     reduce_scatter_as_all_reduce: the backend runs reduce_scatter as a full all-reduce (gloo
         does), so it costs an all-reduce's traffic.
+    overlap_efficiency: the fraction of a collective that hides under concurrent compute where
+        interlace overlaps them (1: fully, as with separate copy engines; measured on a CPU).
     """
 
     name: str
@@ -47,8 +49,13 @@ class Hardware:
     inter_node_bandwidth: float
     inter_node_latency: float
     reduce_scatter_as_all_reduce: bool = False
+    overlap_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.overlap_efficiency <= 1:
+            raise ConfigError(
+                f"{self.name}: overlap_efficiency={self.overlap_efficiency} must be in [0, 1]"
+            )
         if not 0 < self.matmul_efficiency <= 1:
             raise ConfigError(
                 f"{self.name}: matmul_efficiency={self.matmul_efficiency} must be in (0, 1], "
@@ -174,11 +181,13 @@ def local(
     dtype: str = "fp32",
     name: str = "local",
     reduce_scatter_as_all_reduce: bool = False,
+    overlap_efficiency: float = 1.0,
 ) -> Hardware:
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
     `dtype` (so matmul_efficiency is 1), `link_bandwidth` bytes/s per direction between two
     devices of a node; `inter_node_bandwidth` defaults to the same link, `latency` is α of
-    both links; `reduce_scatter_as_all_reduce` for a backend that runs it so (gloo)."""
+    both links; `reduce_scatter_as_all_reduce` for a backend that runs it so (gloo);
+    `overlap_efficiency` as measured (`calibrate.measure_overlap`)."""
     return Hardware(
         name=name,
         peak_flops={dtype: float(matmul_flops)},
@@ -192,6 +201,7 @@ def local(
         ),
         inter_node_latency=latency,
         reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
+        overlap_efficiency=overlap_efficiency,
     )
 
 
