@@ -308,7 +308,7 @@ def test_mixture_of_experts_and_other_models_are_refused():
     with pytest.raises(PlanError, match="does not split Mixture-of-Experts"):
         Plan(tp3d=(2, 1, 1)).validate(2, get_preset("moe-tiny"))
     other = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256))
-    with pytest.raises(PlanError, match=r"built-in GPT .* not Sequential; use tp=N"):
+    with pytest.raises(PlanError, match=r"needs a layer list .* found in Sequential; use tp=N"):
         check_tensor3d(other, find_structure(other), (2, 1, 1))
 
 

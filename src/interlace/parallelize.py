@@ -48,9 +48,10 @@ def parallelize(
     also splits the activations between blocks along the sequence;
     `plan.overlap.tp_subbatches = k > 1` runs every layer in k interleaved sub-batches so their
     all-reduces overlap compute (`parallel/tensor_overlap.py`).
-    With `plan.tp3d = (x, y, z)`, the built-in GPT's block linears become 3D-parallel over the
-    mesh's "tp_x", "tp_y", "tp_z" groups (`interlace.parallel.tensor3d`); it then returns the
-    logits of this rank's z slice of the batch [B/z, T, V] and the full loss.
+    With `plan.tp3d = (x, y, z)`, the block linears and norms of a dense decoder found by
+    structure (the built-in GPT, HF GPT-2 and Llama) become 3D-parallel over the mesh's "tp_x",
+    "tp_y", "tp_z" groups (`interlace.parallel.tensor3d`); it then returns the logits of this
+    rank's z slice of the batch [B/z, T, V] and the full loss (HF: the ModelOutput's `loss`).
     Every rank must pass the same full model (same seed). The built-in GPT then returns (this
     rank's logits [B, T, V/tp], full loss); other models return full logits. Raises PlanError,
     before modifying anything, if the plan asks for a dimension not implemented here or a model

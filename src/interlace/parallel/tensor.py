@@ -143,11 +143,11 @@ def _shard_param(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Param
     new = nn.Parameter(piece, requires_grad=param.requires_grad)
     setattr(new, _SPEC_ATTR, spec)
     if spec.replicas > 1 and new.requires_grad:
-        new.register_hook(_replica_sum_hook(spec, group))
+        new.register_hook(replica_sum_hook(spec, group))
     return new
 
 
-def _replica_sum_hook(spec: ShardSpec, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+def replica_sum_hook(spec: ShardSpec, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
     """Sum a replicated piece's gradient over the ranks holding it (one all-reduce of
     [parts, *piece] over the group, each rank writing its own slot)."""
     parts, slot = group.size // spec.replicas, group.rank // spec.replicas
@@ -406,10 +406,7 @@ def _shard_attention(module: nn.Module, a: Attention, group: Group, sp: bool) ->
         _shard_column(getattr(module, v), 1, kv_replicas, group)
     setattr(module, a.out, _row_parallel(getattr(module, a.out), group, sp))
     heads, kv_heads = a.n_heads // p, a.n_kv_heads * kv_replicas // p
-    _update_attrs(module, HEAD_COUNT_ATTRS, a.n_heads, heads)
-    _update_attrs(module, KV_HEAD_ATTRS, a.n_kv_heads, kv_heads)
-    _update_attrs(module, WIDTH_ATTRS, a.n_heads * a.head_dim, heads * a.head_dim)
-    _update_attrs(module, GROUP_ATTRS, a.n_heads // a.n_kv_heads, heads // kv_heads)
+    set_local_heads(module, a, heads, kv_heads)
     kv = ""
     if a.n_kv_heads != a.n_heads:
         kv = f", {kv_heads} of {a.n_kv_heads} kv heads"
@@ -418,6 +415,15 @@ def _shard_attention(module: nn.Module, a: Attention, group: Group, sp: bool) ->
         f"{a.name}: {', '.join(a.producers)} column-parallel ({heads} of {a.n_heads} heads"
         f"{kv} per rank); {a.out} row-parallel"
     )
+
+
+def set_local_heads(module: nn.Module, a: Attention, heads: int, kv_heads: int) -> None:
+    """Set the head-count and width attributes of attention `module` that hold `a`'s full
+    values to this rank's `heads` query and `kv_heads` kv heads (by attribute convention)."""
+    _update_attrs(module, HEAD_COUNT_ATTRS, a.n_heads, heads)
+    _update_attrs(module, KV_HEAD_ATTRS, a.n_kv_heads, kv_heads)
+    _update_attrs(module, WIDTH_ATTRS, a.n_heads * a.head_dim, heads * a.head_dim)
+    _update_attrs(module, GROUP_ATTRS, a.n_heads // a.n_kv_heads, heads // kv_heads)
 
 
 def _update_attrs(module: nn.Module, names: Iterable[str], full: int, local: int) -> None:
@@ -507,7 +513,9 @@ def _install_vocab_parallel_loss(model: nn.Module, group: Group) -> None:
     model.register_forward_hook(add_loss, with_kwargs=True)
 
 
-def _replace_hidden(args: tuple, kwargs: dict, d: int, fn) -> tuple[tuple, dict]:
+def replace_hidden(
+    args: tuple, kwargs: dict, d: int, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[tuple, dict]:
     """Apply `fn` to a module call's hidden states: the first positional tensor, else the first
     floating-point keyword tensor of width d."""
     if args and isinstance(args[0], torch.Tensor):
@@ -524,7 +532,7 @@ def _enter_block(module: nn.Module, d: int, group: Group, sp: bool) -> None:
     enter = gather_sequence if sp else copy_to_tp
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _replace_hidden(args, kwargs, d, lambda x: enter(x, group))
+        return replace_hidden(args, kwargs, d, lambda x: enter(x, group))
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -535,7 +543,7 @@ def _shard_sequence(model: nn.Module, structure: Structure, group: Group) -> str
     d = structure.d_model
 
     def scatter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _replace_hidden(args, kwargs, d, lambda x: scatter_sequence(x, group))
+        return replace_hidden(args, kwargs, d, lambda x: scatter_sequence(x, group))
 
     first.register_forward_pre_hook(scatter, with_kwargs=True)
     norm = model.get_submodule(structure.final_norm)  # type: ignore[arg-type]

@@ -3,14 +3,23 @@
 Ranks form a grid of groups "tp_x", "tp_y", "tp_z" (x fastest). The layout, per rank (X, Y, Z
 its indices):
 
-- **Tokens** are split over Z: the built-in GPT's batch [B, T] becomes rows
-  [Z·B/z, (Z+1)·B/z) on entry; its loss is the mean over Z of the slices' mean losses.
+- **Tokens** are split over Z: every batch-major input of the model's forward (≥ 2-D, as many
+  rows as the first tensor: ids, targets or HF `labels`, attention mask) becomes rows
+  [Z·B/z, (Z+1)·B/z) on entry; the loss (the built-in GPT's (logits, loss), or a Hugging Face
+  ModelOutput's `loss` from its own `labels` loss) is the mean over Z of the slices' mean
+  losses: the serial mean when every slice counts as many tokens (no uneven padding).
 - **Residual stream** between blocks: [B/z, T, d/x], hidden features [X·d/x, (X+1)·d/x),
   replicated over Y. The first block splits the embedding output over X (backward all-gather);
-  the last block's output is all-gathered over X (backward slice) for the final norm and head.
+  the final norm's input is all-gathered over X (backward slice) for the final norm and head.
+  Both hooks are placed by structure (`detect`: the layer list and the final norm).
 - **Normal layer** (q, k, v; up and gate), W [out, in]: `in` split over X, `out` over Y, the
   [out/y, in/x] block cut over Z by rows → `Linear3D` weight [out/(y·z), in/x]. Its output
-  [.., out/y] (this rank's heads or ffn features) is replicated over X.
+  [.., out/y] (this rank's heads or ffn features) is replicated over X. HF's `Conv1D` (stored
+  [in, out]) is held transposed, in this [out, in] layout. A fused q|k|v (GPT-2's `c_attn`) is
+  split per part: the Y block is [q_Y; k_Y; v_Y]. With grouped-query attention, k and v split
+  their kv heads over Y; with fewer kv heads than y, each is held by y/h_kv consecutive Y ranks
+  and its block gradient summed over them before the Z reduce-scatter. Rotary embeddings act
+  per head, so local heads need nothing; head-count attributes follow (as in 1D).
 - **Transposed layer** (out projection; down): X and Y swapped: `in` over Y, `out` over X,
   weight [out/(x·z), in/y]; its output [.., d/x] is the residual layout again: no re-layout.
 - **Collectives** per linear layer (`tensor3d_comm.linear3d`): forward all-gather of W over Z and
@@ -21,19 +30,24 @@ its indices):
   (`layer_wire_bytes`); a transposed one swaps X and Y.
 - **LayerNorms** inside blocks (`LayerNorm3D`) hold their [d/x] slice and all-reduce the row
   statistics Σx, Σx² [.., 2] over X (forward and backward): 2·2(x−1)/x·T·2·b per norm per step
-  beyond the formula. The final norm, embeddings and LM head stay replicated (full [.., d] after
-  the gather); their cost is the gather above and V·d replicated weights per rank.
+  beyond the formula. RMS norms (`RMSNorm3D`: recognised by a [d] weight, an `eps` attribute
+  and their output on a probe) all-reduce Σx² [.., 1] the same way. The final norm, embeddings
+  and LM head stay replicated (full [.., d] after the gather); their cost is the gather above
+  and V·d replicated weights per rank.
 - **Biases** of a normal layer [out/y] are replicated over X and Z, of a transposed one [out/x]
   over Y and Z. Every parameter except the 3D weights sees only its Z slice of the tokens: its
   gradient is all-reduced over Z by a hook. Data parallelism then all-reduces every gradient
   over "dp" (the 3D weights were already reduce-scattered over Z).
 
 `Shard3D` records which grid axes split a parameter, for checkpoint keys, the gradient norm and
-tests. Only the built-in dense GPT is supported; other models are refused with a PlanError.
+tests. Dense decoders found by structure are supported (the built-in GPT, HF GPT-2 and Llama);
+Mixture-of-Experts layers, and parameterised modules in the layers that are neither blocks nor
+norms, are refused with a PlanError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,7 +60,14 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
-from interlace.parallel.detect import Structure
+from interlace.parallel.detect import Attention, Structure, linear_shape
+from interlace.parallel.tensor import (
+    ShardSpec,
+    replace_hidden,
+    replica_sum_hook,
+    set_local_heads,
+    shard_of,
+)
 from interlace.parallel.tensor3d_comm import (
     gather_last,
     linear3d,
@@ -57,6 +78,8 @@ from interlace.parallel.tensor3d_comm import (
 from interlace.parallel.tp_comm import all_reduce_grad_hook
 
 AXES = ("x", "y", "z")
+EPS_ATTRS = ("eps", "variance_epsilon")
+"""Norm attributes holding epsilon (by convention, not by model)."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +103,19 @@ class Grid:
 @dataclass(frozen=True)
 class Shard3D:
     """How a parameter is cut over the grid: dim 0 over `rows`, dim 1 over `cols`, then dim 0
-    again over `flat` (contiguous pieces of the row-major block). None: not cut that way."""
+    again over `flat` (contiguous pieces of the row-major block). None: not cut that way.
+
+    The rows cut is `ShardSpec(0, segments, replicas)`'s over the `rows` group: `segments` equal
+    parts (3 for a fused q|k|v) each cut, `replicas` consecutive ranks holding the same piece
+    (kv heads fewer than the group). `conv1d`: the serial tensor is stored [in, out] (HF's
+    Conv1D) and the piece is cut from its transpose."""
 
     rows: str | None = None
     cols: str | None = None
     flat: str | None = None
+    segments: int = 1
+    replicas: int = 1
+    conv1d: bool = False
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -102,8 +133,11 @@ def shard3d_spec(param: torch.Tensor) -> Shard3D | None:
 
 def shard3d_of(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
     """This rank's piece of the full (serial) tensor under `spec`, as a new tensor."""
-    piece = full
-    for dim, axis in ((0, spec.rows), (1, spec.cols), (0, spec.flat)):
+    piece = full.t() if spec.conv1d else full
+    if spec.rows is not None:
+        rows = grid.axis(spec.rows)
+        piece = shard_of(piece, ShardSpec(0, spec.segments, spec.replicas), rows.rank, rows.size)
+    for dim, axis in ((1, spec.cols), (0, spec.flat)):
         if axis is not None:
             group = grid.axis(axis)
             piece = piece.chunk(group.size, dim)[group.rank]
@@ -122,9 +156,15 @@ def shard3d_keys(model: nn.Module, grid: Grid) -> dict[str, str]:
     keys = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if (spec := shard3d_spec(param)) is not None:
-            coords = ".".join(f"{a}{grid.axis(a).rank}" for a in spec.axes)
+            coords = ".".join(f"{a}{_piece_index(spec, a, grid)}" for a in spec.axes)
             keys[name] = f"{name}.tp3d.{coords}"
     return keys
+
+
+def _piece_index(spec: Shard3D, axis: str, grid: Grid) -> int:
+    """Which piece along `axis` this rank holds (replicated kv rows: one index per replica set)."""
+    rank = grid.axis(axis).rank
+    return rank // spec.replicas if axis == spec.rows else rank
 
 
 # ----------------------------------------------------------------------------- modules
@@ -134,23 +174,37 @@ class Linear3D(nn.Module):
     """A 3D-parallel linear layer: x [..., in/|in_group|] → [..., out/|out_group|] (+ bias).
 
     `weight` [out/(|out_group|·z), in/|in_group|] is this rank's Z piece of its block; `bias`
-    [out/|out_group|] (replicated over the in group and Z) is added after the sum.
+    [out/|out_group|] (replicated over the in group and Z) is added after the sum. `layer` is an
+    nn.Linear or HF Conv1D; `segments` and `replicas` cut the output features as in `Shard3D`
+    (fused q|k|v; kv heads held by `replicas` ranks, their gradients summed over them).
     """
 
-    def __init__(self, layer: nn.Module, grid: Grid, transposed: bool):
+    def __init__(
+        self,
+        layer: nn.Module,
+        grid: Grid,
+        transposed: bool,
+        segments: int = 1,
+        replicas: int = 1,
+    ):
         super().__init__()
         in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
         self.in_group, self.out_group, self.z = grid.axis(in_axis), grid.axis(out_axis), grid.z
-        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.in_features, self.out_features, layout = linear_shape(layer)  # type: ignore[misc]
         self.transposed = transposed
-        self.weight = _shard(layer.weight, Shard3D(rows=out_axis, cols=in_axis, flat="z"), grid)
-        self.bias = None
-        if layer.bias is not None:
-            self.bias = _shard(layer.bias, Shard3D(rows=out_axis), grid)
+        rows = Shard3D(rows=out_axis, segments=segments, replicas=replicas)
+        block = dataclasses.replace(rows, cols=in_axis, flat="z", conv1d=layout == "conv1d")
+        self.weight = _shard(layer.weight, block, grid)
+        self.bias = None if layer.bias is None else _shard(layer.bias, rows, grid)
+        self.block_grad_hook = None
+        if replicas > 1:
+            self.block_grad_hook = replica_sum_hook(ShardSpec(0, replicas=replicas), self.out_group)
+            if self.bias is not None and self.bias.requires_grad:
+                self.bias.register_hook(self.block_grad_hook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in/|in_group|] → [..., out/|out_group|]."""
-        y = linear3d(x, self.weight, self.in_group, self.out_group, self.z)
+        y = linear3d(x, self.weight, self.in_group, self.out_group, self.z, self.block_grad_hook)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -179,30 +233,70 @@ class LayerNorm3D(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class RMSNorm3D(nn.Module):
+    """RMS norm over a hidden split over X: x [..., d/x] → x / sqrt(mean(x²) + eps) · weight,
+    mean(x²) from Σx² summed over X. Holds this rank's [d/x] slice of the weight."""
+
+    def __init__(self, norm: nn.Module, eps: float, grid: Grid):
+        super().__init__()
+        self.x = grid.x
+        self.width = norm.weight.shape[0]
+        self.eps = eps
+        self.weight = _shard(norm.weight, Shard3D(rows="x"), grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d/x] → [..., d/x]."""
+        square = sum_over(x.pow(2).sum(-1, keepdim=True), self.x) / self.width
+        return x * torch.rsqrt(square + self.eps) * self.weight
+
+
+def rms_norm_eps(module: nn.Module, d: int) -> float | None:
+    """eps if `module` is an RMS norm over [d] (one [d] `weight`, a float eps attribute, and on a
+    random probe [2, d] it returns x / sqrt(mean(x²) + eps) · weight), None otherwise."""
+    params = dict(module.named_parameters(recurse=False))
+    eps = next((getattr(module, a) for a in EPS_ATTRS if hasattr(module, a)), None)
+    weight = params.get("weight")
+    if list(params) != ["weight"] or weight.shape != (d,) or not isinstance(eps, float):
+        return None
+    probe = torch.randn(2, d, generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * weight
+        matches = torch.allclose(module(probe), expected, rtol=1e-4, atol=1e-5)
+    return eps if matches else None
+
+
 # ----------------------------------------------------------------------------- validation
 
 
 def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int, int]) -> None:
     """Raise PlanError, before anything is modified, if `model` cannot be split on the grid
-    (x, y, z): the model kind, its norms, and every width that the grid must divide."""
-    from interlace.models.gpt import GPT
-
+    (x, y, z): experts, a missing layer list or final norm, norms it cannot split, and every
+    width or head count that the grid must divide."""
     x, y, z = tp3d
     where = f"tp3d={x}x{y}x{z}"
-    if not isinstance(model, GPT):
-        raise PlanError(
-            f"{where} supports the built-in GPT (interlace.models) only so far, not "
-            f"{type(model).__name__}; use tp=N (1D tensor parallelism) for this model"
-        )
     if structure.experts:
         raise PlanError(
             f"{where} does not split Mixture-of-Experts layers {structure.experts}; use a "
             "dense model or tp=N"
         )
+    for absent, what in (
+        (structure.layers is None, "a layer list (nn.ModuleList) holding the attention blocks"),
+        (structure.final_norm is None, "a final norm after the layer list"),
+    ):
+        if absent:
+            raise PlanError(
+                f"{where} needs {what} to split the residual stream over x; none was found in "
+                f"{type(model).__name__}; use tp=N for this model"
+            )
     d = structure.d_model
     sizes = [("the model", "d_model", d, x), ("the model", "d_model / x", d // x, z)]
     for a in structure.attentions:
-        sizes += [(a.name, "n_heads", a.n_heads, y), (a.name, "d_model / y", d // y, z)]
+        kv_local = a.n_kv_heads // y if a.n_kv_heads % y == 0 else 1
+        sizes += [
+            (a.name, "n_heads", a.n_heads, y),
+            (a.name, "query width / y", a.n_heads * a.head_dim // y, z),
+            (a.name, "kv width per y rank", kv_local * a.head_dim, z),
+        ]
     for f in structure.feed_forwards:
         sizes += [(f.name, "ffn_dim", f.ffn_dim, y), (f.name, "ffn_dim / y", f.ffn_dim // y, z)]
     for part, what, value, k in sizes:
@@ -213,42 +307,38 @@ def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int,
                 f"use a grid whose factor there is in {fits}"
             )
     for a in structure.attentions:
-        if a.fused or a.n_kv_heads != a.n_heads:
+        if a.n_kv_heads % y and y % a.n_kv_heads:
             raise PlanError(
-                f"{a.name}: {where} needs separate q, k, v layers with as many kv heads as "
-                "heads; use tp=N for this model"
+                f"{a.name}: n_kv_heads={a.n_kv_heads} is not divisible by {where}'s y={y}, nor "
+                f"y by it; use y dividing or divided by {a.n_kv_heads}"
             )
+    _block_norms(model, structure)
 
 
 # ----------------------------------------------------------------------------- application
 
 
 def apply_tensor3d(model: nn.Module, structure: Structure, grid: Grid) -> list[str]:
-    """Split `model` (the built-in GPT; call `check_tensor3d` first) in place over `grid`;
-    return the report lines. See the module docstring for the layout."""
+    """Split `model` (call `check_tensor3d` first) in place over `grid`; return the report
+    lines. See the module docstring for the layout."""
     x, y, z = grid.x.size, grid.y.size, grid.z.size
     lines = [f"3D tensor parallel over x={x}, y={y}, z={z} ranks"]
     for a in structure.attentions:
-        block = model.get_submodule(a.name)
-        for name in a.producers:
-            setattr(block, name, Linear3D(getattr(block, name), grid, transposed=False))
-        setattr(block, a.out, Linear3D(getattr(block, a.out), grid, transposed=True))
-        lines.append(
-            f"{a.name}: {', '.join(a.producers)} normal ({a.n_heads // y} of {a.n_heads} heads "
-            f"per y rank); {a.out} transposed"
-        )
+        lines.append(_split_attention(model.get_submodule(a.name), a, grid))
     for f in structure.feed_forwards:
         block = model.get_submodule(f.name)
         for name in f.producers:
             setattr(block, name, Linear3D(getattr(block, name), grid, transposed=False))
         setattr(block, f.down, Linear3D(getattr(block, f.down), grid, transposed=True))
         lines.append(f"{f.name}: {', '.join(f.producers)} normal; {f.down} transposed")
-    layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
-    lines.append(_shard_norms(layers, structure, grid))
-    layers[0].register_forward_pre_hook(
-        lambda mod, args: (split_last_dim(args[0], grid.x), *args[1:])
-    )
-    layers[-1].register_forward_hook(lambda mod, args, out: gather_last(out, grid.x))
+    norms = _block_norms(model, structure)
+    for name, eps in norms:
+        norm = model.get_submodule(name)
+        new = LayerNorm3D(norm, grid) if eps is None else RMSNorm3D(norm, eps, grid)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+    lines.append(f"{structure.layers}: {len(norms)} norms split over x (statistics all-reduced)")
+    _split_residual(model, structure, grid.x)
     lines.append(
         f"{structure.layers}: residual stream split over x (hidden d/{x}), tokens over z; "
         f"{structure.vocab.embedding}, {structure.final_norm} and the LM head replicated"  # type: ignore[union-attr]
@@ -265,46 +355,104 @@ def apply_tensor3d(model: nn.Module, structure: Structure, grid: Grid) -> list[s
     return lines
 
 
-def _shard_norms(layers: nn.Module, structure: Structure, grid: Grid) -> str:
-    """Replace every LayerNorm of the layer list by its LayerNorm3D; refuse other parameterised
-    modules outside the attention and feed-forward blocks."""
+def _split_attention(block: nn.Module, a: Attention, grid: Grid) -> str:
+    """Make `block`'s q, k, v (or fused q|k|v) normal and its out projection transposed 3D
+    layers; its head-count attributes become this Y rank's."""
+    y = grid.y.size
+    replicas = 1 if a.n_kv_heads % y == 0 else y // a.n_kv_heads
+    q, *kv_layers = a.producers  # fused: q is q|k|v, split per part
+    segments = 3 if a.fused else 1
+    setattr(block, q, Linear3D(getattr(block, q), grid, transposed=False, segments=segments))
+    for name in kv_layers:
+        layer = Linear3D(getattr(block, name), grid, transposed=False, replicas=replicas)
+        setattr(block, name, layer)
+    setattr(block, a.out, Linear3D(getattr(block, a.out), grid, transposed=True))
+    heads, kv_heads = a.n_heads // y, a.n_kv_heads * replicas // y
+    set_local_heads(block, a, heads, kv_heads)
+    kv = ""
+    if a.n_kv_heads != a.n_heads:
+        kv = f", {kv_heads} of {a.n_kv_heads} kv heads"
+        kv += f" (each on {replicas} y ranks)" if replicas > 1 else ""
+    return (
+        f"{a.name}: {', '.join(a.producers)} normal ({heads} of {a.n_heads} heads{kv} per y "
+        f"rank); {a.out} transposed"
+    )
+
+
+def _block_norms(model: nn.Module, structure: Structure) -> list[tuple[str, float | None]]:
+    """(name, eps) of every norm in the layer list outside the attention and feed-forward
+    blocks: eps None for an nn.LayerNorm, the RMS norm's eps otherwise. PlanError for any other
+    parameterised module there."""
     split = [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]
-    count = 0
-    for name, module in list(layers.named_modules()):
+    layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
+    norms: list[tuple[str, float | None]] = []
+    for name, module in layers.named_modules():
         full = f"{structure.layers}.{name}"
         if any(full == s or full.startswith(s + ".") for s in split):
             continue
         if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
-            parent, _, leaf = name.rpartition(".")
-            setattr(layers.get_submodule(parent), leaf, LayerNorm3D(module, grid))
-            count += 1
+            norms.append((full, None))
+        elif (eps := rms_norm_eps(module, structure.d_model)) is not None:
+            norms.append((full, eps))
         elif list(module.parameters(recurse=False)):
             raise PlanError(
                 f"{full}: {type(module).__name__} holds parameters outside attention and "
-                "feed-forward blocks that tp3d cannot split; use tp=N for this model"
+                "feed-forward blocks and is neither a LayerNorm nor an RMS norm, so tp3d cannot "
+                "split it; use tp=N for this model"
             )
-    return f"{structure.layers}: {count} LayerNorms split over x (statistics all-reduced)"
+    return norms
+
+
+def _split_residual(model: nn.Module, structure: Structure, x: Group) -> None:
+    """The first layer takes its X slice [..., d/x] of the hidden states; the final norm
+    all-gathers them back to [..., d]."""
+    d = structure.d_model
+    first = model.get_submodule(structure.layers)[0]  # type: ignore[arg-type, index]
+    norm = model.get_submodule(structure.final_norm)  # type: ignore[arg-type]
+
+    def split(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_hidden(args, kwargs, d, lambda h: split_last_dim(h, x))
+
+    def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_hidden(args, kwargs, d // x.size, lambda h: gather_last(h, x))
+
+    first.register_forward_pre_hook(split, with_kwargs=True)
+    norm.register_forward_pre_hook(gather, with_kwargs=True)
 
 
 def _split_tokens(model: nn.Module, z: Group) -> None:
-    """The GPT's `forward(idx, targets)` on this rank's rows of the batch; loss averaged over Z."""
+    """The model's forward on this rank's rows of every batch-major input; loss averaged over
+    Z: the built-in GPT's (logits, loss), or the `loss` of a Hugging Face ModelOutput."""
 
     def take_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return args, kwargs
+        batch = tensors[0].shape[0]
+        if batch % z.size:
+            raise PlanError(
+                f"batch of {batch} rows is not divisible by tp3d's z={z.size}; use a batch "
+                f"that is a multiple of {z.size}"
+            )
+        n = batch // z.size
+
         def rows(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.shape[0] % z.size:
-                raise PlanError(
-                    f"batch of {t.shape[0]} rows is not divisible by tp3d's z={z.size}; use a "
-                    f"batch that is a multiple of {z.size}"
-                )
-            n = t.shape[0] // z.size
-            return t.narrow(0, z.rank * n, n)
+            batch_major = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch
+            return t.narrow(0, z.rank * n, n) if batch_major else t
 
         return tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
 
     def average_loss(module: nn.Module, args: tuple, output: Any) -> Any:
+        if hasattr(output, "loss"):  # Hugging Face ModelOutput: HF's own loss from `labels`
+            if output.loss is not None:
+                output.loss = mean_over(output.loss, z)
+            return output
         logits, loss = output
+        if loss is not None and loss.dim() != 0:
+            raise PlanError(
+                f"tp3d z={z.size} averages the loss of a (logits, loss) or ModelOutput result; "
+                f"{type(module).__name__} returned another tuple (use return_dict=True)"
+            )
         return logits, None if loss is None else mean_over(loss, z)
 
     model.register_forward_pre_hook(take_rows, with_kwargs=True)
@@ -341,6 +489,7 @@ def grad_norm3d(parameters: Iterable[torch.Tensor], grid: Grid) -> torch.Tensor:
     for param in params:
         spec = shard3d_spec(param)
         held = math.prod(grid.axis(a).size for a in AXES if spec is None or a not in spec.axes)
+        held *= 1 if spec is None else spec.replicas
         total += param.grad.detach().float().pow(2).sum() / held
     for group in (grid.x, grid.y, grid.z):
         if group.size > 1:

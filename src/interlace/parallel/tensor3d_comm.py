@@ -8,9 +8,11 @@ features over one of the X / Y groups (its `in_group`) and its output features o
     forward   W = all-gather over Z;  O = all-reduce over in_group of (X_local · Wᵀ)
     backward  W = all-gather over Z again (not cached: the formula's two all-gathers);
               dX = dO · W, all-reduce over out_group, issued async and waited after the dW matmul;
-              dW = dOᵀ · X, reduce-scatter over Z, issued async: the gradient is added to the
-              weight's `.grad` by a callback queued to run when the whole backward pass ends
-              (`torch.autograd`'s `queue_callback`), so it never blocks the next layer's backward.
+              dW = dOᵀ · X (through `block_grad_hook` if given: a kv head's block summed over
+              the Y ranks holding it), reduce-scatter over Z, issued async: the gradient is
+              added to the weight's `.grad` by a callback queued to run when the whole backward
+              pass ends (`torch.autograd`'s `queue_callback`), so it never blocks the next
+              layer's backward.
 
 The other conjugate pairs of the layout:
 
@@ -23,6 +25,8 @@ comm meter (`interlace.comm`); a group of one rank issues none.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -74,9 +78,10 @@ def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _Linear3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, in_group, out_group, z):
+    def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook):
         ctx.save_for_backward(x, weight)
         ctx.groups = (in_group, out_group, z)
+        ctx.block_grad_hook = block_grad_hook
         partial = torch.matmul(x, gather_weight(weight, z).t())
         return _summed(partial, in_group)
 
@@ -91,21 +96,29 @@ class _Linear3D(torch.autograd.Function):
         grad_w = None
         if weight.requires_grad:  # overlaps the dX all-reduce
             grad_w = grad_out.flatten(0, -2).t().matmul(x.flatten(0, -2))
+            if ctx.block_grad_hook is not None:
+                grad_w = ctx.block_grad_hook(grad_w)
             if z.size > 1:
                 _reduce_scatter_weight_grad(grad_w, weight, z)
                 grad_w = None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def linear3d(
-    x: torch.Tensor, weight: torch.nn.Parameter, in_group: Group, out_group: Group, z: Group
+    x: torch.Tensor,
+    weight: torch.nn.Parameter,
+    in_group: Group,
+    out_group: Group,
+    z: Group,
+    block_grad_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., in/|in_group|] (this rank's input features and tokens) and this rank's weight
     piece [out/(|out_group|·z), in/|in_group|] → O [..., out/|out_group|], summed over
-    `in_group` (no bias). See the module docstring for the backward."""
-    return _Linear3D.apply(x, weight, in_group, out_group, z)
+    `in_group` (no bias). `block_grad_hook` maps the gradient of the whole block
+    [out/|out_group|, in/|in_group|] before its Z reduce-scatter. See the module docstring."""
+    return _Linear3D.apply(x, weight, in_group, out_group, z, block_grad_hook)
 
 
 class _SplitLastDim(torch.autograd.Function):

@@ -1,0 +1,136 @@
+"""3D tensor parallelism of Hugging Face GPT-2 and Llama: parallel equals serial.
+
+The parent builds each tiny model once and runs it serially (HF's own loss from `labels`). Every
+rank splits a copy on its grid, runs the same batch (its z slice, and its dp slice) once forward
+and backward, and compares in fp32 the loss, the gradient norm and every gradient: each rank's
+piece against the slice `shard3d_of` cuts from the serial gradient by the parameter's Shard3D.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_models import needs_hf, transformers
+from interlace import comm
+from interlace.errors import PlanError
+from interlace.mesh import build_mesh
+from interlace.parallel.detect import find_structure
+from interlace.parallel.tensor3d import (
+    Grid,
+    check_tensor3d,
+    grad_norm3d,
+    shard3d_of,
+    shard3d_spec,
+)
+from interlace.parallelize import parallelize
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+
+pytestmark = needs_hf
+
+B, T, D, LAYERS = 4, 12, 64, 2
+VOCAB = 96  # differs from every ffn width (256, 128): the LM head is found by its shape
+ATOL = 1e-5
+GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
+
+
+def _build(kind: str, kv_heads: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=D, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=kv_heads, intermediate_size=128, vocab_size=VOCAB,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+
+def _serial(model: nn.Module) -> dict:
+    loss = _loss(model, _tokens())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "norm": torch.nn.utils.get_total_norm(grads.values()),
+    }
+
+
+def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -> dict:
+    plan = Plan(tp3d=tp3d, dp=dp)
+    mesh = build_mesh(plan)
+    par = parallelize(model, plan, mesh)
+    grid, dp_group = Grid.from_mesh(mesh), mesh.group("dp")
+    rows = B // dp
+    loss = _loss(par, _tokens()[dp_group.rank * rows : (dp_group.rank + 1) * rows])
+    loss.backward()
+    loss = loss.detach()
+    for p in par.parameters():  # data parallel: mean over dp
+        if dp > 1:
+            comm.all_reduce(p.grad, dp_group)
+            p.grad /= dp
+    if dp > 1:
+        comm.all_reduce(loss, dp_group)
+    errors = {"loss": (loss / dp - ref["loss"]).abs().item()}
+    for name, p in par.named_parameters():
+        spec = shard3d_spec(p)
+        full = ref["grads"][name]
+        expected = full if spec is None else shard3d_of(full, spec, grid)
+        assert p.grad.shape == expected.shape, f"{name}: {p.grad.shape} != {expected.shape}"
+        errors[f"grad {name}"] = (p.grad - expected).abs().max().item()
+    if dp == 1:
+        errors["grad norm"] = (grad_norm3d(par.parameters(), grid) - ref["norm"]).abs().item()
+    names = sorted(n for n, _ in par.named_parameters())
+    return {"errors": errors, "names": names, "report": par.parallel_report}
+
+
+def _assert_equal_to_serial(model: nn.Module, tp3d: tuple[int, int, int], dp: int = 1) -> list:
+    ref = _serial(model)
+    results = run_ranks(dp * tp3d[0] * tp3d[1] * tp3d[2], _compare, model, ref, tp3d, dp)
+    for rank, result in enumerate(results):
+        assert result["names"] == sorted(ref["grads"]), f"rank {rank}: parameters differ"
+        bad = {k: v for k, v in result["errors"].items() if not v <= ATOL}
+        assert not bad, f"rank {rank} differs from serial: {bad}"
+    return results
+
+
+@pytest.mark.parametrize("tp3d", GRIDS)
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_3d_parallel_equals_serial(kind, tp3d):
+    results = _assert_equal_to_serial(_build(kind), tp3d)
+    assert results[0]["report"][0].startswith("3D tensor parallel over")
+
+
+def test_llama_kv_heads_replicated_over_y_equal_serial():
+    # one kv head, y=2: each y rank holds a replica, its gradient summed before z's reduce-scatter
+    results = _assert_equal_to_serial(_build("llama", kv_heads=1), (1, 2, 2))
+    assert any("1 of 1 kv heads (each on 2 y ranks)" in line for line in results[0]["report"])
+
+
+def test_gpt2_3d_with_data_parallel_equals_serial():
+    _assert_equal_to_serial(_build("gpt2"), (2, 1, 1), dp=2)
+
+
+def test_kv_heads_the_grid_cannot_split_are_refused():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=48, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3,
+        intermediate_size=128, vocab_size=VOCAB,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(PlanError, match=r"n_kv_heads=3 is not divisible by tp3d=1x2x1's y=2"):
+        check_tensor3d(model, find_structure(model), (1, 2, 1))
