@@ -105,6 +105,62 @@ def test_prophet_stops_once_the_devices_are_balanced_enough():
     )
 
 
+# Two devices, experts 0 and 1 on device 0. The hottest expert 0 comes mostly from device 1,
+# so replicating it there overshoots (40, 80); the smaller expert 1 lands at (65, 55).
+OVERSHOOT = torch.tensor([[10, 5, 20, 0], [50, 25, 0, 10]])
+
+
+def test_prophet_picks_the_replica_that_balances_best_not_the_hottest():
+    base = Placement.blocked(4, 2)
+    placement = prophet_search(OVERSHOOT, base, COMPUTE_BOUND)
+    assert placement.replicas == ((), (1,), (), ())
+    assert device_loads(OVERSHOOT, placement)[0].tolist() == [65, 55]  # base (90, 30)
+    shadow = shadow_search(OVERSHOOT, base, COMPUTE_BOUND)
+    assert device_loads(OVERSHOOT, shadow)[0].tolist() == [40, 80]  # hottest first
+    assert balance_degree(OVERSHOOT, placement) == 5.0  # shadow: 20
+    assert balance_degree(OVERSHOOT, shadow) == 4 * balance_degree(OVERSHOOT, placement)
+    assert layer_time(OVERSHOOT, placement, COMPUTE_BOUND).total < (
+        layer_time(OVERSHOOT, shadow, COMPUTE_BOUND).total
+    )
+
+
+# Four devices; the hot expert 0 is requested by devices 1 and 2 only, the rest evenly.
+SUBSET = torch.tensor([[10, 5, 5, 5], [40, 5, 5, 5], [40, 5, 5, 5], [0, 5, 5, 5]])
+
+
+def test_prophet_replicates_on_the_requesting_subset_and_keeps_balancing():
+    base = Placement.blocked(4, 4)
+    placement = prophet_search(SUBSET, base, COMPUTE_BOUND)
+    shadow = shadow_search(SUBSET, base, COMPUTE_BOUND)
+    assert shadow.replicas[0] == (1, 2, 3)  # loads (10, 60, 60, 20): std 22.8
+    assert placement.replicas[0] == (1, 2)  # device 3 sent none of expert 0's tokens
+    # after expert 0, devices 1 and 2 tie at 60: smaller experts still spread the load
+    assert len(placement.replicated) > 1
+    assert device_loads(SUBSET, placement)[0].tolist() == [25, 50, 50, 25]
+    assert balance_degree(SUBSET, placement) == 12.5
+    assert layer_time(SUBSET, placement, COMPUTE_BOUND).total < (
+        layer_time(SUBSET, shadow, COMPUTE_BOUND).total
+    )
+
+
+def test_prophet_replicates_when_trans_and_agg_hide_under_compute():
+    base = Placement.blocked(4, 2)
+    exposed = LayerCost(token_bytes=1, expert_bytes=150, bandwidth=1, throughput=1)
+    hidden = LayerCost(token_bytes=1, expert_bytes=150, bandwidth=1, throughput=1, overlap=True)
+    # base: 4 · R 75 + 3 · H 90 = 570. Expert 1 on device 1: H (65, 55), R 50, Trans = Agg =
+    # 2 · 150 / 2 = 150 in full (695: not worth it), hidden to 150 − 65 and 150 − 130 (500)
+    assert prophet_search(OVERSHOOT, base, exposed) == base
+    placement = prophet_search(OVERSHOOT, base, hidden)
+    assert placement.replicated
+    assert layer_time(OVERSHOOT, placement, hidden).total <= 500
+    assert Prophet().overlap and not Shadow().overlap
+
+
+def test_prophet_rejects_an_exclusion_count_that_leaves_no_replica():
+    with pytest.raises(ValueError, match=r"n_exclude=3 must be in \[0, 2\]"):
+        prophet_search(SKEWED, Placement.blocked(4, 4), COMPUTE_BOUND, n_exclude=3)
+
+
 def test_shadow_broadcasts_hottest_experts_while_the_modelled_time_falls():
     base = Placement.blocked(4, 4)
     placement = shadow_search(SKEWED, base, COMPUTE_BOUND)

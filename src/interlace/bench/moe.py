@@ -31,7 +31,8 @@ all_to_all on this cluster and t from a measured expert forward. The same B̄ an
 shadow and prophet searches. The non-MoE op's gradients are not all-reduced (the same cost for
 every strategy). `trans_overlap` (default true) runs Trans/Agg overlapped with compute, each
 block issuing the next one's Trans after its dispatch (`interlace.parallel.expert`); false
-runs them synchronously, for comparison. The searches model Trans/Agg as not hidden either way.
+runs them synchronously, for comparison. Prophet's search prices Trans/Agg overlap-adjusted when
+they overlap (Pro-Prophet's scheduler); shadow's prices them in full (FasterMoE's broadcasts).
 
 **Peer.** With the `peers` extra installed and `peers=true`, DeepSpeed-MoE's layer runs in
 the same blocks on the same routing, with token drops (`deepspeed_drop`, capacity_factor as
@@ -228,7 +229,11 @@ def _build(ctx: RankContext, experts: int, k: int, strategy: str, cal: dict) -> 
             "flops": cal["throughput_tokens_per_s"] * size_flops,
         }
         if strategy == "prophet":
-            modelled |= {"replan_every": o["prophet_replan"], "alpha": o["alpha"]}
+            modelled |= {
+                "replan_every": o["prophet_replan"],
+                "alpha": o["alpha"],
+                "overlap": o["trans_overlap"],
+            }
         options = modelled if strategy in ("shadow", "prophet") else {}
         balancer = make_balancer(strategy, **options)
         moe = ExpertParallelMoE(layer, group, balancer, overlap=o["trans_overlap"])

@@ -78,14 +78,23 @@ def layer_time(counts: torch.Tensor, placement: Placement, cost: LayerCost) -> L
     """Model the layer for routing counts [D, E] (tokens from device s to expert e) under
     `placement`; Trans and Agg are overlap-adjusted when `cost.overlap`."""
     computed, received = device_loads(counts, placement)
-    d = placement.num_devices
-    a2a = float(received.max()) * cost.token_bytes / cost.bandwidth
-    fec = float(computed.max()) / cost.throughput
-    bec = 2 * fec
     holders = sum(1 + len(placement.replicas[e]) for e in placement.replicated)
-    trans = holders * cost.expert_bytes / (d * cost.bandwidth)
+    return loads_time(
+        float(computed.max()), float(received.max()), holders, placement.num_devices, cost
+    )
+
+
+def loads_time(
+    max_computed: float, max_received: float, holders: int, num_devices: int, cost: LayerCost
+) -> LayerTime:
+    """Model the layer from max_i H_i, max_i R_i and the number of devices holding replicated
+    experts (owners included, Σ_e (D − n_e)) on `num_devices` devices."""
+    a2a = max_received * cost.token_bytes / cost.bandwidth
+    fec = max_computed / cost.throughput
+    bec = 2 * fec
+    trans = holders * cost.expert_bytes / (num_devices * cost.bandwidth)
     grad_bytes = cost.expert_bytes if cost.grad_bytes is None else cost.grad_bytes
-    agg = holders * grad_bytes / (d * cost.bandwidth)
+    agg = holders * grad_bytes / (num_devices * cost.bandwidth)
     if cost.overlap:
         trans = max(0.0, trans - fec - cost.fnec)
         agg = max(0.0, agg - bec - cost.bnec)

@@ -110,7 +110,8 @@ class _Modelled(Balancer):
 
 @dataclass(frozen=True)
 class Shadow(_Modelled):
-    """Strategy 'shadow': FasterMoE shadowing, replanned every iteration by default."""
+    """Strategy 'shadow': FasterMoE shadowing, replanned every iteration by default; its
+    broadcasts are priced in full (`overlap` false) unless told otherwise."""
 
     name: ClassVar[str] = "shadow"
 
@@ -122,10 +123,14 @@ class Shadow(_Modelled):
 @dataclass(frozen=True)
 class Prophet(_Modelled):
     """Strategy 'prophet': Pro-Prophet's greedy lightweight placement every `replan_every`
-    iterations; `alpha` and `n_exclude` as in `prophet_search`."""
+    iterations; `alpha` and `n_exclude` as in `prophet_search`. `overlap` defaults to true:
+    Pro-Prophet's scheduler (the expert-parallel layer's default) hides Trans and Agg under
+    compute, so the search prices only what stays exposed; set it false for a layer built with
+    `overlap=False`."""
 
     name: ClassVar[str] = "prophet"
     replan_every: int = 10
+    overlap: bool = True
     alpha: float = 0.1
     n_exclude: int | None = None
 

@@ -7,19 +7,26 @@ all-gathered counts reaches the same placement without talking to the others.
 
 - `shadow_search` (FasterMoE's shadowing): replicate the hottest expert (most tokens overall) on
   every device, then the next hottest, while the modelled layer time keeps falling.
-- `prophet_search` (Pro-Prophet's lightweight placement): repeatedly take the busiest expert
-  (most tokens computed on its owner under the placement so far) and replicate it on all
-  devices but the n that hold the fewest of its tokens; n is fixed (`n_exclude`) or, by
-  default, chosen per expert as the one with the lowest modelled time. Keep the prefix of
-  steps with the lowest modelled time; stop when max(H) − min(H) < α · tokens / E or the
-  busiest expert is one already replicated.
+- `prophet_search` (Pro-Prophet's lightweight placement): starting from no replicas, take at
+  every step the (expert, n) choice with the lowest modelled layer time (ties: the lower
+  balance degree, then fewer replicas): replicate the expert on all devices but the n that
+  hold the fewest of its tokens, n fixed (`n_exclude`) or any. Each step adds devices to one
+  expert's holders, so an expert may come back to grow its replicas over a larger subset of
+  devices, and a move may relieve the busiest device or the busiest link. Keep the best
+  prefix of steps; stop when max(H) − min(H) < α · tokens / E, when no expert can gain a
+  holder, or after 2·E steps without a better prefix. With the overlap-adjusted Trans/Agg
+  (`LayerCost.overlap`) replicas are free while they hide under compute, so the search
+  replicates more experts, over subsets of devices, than shadowing's all-or-nothing.
 """
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
+
 import torch
 
-from interlace.moe.balance.cost import LayerCost, layer_time
+from interlace.moe.balance.cost import LayerCost, layer_time, loads_time
 from interlace.moe.balance.placement import Placement, device_loads
 
 
@@ -47,51 +54,94 @@ def prophet_search(
 ) -> Placement:
     """Pro-Prophet's greedy lightweight placement (see module docstring).
 
+    counts: [D, E] tokens device s routed to expert e; base: the replica-free owners.
     alpha: stop once the spread of tokens computed per device is below alpha · tokens / E.
-    n_exclude: devices left without a replica of each replicated expert (those holding the
-        fewest of its tokens); None lets the model pick it per expert.
+    n_exclude: devices left without a replica of a replicated expert (those holding the fewest
+        of its tokens); None lets the model pick it at every step.
     """
     _check_counts(counts, base)
-    if n_exclude is not None and n_exclude < 0:
-        raise ValueError(f"n_exclude={n_exclude} must be >= 0 (or None to let the model choose)")
-    threshold = alpha * float(counts.sum()) / base.num_experts
-    placement = base
-    best, best_time = placement, layer_time(counts, placement, cost).total
-    while True:
-        computed, _ = device_loads(counts, placement)
-        if float(computed.max() - computed.min()) < threshold:
-            break
-        expert = _busiest_expert(counts, placement)
-        if placement.replicas[expert]:
-            break
-        options = _replica_options(counts, placement, expert, n_exclude)
-        if not options:
-            break
-        placement = min(
-            options,
-            key=lambda p: (layer_time(counts, p, cost).total, len(p.replicas[expert])),
+    if n_exclude is not None and not 0 <= n_exclude <= base.num_devices - 2:
+        raise ValueError(
+            f"n_exclude={n_exclude} must be in [0, {base.num_devices - 2}] on "
+            f"{base.num_devices} devices (at least one replica), or None to let the model choose"
         )
-        modelled = layer_time(counts, placement, cost).total
-        if modelled < best_time:
-            best, best_time = placement, modelled
+    table = counts.to(torch.float64).tolist()
+    threshold = alpha * float(counts.sum()) / base.num_experts
+    placement, loads = base, _Loads.of(counts, base)
+    best, best_score, since_best = placement, loads.score(cost), 0
+    while (
+        max(loads.computed) - min(loads.computed) >= threshold and since_best < 2 * base.num_experts
+    ):
+        moves = [
+            (loads.add(table, placement, expert, devices), expert, devices)
+            for expert in range(base.num_experts)
+            for devices in _new_replicas(table, placement, expert, n_exclude)
+        ]
+        if not moves:
+            break
+        loads, expert, devices = min(moves, key=lambda move: move[0].score(cost))
+        placement = placement.with_replicas(expert, placement.replicas[expert] + devices)
+        since_best += 1
+        if loads.score(cost) < best_score:
+            best, best_score, since_best = placement, loads.score(cost), 0
     return best
 
 
-def _busiest_expert(counts: torch.Tensor, placement: Placement) -> int:
-    """The expert with the most tokens computed on its owner (ties: lowest index)."""
-    at_owner = torch.where(placement.replica_mask(), 0, counts).sum(dim=0)
-    return int(torch.argmax(at_owner))
+@dataclass(frozen=True)
+class _Loads:
+    """H and R per device (`device_loads`) and the devices holding replicated experts."""
+
+    computed: tuple[float, ...]
+    received: tuple[float, ...]
+    holders: int
+
+    @classmethod
+    def of(cls, counts: torch.Tensor, placement: Placement) -> _Loads:
+        """The loads of `placement` for counts [D, E]."""
+        computed, received = device_loads(counts, placement)
+        holders = sum(1 + len(placement.replicas[e]) for e in placement.replicated)
+        return cls(tuple(computed.tolist()), tuple(received.tolist()), holders)
+
+    def add(
+        self, table: list[list[float]], placement: Placement, expert: int, devices: tuple[int, ...]
+    ) -> _Loads:
+        """The loads once `devices` (holding none of `expert` yet) also compute `expert` on
+        their own tokens (table[s][e]: counts as nested lists), which stop reaching its owner."""
+        owner = placement.owner[expert]
+        moved = sum(table[s][expert] for s in devices)
+        computed, received = list(self.computed), list(self.received)
+        computed[owner] -= moved
+        received[owner] -= moved
+        for s in devices:
+            computed[s] += table[s][expert]
+        new_holders = len(devices) + (0 if placement.replicas[expert] else 1)
+        return _Loads(tuple(computed), tuple(received), self.holders + new_holders)
+
+    def score(self, cost: LayerCost) -> tuple[float, float, int]:
+        """What the search minimises: the modelled layer time, then the balance degree (so a
+        move that spreads the load without relieving the busiest device still counts), then
+        the devices holding replicas."""
+        modelled = loads_time(
+            max(self.computed), max(self.received), self.holders, len(self.computed), cost
+        )
+        return modelled.total, statistics.pstdev(self.computed), self.holders
 
 
-def _replica_options(
-    counts: torch.Tensor, placement: Placement, expert: int, n_exclude: int | None
-) -> list[Placement]:
-    """Placements replicating `expert` on all non-owner devices but the n holding the fewest
-    of its tokens, for each allowed n that leaves at least one replica."""
+def _new_replicas(
+    table: list[list[float]], placement: Placement, expert: int, n_exclude: int | None
+) -> list[tuple[int, ...]]:
+    """For each allowed n, the devices that replicating `expert` on all devices but the n
+    holding the fewest of its tokens adds to its current holders (non-empty sets only; a
+    device that routed none of its tokens would only pay Trans and is never added)."""
     others = [s for s in range(placement.num_devices) if s != placement.owner[expert]]
-    others.sort(key=lambda s: (int(counts[s, expert]), s))
+    others.sort(key=lambda s: (-table[s][expert], s))
+    held = set(placement.replicas[expert])
     choices = range(len(others)) if n_exclude is None else [n_exclude]
-    return [placement.with_replicas(expert, others[n:]) for n in choices if n < len(others)]
+    added = {
+        tuple(s for s in others[: len(others) - n] if s not in held and table[s][expert] > 0)
+        for n in choices
+    }
+    return sorted(devices for devices in added if devices)
 
 
 def _check_counts(counts: torch.Tensor, base: Placement) -> None:
