@@ -407,14 +407,21 @@ def _shard_attention(module: nn.Module, a: Attention, group: Group, sp: bool) ->
     setattr(module, a.out, _row_parallel(getattr(module, a.out), group, sp))
     heads, kv_heads = a.n_heads // p, a.n_kv_heads * kv_replicas // p
     set_local_heads(module, a, heads, kv_heads)
+    held = heads_held(a, heads, kv_heads, kv_replicas, "ranks")
+    return (
+        f"{a.name}: {', '.join(a.producers)} column-parallel ({held} per rank); "
+        f"{a.out} row-parallel"
+    )
+
+
+def heads_held(a: Attention, heads: int, kv_heads: int, replicas: int, ranks: str) -> str:
+    """Report words for the heads one rank holds: "2 of 4 heads, 1 of 2 kv heads (each on 2
+    ranks)"; `ranks` names the ranks sharing a kv head."""
     kv = ""
     if a.n_kv_heads != a.n_heads:
         kv = f", {kv_heads} of {a.n_kv_heads} kv heads"
-        kv += f" (each on {kv_replicas} ranks)" if kv_replicas > 1 else ""
-    return (
-        f"{a.name}: {', '.join(a.producers)} column-parallel ({heads} of {a.n_heads} heads"
-        f"{kv} per rank); {a.out} row-parallel"
-    )
+        kv += f" (each on {replicas} {ranks})" if replicas > 1 else ""
+    return f"{heads} of {a.n_heads} heads{kv}"
 
 
 def set_local_heads(module: nn.Module, a: Attention, heads: int, kv_heads: int) -> None:

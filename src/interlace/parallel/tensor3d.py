@@ -63,6 +63,7 @@ from interlace.mesh import Mesh
 from interlace.parallel.detect import Attention, Structure, linear_shape
 from interlace.parallel.tensor import (
     ShardSpec,
+    heads_held,
     replace_hidden,
     replica_sum_hook,
     set_local_heads,
@@ -369,14 +370,8 @@ def _split_attention(block: nn.Module, a: Attention, grid: Grid) -> str:
     setattr(block, a.out, Linear3D(getattr(block, a.out), grid, transposed=True))
     heads, kv_heads = a.n_heads // y, a.n_kv_heads * replicas // y
     set_local_heads(block, a, heads, kv_heads)
-    kv = ""
-    if a.n_kv_heads != a.n_heads:
-        kv = f", {kv_heads} of {a.n_kv_heads} kv heads"
-        kv += f" (each on {replicas} y ranks)" if replicas > 1 else ""
-    return (
-        f"{a.name}: {', '.join(a.producers)} normal ({heads} of {a.n_heads} heads{kv} per y "
-        f"rank); {a.out} transposed"
-    )
+    held = heads_held(a, heads, kv_heads, replicas, "y ranks")
+    return f"{a.name}: {', '.join(a.producers)} normal ({held} per y rank); {a.out} transposed"
 
 
 def _block_norms(model: nn.Module, structure: Structure) -> list[tuple[str, float | None]]:
