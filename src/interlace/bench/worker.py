@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -43,8 +44,15 @@ def main() -> None:
     group = Group("world", dist.group.WORLD, args.world, args.rank)
     context = RankContext(group, args.rate_bps, args.ifname, json.loads(args.options))
     result = get_benchmark(args.name).run_rank(context)
-    dist.destroy_process_group()
     Path(args.result).write_text(json.dumps(result))
+    # every rank done with every group before any tears its connections down
+    dist.barrier()
+    dist.destroy_process_group()
+    # leave without interpreter teardown, where leftover communication threads of torch's
+    # process groups can abort the process after the work is done (as `testing.run_ranks`)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
