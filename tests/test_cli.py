@@ -258,6 +258,29 @@ def test_unimplemented_plan_feature_is_refused_before_launching(capsys, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("split", "needles"),
+    [
+        (["--split-points", "blocks.9"], ["'blocks.9' matches no module"]),
+        (["--layers-per-stage", "1,3"], ["layers_per_stage=[1, 3]", "2 layers"]),
+    ],
+)
+def test_pipeline_split_naming_no_layer_is_refused_before_launching(
+    capsys, tmp_path, split, needles
+):
+    out = tmp_path / "never"
+    plan = ["--nproc", "2", "--plan", "pp=2,micro_batches=2"]
+    expect_usage_error(capsys, train_args(out, 2, *plan, *split), *needles)
+    assert not out.exists()
+
+
+def test_pipeline_split_without_a_pipeline_is_refused(capsys, tmp_path):
+    out = tmp_path / "never"
+    args = train_args(out, 2, "--nproc", "2", "--plan", "dp=2", "--split-points", "blocks.1")
+    expect_usage_error(capsys, args, "pp > 1")
+    assert not out.exists()
+
+
 def test_out_dir_holding_a_run_is_not_overwritten_without_a_flag(capsys, run_copy):
     before = run_files(run_copy)
     expect_usage_error(capsys, train_args(run_copy, 3), str(run_copy), "--overwrite")

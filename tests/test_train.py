@@ -369,3 +369,15 @@ def test_recomputation_replays_the_forward_reductions_without_communicating(tmp_
     tp_bytes = [run_ranks(4, _tp_bytes_per_step, config, text, 4)[0] for text in plans]
     # recomputing every block (first stage) moves no more tensor-parallel bytes than not
     assert tp_bytes[0] > 0 and tp_bytes == [tp_bytes[0]] * 3
+
+
+def _stage_blocks(config: TrainConfig) -> list[int]:
+    plan = Plan.parse("pp=2,micro_batches=2")
+    trainer = Trainer(prepare_run(config, plan, 2), build_mesh(plan))
+    return sorted(int(i) for i in trainer.model.blocks)
+
+
+@pytest.mark.parametrize("split", [{"split_points": ("blocks.1",)}, {"layers_per_stage": (1, 3)}])
+def test_pipeline_split_overrides_reach_the_stages(tmp_path, split):
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, n_layers=4), **split)
+    assert run_ranks(2, _stage_blocks, config) == [[0], [1, 2, 3]]

@@ -77,6 +77,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="sequences per rank per forward; smaller values accumulate gradients "
         "(default: global-batch / dp)",
     )
+    _add_split_args(p)
     p.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)"
     )
@@ -194,7 +195,43 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         out=args.out,
         progress=not args.no_progress,
+        split_points=args.split_points,
+        layers_per_stage=args.layers_per_stage,
     )
+
+
+def _add_split_args(p: argparse.ArgumentParser) -> None:
+    """--split-points / --layers-per-stage: override the pipeline partitioner's split."""
+    p.add_argument(
+        "--split-points",
+        type=_names,
+        default=(),
+        metavar="NAMES",
+        help="with pp > 1: the layers that begin stages 1, 2, ..., e.g. blocks.3,blocks.6",
+    )
+    p.add_argument(
+        "--layers-per-stage",
+        type=_counts,
+        default=(),
+        metavar="COUNTS",
+        help="with pp > 1: the layer count of every stage, e.g. 3,3,2",
+    )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated module names")
+    return names
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated layer counts, e.g. 3,3,2"
+        ) from None
 
 
 def _checkpoint_to_resume(args: argparse.Namespace, setup: RunSetup) -> Path | None:

@@ -32,13 +32,13 @@ from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_check
 from interlace.compress import make_comm_hook
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
-from interlace.errors import PlanError
+from interlace.errors import ConfigError, PlanError
 from interlace.mesh import Mesh, default_device
 from interlace.models import GPTConfig, build_model, get_preset
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel import clip_grad_norm_, sharded_parameter_names
 from interlace.parallel import expert as expert_parallel
-from interlace.parallel.pipeline import PipelineRunner
+from interlace.parallel.pipeline import PipelineRunner, pipeline_layout
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.parallel.tensor3d import Grid, clip_grad_norm3d_, shard3d_keys
 from interlace.parallelize import parallelize
@@ -86,9 +86,25 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
             f"rank's batch (global_batch={config.global_batch}, dp={plan.dp}); use a divisor "
             f"of {rows} or a larger --global-batch"
         )
+    _check_pipeline_split(config, plan, model_config)
     data = TokenData.from_text(text, tokenizer, model_config.seq_len)
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
     return RunSetup(config, plan, model_config, data, describe_corpus(config.data))
+
+
+def _check_pipeline_split(config: TrainConfig, plan: Plan, model_config: GPTConfig) -> None:
+    """PlanError/ConfigError now, before any rank starts, for a split the pipeline cannot use
+    (a split point naming no layer, counts that do not add up, a split without pp > 1)."""
+    if not (config.split_points or config.layers_per_stage):
+        return
+    if plan.pp == 1:
+        raise ConfigError("split_points / layers_per_stage split a pipeline: use them with pp > 1")
+    pipeline_layout(
+        build_model(model_config, device="meta"),
+        plan,
+        split_points=config.split_points or None,
+        layers_per_stage=config.layers_per_stage or None,
+    )
 
 
 def run_identity(setup: RunSetup) -> dict[str, Any]:
@@ -134,7 +150,17 @@ class Trainer:
         self.model: nn.Module = build_model(setup.model_config, device=self.device)
         if mesh is not None:  # tensor and expert parallel; then stages; data parallel last
             parallelize(self.model, self.plan, mesh)
-        self.pipeline = PipelineRunner(self.model, self.plan, mesh) if self.plan.pp > 1 else None
+        self.pipeline = (
+            PipelineRunner(
+                self.model,
+                self.plan,
+                mesh,
+                split_points=self.config.split_points or None,
+                layers_per_stage=self.config.layers_per_stage or None,
+            )
+            if self.plan.pp > 1
+            else None
+        )
         if self.pipeline is not None:  # this rank's stages, under the model's parameter names
             self.model = self.pipeline.module
         # experts split over an expert parallel group: (ep group, group of their replicas)

@@ -20,6 +20,8 @@ class TrainConfig:
     seq_len: tokens per sequence (None = the preset's).
     ckpt_every: save a checkpoint every N steps (0 = only at the end); checkpoints go to
         `out/checkpoints/`.
+    split_points / layers_per_stage (pp > 1): override the partitioner's split — the module
+        names that begin stages 1, 2, … ("blocks.4"), or the layer count of every stage.
     """
 
     model: str = "demo"
@@ -41,6 +43,8 @@ class TrainConfig:
     seed: int = 0
     out: str | None = "runs/latest"
     progress: bool = True
+    split_points: tuple[str, ...] = ()
+    layers_per_stage: tuple[int, ...] = ()
 
     def validate(self) -> TrainConfig:
         """Raise ConfigError for values that cannot work; returns self."""
@@ -66,6 +70,8 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr} must be > 0, e.g. 1e-3")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        if self.split_points and self.layers_per_stage:
+            raise ConfigError("give split_points or layers_per_stage, not both")
         return self
 
     def accumulation(self, dp: int) -> int:
