@@ -39,8 +39,8 @@ from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
-from interlace.planner.cost import model_profile
 from interlace.planner.hardware import Hardware, local
+from interlace.planner.profile import model_profile
 
 CACHE_ENV = "INTERLACE_HARDWARE_CACHE"
 """Environment variable naming the calibration cache file."""

@@ -63,24 +63,22 @@ matmuls, and contention between groups sharing a link.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from interlace.comm import wire_bytes
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
-from interlace.parallel.pipeline.partition import (
-    Shard,
-    balance,
-    checkpointed_count,
-    micro_batches_in_flight,
-)
 from interlace.plan import Plan
 from interlace.planner.hardware import Hardware
+from interlace.planner.profile import (
+    ModelProfile,
+    Stage,
+    model_profile,
+    stage_memory,
+    stages_of,
+)
 
-STATE_BYTES = 16
-"""Bytes per parameter of fp32 weight, fp32 gradient and two fp32 AdamW moments."""
 GRAD_BYTES = 4
 """Bytes per gradient element in the data parallel all-reduce (fp32)."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
@@ -121,68 +119,6 @@ def exposed_after_overlap(total: float, ideal_exposed: float, hardware: Hardware
 def group_inside_node(size: int, stride: int, devices_per_node: int) -> bool:
     """True when a group of `size` ranks `stride` apart (in rank order) fits in one node."""
     return size <= 1 or size * stride <= devices_per_node
-
-
-# --------------------------------------------------------------------------- model profile
-@dataclass(frozen=True, eq=False)
-class ModelProfile:
-    """Per-shard work and sizes of a GPTConfig at one sequence length (see module docstring).
-    Compared and hashed by identity: `model_profile` returns one object per config.
-
-    shards: (embed, layer_0 … layer_{L−1}, head) from `model_shards`; expert_params: expert
-    parameters inside each shard (0 outside MoE layers).
-    """
-
-    config: GPTConfig
-    shards: tuple[Shard, ...]
-    expert_params: tuple[int, ...]
-
-    @property
-    def layers(self) -> tuple[Shard, ...]:
-        """The layer shards, in order."""
-        return self.shards[1:-1]
-
-    @property
-    def forward_flops_per_token(self) -> float:
-        """Forward FLOPs of the whole model per token."""
-        return sum(s.flops for s in self.shards)
-
-
-@functools.lru_cache(maxsize=32)
-def model_profile(config: GPTConfig) -> ModelProfile:
-    """Build `config`'s GPT on the `meta` device (no memory) and cut it into shards."""
-    import torch
-
-    from interlace.models.gpt import GPT
-    from interlace.parallel.pipeline.partition import model_shards
-
-    with torch.device("meta"):
-        model = GPT(config)
-    shards = model_shards(model, config.seq_len)
-    d, f = config.d_model, config.ffn_dim
-    expert_mlp = 2 * d * f + (f + d) * int(config.bias)
-    moe = set(config.moe_layers)
-    experts = [0] + [
-        config.n_experts * expert_mlp if i in moe else 0 for i in range(len(shards) - 2)
-    ]
-    return ModelProfile(config, shards, (*experts, 0))
-
-
-@functools.lru_cache(maxsize=4096)
-def _stage_bounds(profile: ModelProfile, pp: int, scale: float) -> tuple[tuple[int, int], ...]:
-    layers = profile.layers
-    counts = balance(
-        [s.flops for s in layers],
-        pp,
-        first_extra=3 * profile.shards[0].flops,
-        last_extra=3 * profile.shards[-1].flops,
-        stage_scale=[scale] * pp,
-    )
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + c))
-        start += c
-    return tuple(bounds)
 
 
 # --------------------------------------------------------------------------- result
@@ -295,7 +231,7 @@ class StepTerms:
     ep_dp: float
     recompute_runs: int
     profile: ModelProfile
-    stages: tuple[_Stage, ...]
+    stages: tuple[Stage, ...]
 
     @property
     def stage_micro_batch(self) -> float:
@@ -341,7 +277,7 @@ def step_terms(
     tokens = rows * seq
     tp, pp, m = plan.tp_size, plan.pp, plan.micro_batches
     v = INTERLEAVED_VIRTUAL_STAGES if plan.schedule == "interleaved" else 1
-    stages = _stages(profile, pp, tuple(recompute_ratios(plan)))
+    stages = stages_of(profile, pp, tuple(recompute_ratios(plan)))
     dpn = hardware.devices_per_node
     d = profile.config.d_model
 
@@ -481,7 +417,7 @@ def estimate(
     act_bytes = DTYPE_BYTES.get(dtype, 2)
     memory = max(
         (
-            _stage_memory(
+            stage_memory(
                 st, plan, terms.tokens, act_bytes, profile.config.d_model, s, terms.virtual_stages
             )
             for s, st in enumerate(terms.stages)
@@ -513,7 +449,7 @@ def _add_tp3d(
     comm: dict[str, float],
     hidden: dict[str, float],
     plan: Plan,
-    stage: _Stage,
+    stage: Stage,
     config: GPTConfig,
     tokens: int,
     act_bytes: int,
@@ -545,127 +481,6 @@ def _add_tp3d(
     return forward / total if total else 0.0
 
 
-@dataclass(frozen=True)
-class _Stage:
-    """What one pipeline stage holds and runs (FLOPs per token, forward)."""
-
-    shards: tuple[Shard, ...]
-    checkpointed: tuple[bool, ...]
-    expert_params: int
-    has_embed: bool
-    has_head: bool
-    n_moe: int
-    n_moe_checkpointed: int
-
-    @functools.cached_property
-    def flops(self) -> float:
-        return sum(s.flops for s in self.shards)
-
-    @functools.cached_property
-    def layer_flops(self) -> float:
-        return sum(s.flops for s in self.shards if s.kind == "layer")
-
-    @functools.cached_property
-    def layer_params(self) -> int:
-        return sum(s.params for s in self.shards if s.kind == "layer")
-
-    @functools.cached_property
-    def recompute_flops(self) -> float:
-        return sum(s.flops for s, c in zip(self.shards, self.checkpointed, strict=True) if c)
-
-    @functools.cached_property
-    def params(self) -> int:
-        return sum(s.params for s in self.shards)
-
-    @functools.cached_property
-    def n_layers(self) -> int:
-        return sum(s.kind == "layer" for s in self.shards)
-
-    @functools.cached_property
-    def n_checkpointed(self) -> int:
-        return sum(self.checkpointed)
-
-
-@functools.lru_cache(maxsize=4096)
-def _stages(profile: ModelProfile, pp: int, ratios: tuple[float, ...]) -> tuple[_Stage, ...]:
-    """The pp stages of the partitioner's balanced split, with `ratios` checkpointed."""
-    bounds = _stage_bounds(profile, pp, 3.0 + max(ratios))
-    return tuple(_stage(profile, bounds, s, ratios[s]) for s in range(pp))
-
-
-def _stage(
-    profile: ModelProfile, bounds: tuple[tuple[int, int], ...], s: int, ratio: float
-) -> _Stage:
-    start, stop = bounds[s]
-    n_ckpt = checkpointed_count(ratio, stop - start)
-    layer_ckpt = [i < n_ckpt for i in range(stop - start)]
-    first, last = s == 0, s == len(bounds) - 1
-    shards = (
-        ((profile.shards[0],) if first else ())
-        + profile.layers[start:stop]
-        + ((profile.shards[-1],) if last else ())
-    )
-    checkpointed = (*([False] if first else []), *layer_ckpt, *([False] if last else []))
-    experts = profile.expert_params[1 + start : 1 + stop]
-    moe = [e > 0 for e in experts]
-    return _Stage(
-        shards=shards,
-        checkpointed=tuple(checkpointed),
-        expert_params=sum(experts),
-        has_embed=first,
-        has_head=last,
-        n_moe=sum(moe),
-        n_moe_checkpointed=sum(a and b for a, b in zip(moe, layer_ckpt, strict=True)),
-    )
-
-
-def _stage_memory(
-    stage: _Stage,
-    plan: Plan,
-    tokens: int,
-    act_bytes: int,
-    d: int,
-    s: int,
-    v: int,
-) -> dict[str, float]:
-    tp = plan.tp_size
-    params = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
-    boundary = d / tp if plan.sequence_parallel else d
-    saved = sum(
-        boundary if ckpt else shard.activations / tp
-        for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
-    )
-    if plan.tp3d is not None:  # layers split x·y·z (tokens over z), embedding and head only z
-        x, y, z = plan.tp3d
-        params = stage.layer_params / tp + (stage.params - stage.layer_params)
-        saved = sum(
-            (d / x if ckpt else shard.activations / (x * y)) / z
-            if shard.kind == "layer"
-            else shard.activations / z
-            for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
-        )
-    if plan.pp > 1:
-        in_flight = micro_batches_in_flight(plan.schedule, s, plan.pp, plan.micro_batches, v)
-    else:
-        in_flight = 1.0
-    activations = in_flight * tokens * saved * act_bytes
-    working = 0.0
-    if stage.n_checkpointed:
-        widest = max(
-            sh.activations for sh, c in zip(stage.shards, stage.checkpointed, strict=True) if c
-        )
-        working = tokens * widest / tp * act_bytes
-    state = params * STATE_BYTES
-    return {
-        "total": state + activations + working,
-        "params_grads_optimizer": state,
-        "activations": activations,
-        "recompute_working_set": working,
-        "micro_batches_in_flight": in_flight,
-        "stage": float(s),
-    }
-
-
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Share of a pipelined step spent idle: (p − 1)/(v·m + p − 1) (1F1B/GPipe v = 1)."""
     bubble = (pp - 1) / virtual_stages
@@ -673,7 +488,6 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 
 
 __all__ = [
-    "ModelProfile",
     "PlanCost",
     "StepTerms",
     "bubble_fraction",
@@ -681,7 +495,6 @@ __all__ = [
     "estimate",
     "group_inside_node",
     "micro_batch_rows",
-    "model_profile",
     "recompute_ratios",
     "ring_steps",
     "step_terms",
