@@ -12,14 +12,13 @@ from interlace.parallel.tensor import (
     ShardSpec,
     apply_tensor_parallel,
     check_divisible,
-    clip_grad_norm_,
     gather_full,
-    grad_norm,
     shard_of,
     shard_spec,
     sharded_parameter_names,
     vocab_parallel_cross_entropy,
 )
+from interlace.parallel.tensor_norm import clip_grad_norm_, grad_norm
 
 __all__ = [
     "ShardSpec",

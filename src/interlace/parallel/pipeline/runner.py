@@ -45,7 +45,7 @@ from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
 from interlace.parallel.tensor import VocabParallelHead, vocab_parallel_cross_entropy
-from interlace.parallel.tensor import grad_norm as tensor_grad_norm
+from interlace.parallel.tensor_norm import grad_norm as tensor_grad_norm
 from interlace.plan import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
