@@ -8,6 +8,7 @@ communication lives beside it in `tp_comm`).
 """
 
 from interlace.parallel.detect import Structure, find_structure
+from interlace.parallel.grad_norm import clip_grad_norm_, grad_norm
 from interlace.parallel.tensor import (
     ShardSpec,
     apply_tensor_parallel,
@@ -18,7 +19,6 @@ from interlace.parallel.tensor import (
     sharded_parameter_names,
     vocab_parallel_cross_entropy,
 )
-from interlace.parallel.tensor_norm import clip_grad_norm_, grad_norm
 
 __all__ = [
     "ShardSpec",

@@ -86,6 +86,7 @@ from interlace.moe.balance import (
     make_balancer,
 )
 from interlace.moe.layer import MoELayer
+from interlace.parallel.grad_norm import clip_to_norm_, split_grad_norm
 
 
 def _exchange(
@@ -578,19 +579,7 @@ def grad_norm(parameters: Iterable[nn.Parameter], model: nn.Module, ep: Group) -
     `ep`: expert squares summed over the group, the rest (replicated) counted once.
     Collective over `ep`."""
     experts = {id(p) for p in _expert_params(model)}
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
-    split = torch.zeros((), device=device)
-    replicated = torch.zeros((), device=device)
-    for p in params:
-        square = p.grad.detach().float().pow(2).sum()
-        if id(p) in experts:
-            split += square
-        else:
-            replicated += square
-    if ep.size > 1:
-        comm.all_reduce(split, ep)
-    return (split + replicated).sqrt()
+    return split_grad_norm(parameters, lambda p: 1 if id(p) in experts else ep.size, [ep])
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, ep: Group) -> torch.Tensor:
@@ -598,7 +587,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep: Group) -> torch.Tenso
     `max_norm`, as `torch.nn.utils.clip_grad_norm_` does for one process; returns the norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = grad_norm(params, model, ep)
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+    clip_to_norm_(params, norm, max_norm)
     return norm

@@ -56,11 +56,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
 from interlace.parallel.detect import Attention, Structure, linear_shape
+from interlace.parallel.grad_norm import clip_to_norm_, split_grad_norm
 from interlace.parallel.tensor import (
     ShardSpec,
     heads_held,
@@ -478,18 +478,13 @@ def layer_wire_bytes(
 def grad_norm3d(parameters: Iterable[torch.Tensor], grid: Grid) -> torch.Tensor:
     """Global L2 norm of the gradients of a 3D-parallel model: each piece's square counted once
     (divided by the ranks holding it), summed over X, Y and Z. Collective over the grid."""
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros((), device=device)
-    for param in params:
+
+    def holders(param: torch.Tensor) -> int:
         spec = shard3d_spec(param)
         held = math.prod(grid.axis(a).size for a in AXES if spec is None or a not in spec.axes)
-        held *= 1 if spec is None else spec.replicas
-        total += param.grad.detach().float().pow(2).sum() / held
-    for group in (grid.x, grid.y, grid.z):
-        if group.size > 1:
-            comm.all_reduce(total, group)
-    return total.sqrt()
+        return held * (1 if spec is None else spec.replicas)
+
+    return split_grad_norm(parameters, holders, [grid.x, grid.y, grid.z])
 
 
 def clip_grad_norm3d_(
@@ -498,7 +493,5 @@ def clip_grad_norm3d_(
     """Scale gradients in place so `grad_norm3d` is at most `max_norm`; returns the norm."""
     params = [p for p in parameters if p.grad is not None]
     norm = grad_norm3d(params, grid)
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+    clip_to_norm_(params, norm, max_norm)
     return norm

@@ -37,6 +37,7 @@ from interlace import comm
 from interlace.errors import ConfigError, PlanError
 from interlace.mesh import Mesh
 from interlace.models import GPT, GPTConfig, build_model
+from interlace.parallel.grad_norm import grad_norm as tensor_grad_norm
 from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage, hf_local_module
 from interlace.parallel.pipeline.layout import pipeline_layout
 from interlace.parallel.pipeline.partition import Partition
@@ -45,7 +46,6 @@ from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
 from interlace.parallel.tensor import VocabParallelHead, vocab_parallel_cross_entropy
-from interlace.parallel.tensor_norm import grad_norm as tensor_grad_norm
 from interlace.plan import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
