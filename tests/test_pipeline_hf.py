@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_models import needs_hf, transformers
+from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.parallel.pipeline import PipelineRunner
@@ -28,18 +28,7 @@ TIED = {"gpt2": {"lm_head.weight": "transformer.wte.weight"}, "llama": {}}
 
 
 def _build(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=D, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=32,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf_model(kind, D, LAYERS, VOCAB, positions=32, ffn=64)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_models import needs_hf, transformers
+from hf_models import needs_hf, tiny_hf_model, transformers
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -35,19 +35,7 @@ GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 
 
 def _build(kind: str, kv_heads: int = 2) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=D, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=32,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=kv_heads, intermediate_size=128, vocab_size=VOCAB,
-        max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf_model(kind, D, LAYERS, VOCAB, positions=32, kv_heads=kv_heads)
 
 
 def _tokens() -> torch.Tensor:

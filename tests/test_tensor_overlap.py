@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_models import needs_hf, transformers
+from hf_models import needs_hf, tiny_hf_model
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -28,20 +28,10 @@ ATOL = 1e-5
 
 
 def _build(kind: str) -> nn.Module:
-    torch.manual_seed(0)
     if kind == "gpt":
+        torch.manual_seed(0)
         return build_model(get_preset("tiny"))
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=D, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf_model(kind, D, LAYERS, VOCAB, positions=64)
 
 
 def _loss(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_models import needs_hf, transformers
+from hf_models import needs_hf, tiny_hf_model, transformers
 from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
@@ -91,17 +91,7 @@ def _build(kind: str) -> nn.Module:
         return build_model(get_preset("moe-tiny"))
     if kind == "odd":
         return _OddLM()
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=D, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf_model(kind, D, LAYERS, VOCAB, positions=64)
 
 
 def _batch(step: int) -> torch.Tensor:
