@@ -39,6 +39,13 @@ is split along it (tuples, lists and dicts are walked), anything else (None, num
 broadcast tensors such as rotary tables [1, T, d]) is handed to every sub-batch as is. A call
 with another kind of argument (a KV cache object) or B < 2 runs unsplit. Outputs are
 concatenated along the batch dimension.
+
+Activation checkpointing: a layer called inside torch's checkpoint (`recompute=full` or
+`stage-aware` in a pipeline) runs unsplit, as plain TP, both in its forward and in its
+recomputation. torch's checkpoint recomputes once per autograd graph task, and each
+sub-batch's backward is a graph task of its own, so sub-batch threads could not share one
+recomputation. Its all-reduces are still not repeated by the recomputation
+(`tp_comm.ReductionReplay`).
 """
 
 from __future__ import annotations
@@ -83,8 +90,9 @@ class _Baton:
 
 def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
     """Run `calls` each on its own thread, one at a time, switching at `reduce_from_tp`; return
-    their results in order (the first exception is re-raised). Grad mode, autocast and the
-    accelerator device of the caller are carried into the threads."""
+    their results in order (the first exception is re-raised). Grad mode, autocast, the
+    accelerator device and the saved-tensor hooks (offloading, memory meters) of the caller
+    are carried into the threads."""
     baton = _Baton(len(calls))
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
@@ -95,10 +103,13 @@ def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
         if torch.is_autocast_enabled(dev)
     ]
     device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
+    saved_hooks = _saved_tensor_hooks()
 
     def worker(i: int) -> None:
         baton.wait_turn(i)
         set_reduce_yield(lambda: baton.switch(i))
+        if saved_hooks is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(*saved_hooks)
         try:
             if device is not None:
                 torch.accelerator.set_device_index(device)
@@ -114,6 +125,8 @@ def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
         except BaseException as exc:  # handed to the caller below
             errors.append(exc)
         finally:
+            if saved_hooks is not None:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
             set_reduce_yield(None)
             baton.finished[i] = True
             baton.pass_on(i)
@@ -126,6 +139,18 @@ def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
     if errors:
         raise errors[0]
     return results
+
+
+def _saved_tensor_hooks() -> tuple[Callable, Callable] | None:
+    """The caller's innermost saved-tensor hooks (pack, unpack), None when there are none.
+    torch keeps them per thread and has no public getter, hence the private call."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _under_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are torch's activation checkpoint's."""
+    hooks = _saved_tensor_hooks()
+    return hooks is not None and hooks[0].__module__ == "torch.utils.checkpoint"
 
 
 def _batch_size(args: tuple, kwargs: dict, d_model: int) -> int | None:
@@ -327,7 +352,7 @@ class _SubBatched:
         base_forward = super().forward  # type: ignore[misc]
         batch = _batch_size(args, kwargs, self._interlace_d_model)
         k = min(self._interlace_tp_subbatches, batch or 0)
-        if k < 2 or not _splittable((args, kwargs)):
+        if k < 2 or not _splittable((args, kwargs)) or _under_checkpoint():
             return base_forward(*args, **kwargs)
         if not torch.is_grad_enabled():
             pieces = _split((args, kwargs), batch, k)

@@ -22,12 +22,13 @@ devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: 
 
 - **tp** (1D, Megatron): per layer and micro-batch one all_reduce of the [tokens, d] activation
   after attention and one after the MLP, the same two in backward; a recomputed layer reuses
-  its forward's reduced outputs (`tp_comm.ReductionReplay`), except under sequence parallelism
-  or `tp_subbatches`, where the replayed forward repeats its two; the vocab-parallel
+  its forward's reduced outputs (`tp_comm.ReductionReplay`), except under sequence parallelism,
+  where the replayed forward repeats its two; the vocab-parallel
   embedding adds one forward and the head's input one backward all_reduce. With
   `sequence_parallel` each becomes an all_gather plus a reduce_scatter (same bytes). With
-  `tp_subbatches` s > 1 the all-reduces run under the other sub-batch's compute: exposed =
-  max(comm / s, comm − layer compute).
+  `tp_subbatches` s > 1 the all-reduces of layers that are not checkpointed (checkpointed ones
+  run unsplit) run under the other sub-batch's compute: exposed = max(comm / s, comm − their
+  compute).
 - **ep**: per MoE layer and micro-batch a dispatch and a combine all_to_all forward and both
   again backward (+2 when recomputed) of tokens·top_k·capacity_factor rows of d (capacity 1 when
   dropless), and one all_gather of the [E] routing counts. Expert load is assumed balanced.
@@ -293,43 +294,49 @@ def step_terms(
     # ---- tensor parallel collectives per micro-batch
     comm: dict[str, float] = {}
     forward_calls = total_calls = 0
+    tp_split = 0.0  # seconds of all-reduces that run on sub-batch threads, hideable
     if plan.tp > 1:
         # a recomputation replays the forward's all-reduced outputs (ReductionReplay) unless
-        # they run on sub-batch threads or as sequence-parallel gathers
-        replayed = not plan.sequence_parallel and plan.overlap.tp_subbatches == 1
-        count = 4 * slowest.n_layers + (0 if replayed else 2 * slowest.n_checkpointed)
-        count += int(slowest.has_embed) + int(slowest.has_head)
+        # they run as sequence-parallel gathers; checkpointed layers run unsplit
+        s = plan.overlap.tp_subbatches
+        split_layers = slowest.n_layers - slowest.n_checkpointed if s > 1 else 0
+        count = 4 * slowest.n_layers + int(slowest.has_embed) + int(slowest.has_head)
+        count += 2 * slowest.n_checkpointed if plan.sequence_parallel else 0
         forward_calls += 2 * slowest.n_layers + int(slowest.has_embed)
         total_calls += count
-        s = plan.overlap.tp_subbatches
-        payload = tokens * d * act_bytes / s
+        payload = tokens * d * act_bytes
         inside = group_inside_node(tp, 1, dpn)
         if plan.sequence_parallel:
             shard = payload / tp
-            comm["tp.all_gather"] = (
-                count * s * collective_seconds("all_gather", shard, tp, inside, hardware)
+            comm["tp.all_gather"] = count * collective_seconds(
+                "all_gather", shard, tp, inside, hardware
             )
-            comm["tp.reduce_scatter"] = (
-                count * s * collective_seconds("reduce_scatter", payload, tp, inside, hardware)
+            comm["tp.reduce_scatter"] = count * collective_seconds(
+                "reduce_scatter", payload, tp, inside, hardware
             )
         else:
-            comm["tp.all_reduce"] = (
-                count * s * collective_seconds("all_reduce", payload, tp, inside, hardware)
+            one = collective_seconds("all_reduce", payload, tp, inside, hardware)
+            tp_split = (
+                4
+                * split_layers
+                * s
+                * collective_seconds("all_reduce", payload / s, tp, inside, hardware)
             )
+            comm["tp.all_reduce"] = (count - 4 * split_layers) * one + tp_split
     hidden: dict[str, float] = {}
     if plan.tp3d is not None:
         forward_share = _add_tp3d(
             comm, hidden, plan, slowest, config, tokens, act_bytes, rate, hardware
         )
         forward_calls, total_calls = forward_share, 1.0
-    if plan.overlap.tp_subbatches > 1 and comm:
-        total = sum(comm.values())
+    if tp_split:
         s = plan.overlap.tp_subbatches
-        ideal = max(total / s, total - compute_mb - recompute_mb)
-        exposed = exposed_after_overlap(total, ideal, hardware)
-        for key, value in comm.items():
-            hidden[key] = value * (1 - exposed / total)
-            comm[key] = value * exposed / total
+        split_compute = compute_mb * (1 - slowest.n_checkpointed / slowest.n_layers)
+        exposed = exposed_after_overlap(
+            tp_split, max(tp_split / s, tp_split - split_compute), hardware
+        )
+        hidden["tp.all_reduce"] = tp_split - exposed
+        comm["tp.all_reduce"] -= tp_split - exposed
 
     # ---- expert parallel collectives per micro-batch
     if plan.ep > 1 and slowest.n_moe:
