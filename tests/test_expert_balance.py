@@ -153,7 +153,7 @@ def test_prophet_replicates_when_trans_and_agg_hide_under_compute():
     placement = prophet_search(OVERSHOOT, base, hidden)
     assert placement.replicated
     assert layer_time(OVERSHOOT, placement, hidden).total <= 500
-    assert Prophet().overlap and not Shadow().overlap
+    assert Prophet().overlap is None and not Shadow().overlap  # prophet follows the layer
 
 
 def test_prophet_rejects_an_exclusion_count_that_leaves_no_replica():

@@ -17,7 +17,8 @@ GPT = GPTConfig(
     vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, n_experts=4, top_k=2,
     moe_every=1, dropless=True, d_ff=32,
 )  # fmt: skip
-COMPUTE_BOUND = Prophet(replan_every=1, bandwidth=1e9, flops=1e6)  # replicas pay
+# replicas pay; priced alike in both paths (left to follow the layer, they would differ)
+COMPUTE_BOUND = Prophet(replan_every=1, bandwidth=1e9, flops=1e6, overlap=True)
 
 
 class _OrderMeter(CommMeter):

@@ -32,9 +32,24 @@ alone holds the expert's gradient and optimizer state. Every token meets the sam
 without replicas: output, loss and gradients equal the dropless layer's (up to the order of
 floating-point sums).
 
+**Planning overlapped with the all-to-all** (Pro-Prophet's scheduler). When the next training
+iteration replans (`Balancer.due`), the layer starts the balancer's search on a background
+thread (`BackgroundSearch`, one per layer and search) right after it has gathered this
+iteration's [D, E] count matrix, so the search runs while the layer's dispatch, experts and
+combine, the rest of the forward, the backward and the optimizer step run (collectives and
+matmuls release the GIL). The next training iteration applies the result where the
+synchronous search used to run: just before it issues the layer's Trans (at the start of the
+layer's forward, or after the previous layer's dispatch with `overlap`), waiting for the thread
+if it is still running and raising its exception there. The search is a deterministic function
+of the gathered counts, which are the same on every rank, so every rank applies the same
+placement at the same point without talking; the search issues no collective, so the order of
+collectives is untouched, and the placement (hence the math) is the one the synchronous search
+on the previous iteration's counts gives. `plan_timing` (in `balance_summary`) records the
+search's wall time and how long the layer waited for it.
+
 **Overlap** (Pro-Prophet's scheduler; `overlap=True`, the default). A block is an MoE layer
 and the non-MoE compute up to the next one; `schedule_transfers` links the layers in forward
-order. Trans of layer l+1 is planned and issued asynchronously (a metered
+order. Trans of layer l+1 is planned (its placement applied) and issued asynchronously (a metered
 `comm.all_to_all(..., async_op=True)`) right after layer l's dispatch, so it flies during
 layer l's expert compute and combine, the block's non-MoE compute, and layer l+1's routing,
 count all-gather, dispatch and local experts; layer l+1 waits on the handle only when it
@@ -43,7 +58,8 @@ backward, Agg is issued asynchronously where the synchronous path runs it; a cal
 the autograd engine waits on it at the end of the backward pass (the latest point before the
 expert gradients are reduced and stepped) and adds the replicas' gradients into the owner's
 `.grad`. The collectives, their bytes and the math are those of the synchronous path
-(`overlap=False`); only the forward order moves.
+(`overlap=False`); only the forward order moves. The balancer prices Trans and Agg as hidden
+only when the layer overlaps them (`Balancer.for_layer`), unless it was told explicitly.
 
 **Gradients.** Router gradients are local (each rank's own tokens), like every non-expert
 parameter: average them over dp as usual. An owner's expert gradient is the sum over its expert
@@ -78,9 +94,11 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.errors import ConfigError, PlanError
 from interlace.moe.balance import (
+    BackgroundSearch,
     Balancer,
     ExpertSize,
     Placement,
+    PlanTiming,
     balance_degree,
     device_loads,
     make_balancer,
@@ -270,8 +288,11 @@ class ExpertParallelMoE(nn.Module):
     the expert placement in use.
 
     `overlap` (default) issues Trans and Agg asynchronously (module docstring, "Overlap");
-    False runs them synchronously inside the forward and backward. `schedule_transfers` links
-    consecutive layers so that each issues the next one's Trans.
+    False runs them synchronously inside the forward and backward. The balancer is bound to it
+    (`Balancer.for_layer`): a prophet strategy left at `overlap=None` prices Trans and Agg as
+    hidden exactly when the layer overlaps them. `schedule_transfers` links consecutive layers
+    so that each issues the next one's Trans. Placement searches run on a background thread
+    (module docstring, "Planning overlapped with the all-to-all").
     """
 
     def __init__(
@@ -292,7 +313,8 @@ class ExpertParallelMoE(nn.Module):
         if history < 1:
             raise ConfigError(f"history={history} must be >= 1 (iterations of routing counts)")
         self.group = group
-        self.balancer = make_balancer(balance) if isinstance(balance, str) else balance
+        balancer = make_balancer(balance) if isinstance(balance, str) else balance
+        self.balancer = balancer.for_layer(overlap)
         self.router = layer.router
         if self.balancer.dropless is not None:
             self.router.dropless = self.balancer.dropless
@@ -310,6 +332,8 @@ class ExpertParallelMoE(nn.Module):
         self.overlap = overlap
         self._next: tuple[ExpertParallelMoE, ...] = ()  # a tuple: not registered as a child
         self._inflight: _InFlight | None = None  # this layer's Trans, issued ahead of it
+        self._planning: BackgroundSearch | None = None  # the next replan's search, running
+        self.plan_timing: PlanTiming | None = None  # of the newest search applied
 
         template = self._local_experts()[0]
         self._param_names = [name for name, _ in template.named_parameters()]
@@ -338,6 +362,7 @@ class ExpertParallelMoE(nn.Module):
         if self.training:
             self.routing_history.append(routed.cpu().clone())
             self.iteration += 1
+            self._start_plan(self.routing_history[-1])  # runs under the all-to-alls below
 
         index = torch.arange(tokens.shape[0], device=x.device).unsqueeze(1)
         expert = routing.expert_index[routing.keep]
@@ -407,15 +432,28 @@ class ExpertParallelMoE(nn.Module):
         return torch.cat(outputs)[torch.argsort(order)]
 
     # ------------------------------------------------------------------ replicas
+    def _start_plan(self, counts: torch.Tensor) -> None:
+        """If the next training iteration replans, start its search from this iteration's count
+        matrix `counts` [D, E] (CPU, never modified) on a background thread; `_replan` applies
+        it. A search started earlier and never applied is superseded."""
+        if not self.balancer.due(self.iteration):
+            return
+        balancer, base, size = self.balancer, self.base_placement, self.expert_size
+        self._planning = BackgroundSearch(
+            lambda: balancer.search(counts, base, size), name=f"interlace-plan-{id(self):x}"
+        )
+
     def _replan(self) -> None:
-        """At a planning iteration, ask the balancer for a placement from the newest counts."""
-        if self.routing_history and self.balancer.due(self.iteration):
-            counts = self.routing_history[-1]
-            self.placement = self.balancer.search(counts, self.base_placement, self.expert_size)
+        """At a planning iteration, apply the placement the background search found from the
+        previous iteration's counts (waiting for it if it is still running; its exception, if
+        any, is raised here)."""
+        if self._planning is not None:
+            planning, self._planning = self._planning, None
+            self.placement, self.plan_timing = planning.result(self.iteration)
 
     def _issue_trans(self) -> _InFlight:
-        """Plan (at a planning iteration, in training) and issue this layer's Trans
-        (autograd: Agg): asynchronous with `overlap`, else complete on return."""
+        """Apply the planned placement (at a planning iteration, in training) and issue this
+        layer's Trans (autograd: Agg): asynchronous with `overlap`, else complete on return."""
         if self.training:
             self._replan()
         params = self._expert_params()
@@ -478,14 +516,18 @@ class ExpertParallelMoE(nn.Module):
         """For the newest count matrix C [D, E] (`counts`, tokens routed from rank s to expert
         e): tokens computed per rank [D] under the base placement and under the current one
         (`tokens_base`, `tokens`), their balance degree (std), and the replicated experts with
-        their replica ranks. Empty before any step."""
+        their replica ranks. Once a placement search has been applied, its timing
+        (`plan_timing`): `plan_search_s` (its wall seconds on the background thread),
+        `plan_wait_s` (seconds the layer waited for it), `plan_hidden_s` (the rest, run under
+        the layer's work) and `plan_iteration` (the iteration it was applied at). Empty before
+        any step."""
         if not self.routing_history:
             return {}
         counts = self.routing_history[-1]
         base, _ = device_loads(counts, self.base_placement)
         balanced, _ = device_loads(counts, self.placement)
         replicated = self.placement.replicated
-        return {
+        summary: dict[str, Any] = {
             "balance_degree_base": balance_degree(counts, self.base_placement),
             "balance_degree": balance_degree(counts, self.placement),
             "replicated": list(replicated),
@@ -494,6 +536,15 @@ class ExpertParallelMoE(nn.Module):
             "tokens_base": [int(v) for v in base.tolist()],
             "tokens": [int(v) for v in balanced.tolist()],
         }
+        timing = self.plan_timing
+        if timing is not None:
+            summary |= {
+                "plan_search_s": timing.search_s,
+                "plan_wait_s": timing.wait_s,
+                "plan_hidden_s": timing.hidden_s,
+                "plan_iteration": timing.iteration,
+            }
+        return summary
 
 
 def parallelize_experts(

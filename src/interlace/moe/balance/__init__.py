@@ -7,8 +7,11 @@ greedy placement searches and the `plan.moe_balance` strategies built on them.
 - `search`: FasterMoE shadowing and Pro-Prophet's greedy search, pure functions of a count
   matrix.
 - `policy`: the strategies none / dropless / shadow / prophet and when they replan.
+- `background`: a search run on a background thread, timed (planning overlapped with the
+  layer's all-to-alls).
 """
 
+from interlace.moe.balance.background import BackgroundSearch, PlanTiming
 from interlace.moe.balance.cost import LayerCost, LayerTime, layer_time
 from interlace.moe.balance.placement import Placement, balance_degree, device_loads
 from interlace.moe.balance.policy import (
@@ -24,12 +27,14 @@ from interlace.moe.balance.search import prophet_search, shadow_search
 
 __all__ = [
     "BALANCERS",
+    "BackgroundSearch",
     "Balancer",
     "Dropless",
     "ExpertSize",
     "LayerCost",
     "LayerTime",
     "Placement",
+    "PlanTiming",
     "Prophet",
     "Shadow",
     "balance_degree",

@@ -13,12 +13,14 @@ wherever it is computed, and replica gradients are summed back into the owner's.
 Planning is iterative: at training iterations 1, 1 + k, 1 + 2k, ... (k = `replan_every`) the
 layer asks `search` for a placement from the previous iteration's count matrix (routing shifts
 slowly, so it predicts the next) and keeps it until the next replan. Using the previous
-iteration lets the parameters move before the current routing is known.
+iteration lets the parameters move before the current routing is known, and lets the layer run
+the search on a background thread (`background`) while that previous iteration's all-to-alls
+and expert compute run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -68,6 +70,11 @@ class Balancer:
         """The placement to use from now on, given a count matrix [D, E]; here always `base`."""
         return base
 
+    def for_layer(self, overlap: bool) -> Balancer:
+        """This strategy as used by a layer whose scheduler overlaps Trans and Agg with compute
+        (`overlap`) or not; the layer calls it once, when built. Here: unchanged."""
+        return self
+
 
 @dataclass(frozen=True)
 class Dropless(Balancer):
@@ -82,14 +89,16 @@ class _Modelled(Balancer):
     """A dropless strategy that searches placements with the performance model.
 
     bandwidth: bytes/s per device (B̄); flops: expert FLOP/s per device; overlap: model Trans
-    and Agg as hidden under compute (only true with an overlapping scheduler).
+    and Agg as hidden under compute (true only with an overlapping scheduler); None follows
+    the layer (`for_layer`), and until then prices them as the layer's default scheduler,
+    which overlaps.
     """
 
     dropless: ClassVar[bool | None] = True
     replan_every: int = 1
     bandwidth: float = DEFAULT_BANDWIDTH
     flops: float = DEFAULT_FLOPS
-    overlap: bool = False
+    overlap: bool | None = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,8 +113,13 @@ class _Modelled(Balancer):
             expert_bytes=size.expert_bytes,
             bandwidth=self.bandwidth,
             throughput=self.flops / size.flops_per_token,
-            overlap=self.overlap,
+            overlap=self.overlap is not False,
         )
+
+    def for_layer(self, overlap: bool) -> _Modelled:
+        """With `overlap` None, a copy whose Trans and Agg are priced as the layer's scheduler
+        runs them (hidden only when it overlaps); an explicit `overlap` is kept."""
+        return self if self.overlap is not None else replace(self, overlap=overlap)
 
 
 @dataclass(frozen=True)
@@ -123,14 +137,14 @@ class Shadow(_Modelled):
 @dataclass(frozen=True)
 class Prophet(_Modelled):
     """Strategy 'prophet': Pro-Prophet's greedy lightweight placement every `replan_every`
-    iterations; `alpha` and `n_exclude` as in `prophet_search`. `overlap` defaults to true:
-    Pro-Prophet's scheduler (the expert-parallel layer's default) hides Trans and Agg under
-    compute, so the search prices only what stays exposed; set it false for a layer built with
-    `overlap=False`."""
+    iterations; `alpha` and `n_exclude` as in `prophet_search`. `overlap` follows the layer by
+    default (None): under Pro-Prophet's scheduler (the expert-parallel layer's default) Trans
+    and Agg hide under compute, so the search prices only what stays exposed; a layer built
+    with `overlap=False` has them priced in full. An explicit true or false is kept."""
 
     name: ClassVar[str] = "prophet"
     replan_every: int = 10
-    overlap: bool = True
+    overlap: bool | None = None
     alpha: float = 0.1
     n_exclude: int | None = None
 
