@@ -50,7 +50,8 @@ def parallelize(
     all-reduces overlap compute (`parallel/tensor_overlap.py`).
     With `plan.tp3d = (x, y, z)`, the block linears and norms of a dense decoder found by
     structure (the built-in GPT, HF GPT-2 and Llama) become 3D-parallel over the mesh's "tp_x",
-    "tp_y", "tp_z" groups (`interlace.parallel.tensor3d`); it then returns the logits of this
+    "tp_y", "tp_z" groups (`interlace.parallel.tensor3d`), their weights all-gathered over z one
+    layer ahead unless `plan.overlap.tp3d_prefetch` is False; it then returns the logits of this
     rank's z slice of the batch [B/z, T, V] and the full loss (HF: the ModelOutput's `loss`).
     Every rank must pass the same full model (same seed). The built-in GPT then returns (this
     rank's logits [B, T, V/tp], full loss); other models return full logits. Raises PlanError,
@@ -77,7 +78,8 @@ def parallelize(
         except ValueError as exc:
             raise PlanError(f"tp3d: {exc}") from None
         check_tensor3d(model, structure, plan.tp3d)
-        report += apply_tensor3d(model, structure, Grid.from_mesh(mesh))
+        grid, prefetch = Grid.from_mesh(mesh), plan.overlap.tp3d_prefetch
+        report += apply_tensor3d(model, structure, grid, prefetch)
     if plan.ep > 1 or plan.moe_balance != "none":
         ep_group, ep_dp_group = build_expert_groups(mesh, plan.ep)  # collective
         report += parallelize_experts(model, ep_group, plan.moe_balance)

@@ -36,11 +36,14 @@ class Overlap:
         backward (the no-overlap baseline).
     dp_bucket_mb: DDP bucket size in MiB.
     tp_subbatches: sub-batches per micro-batch for overlapped tensor parallelism (1 = off).
+    tp3d_prefetch: all-gather the next 3D linear's weight over tp3d's z while the current one
+        computes (AxoNN); False = each gather when its layer needs it. Same bytes either way.
     """
 
     dp_overlap: bool = True
     dp_bucket_mb: float = 25.0
     tp_subbatches: int = 1
+    tp3d_prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,16 @@ class Plan:
             raise PlanError(f"tp_subbatches={self.overlap.tp_subbatches} must be >= 1 (1 = off)")
         if self.overlap.dp_bucket_mb <= 0:
             raise PlanError(f"dp_bucket_mb={self.overlap.dp_bucket_mb} must be > 0, e.g. 25")
+        if not isinstance(self.overlap.tp3d_prefetch, bool):
+            raise PlanError(
+                f"tp3d_prefetch={self.overlap.tp3d_prefetch!r} must be true or false, e.g. "
+                "tp3d_prefetch=false"
+            )
+        if not self.overlap.tp3d_prefetch and self.tp3d is None:
+            raise PlanError(
+                "tp3d_prefetch=false applies to 3D tensor parallelism; use it with tp3d=XxYxZ "
+                "or drop it"
+            )
         if self.tp3d is not None:
             if len(self.tp3d) != 3 or any(not isinstance(d, int) or d < 1 for d in self.tp3d):
                 raise PlanError(f"tp3d={self.tp3d!r} must be three positive integers, e.g. 2x2x1")

@@ -27,7 +27,9 @@ its indices):
   `out` group (hidden behind the dW matmul) and async reduce-scatter of dW over Z. With tokens per
   rank T and b bytes per element, a normal layer H → K·H puts on the wire
   X: 2(x−1)/x·T·(K·H/y)·b, Y: 2(y−1)/y·T·(H/x)·b, Z: 3(z−1)/z·(K·H²/(x·y))·b
-  (`layer_wire_bytes`); a transposed one swaps X and Y.
+  (`layer_wire_bytes`); a transposed one swaps X and Y. With z > 1 each Z all-gather is issued
+  one layer ahead, asynchronously, while the layer before computes (`tensor3d_prefetch`; on
+  unless `apply_tensor3d(..., prefetch=False)`, the plan's `tp3d_prefetch`): same bytes.
 - **LayerNorms** inside blocks (`LayerNorm3D`) hold their [d/x] slice and all-reduce the row
   statistics Σx, Σx² [.., 2] over X (forward and backward): 2·2(x−1)/x·T·2·b per norm per step
   beyond the formula. RMS norms (`RMSNorm3D`: recognised by a [d] weight, an `eps` attribute
@@ -76,6 +78,7 @@ from interlace.parallel.tensor3d_comm import (
     split_last_dim,
     sum_over,
 )
+from interlace.parallel.tensor3d_prefetch import WeightPrefetcher, attach_prefetcher
 from interlace.parallel.tp_comm import all_reduce_grad_hook
 
 AXES = ("x", "y", "z")
@@ -178,6 +181,7 @@ class Linear3D(nn.Module):
     [out/|out_group|] (replicated over the in group and Z) is added after the sum. `layer` is an
     nn.Linear or HF Conv1D; `segments` and `replicas` cut the output features as in `Shard3D`
     (fused q|k|v; kv heads held by `replicas` ranks, their gradients summed over them).
+    `prefetcher` (set by `apply_tensor3d` when z > 1) serves its Z all-gathers one layer ahead.
     """
 
     def __init__(
@@ -198,6 +202,7 @@ class Linear3D(nn.Module):
         self.weight = _shard(layer.weight, block, grid)
         self.bias = None if layer.bias is None else _shard(layer.bias, rows, grid)
         self.block_grad_hook = None
+        self.prefetcher: WeightPrefetcher | None = None
         if replicas > 1:
             self.block_grad_hook = replica_sum_hook(ShardSpec(0, replicas=replicas), self.out_group)
             if self.bias is not None and self.bias.requires_grad:
@@ -205,8 +210,16 @@ class Linear3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in/|in_group|] → [..., out/|out_group|]."""
-        y = linear3d(x, self.weight, self.in_group, self.out_group, self.z, self.block_grad_hook)
+        gather = None if self.prefetcher is None else self.gather_block
+        y = linear3d(
+            x, self.weight, self.in_group, self.out_group, self.z, self.block_grad_hook, gather
+        )
         return y if self.bias is None else y + self.bias
+
+    def gather_block(self) -> torch.Tensor:
+        """The whole weight block [out/|out_group|, in/|in_group|], from the prefetcher."""
+        assert self.prefetcher is not None
+        return self.prefetcher.gather(self)
 
     def extra_repr(self) -> str:
         kind = "transposed" if self.transposed else "normal"
@@ -319,9 +332,12 @@ def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int,
 # ----------------------------------------------------------------------------- application
 
 
-def apply_tensor3d(model: nn.Module, structure: Structure, grid: Grid) -> list[str]:
+def apply_tensor3d(
+    model: nn.Module, structure: Structure, grid: Grid, prefetch: bool = True
+) -> list[str]:
     """Split `model` (call `check_tensor3d` first) in place over `grid`; return the report
-    lines. See the module docstring for the layout."""
+    lines. See the module docstring for the layout; `prefetch` (z > 1): all-gather each 3D
+    weight over Z one layer ahead (`tensor3d_prefetch`)."""
     x, y, z = grid.x.size, grid.y.size, grid.z.size
     lines = [f"3D tensor parallel over x={x}, y={y}, z={z} ranks"]
     for a in structure.attentions:
@@ -353,6 +369,10 @@ def apply_tensor3d(model: nn.Module, structure: Structure, grid: Grid) -> list[s
                 param.register_hook(all_reduce_grad_hook(grid.z))
                 synced += 1
         lines.append(f"batch split over z; gradients of {synced} parameters all-reduced over z")
+        if prefetch:
+            linears = [m for m in model.modules() if isinstance(m, Linear3D)]
+            attach_prefetcher(model, linears, grid.z)
+            lines.append(f"{len(linears)} weights all-gathered over z one layer ahead (prefetch)")
     return lines
 
 

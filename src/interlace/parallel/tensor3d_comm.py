@@ -22,6 +22,10 @@ The other conjugate pairs of the layout:
 
 (`gather_last_dim` of `tp_comm` is the inverse of `split_last_dim`.) Every collective passes the
 comm meter (`interlace.comm`); a group of one rank issues none.
+
+Each all-gather of W is synchronous here, unless the layer passes its own `gather`: a
+`tensor3d_prefetch.WeightPrefetcher` then hands over a block it all-gathered asynchronously one
+layer ahead, and `start_gather` is the async all-gather it issues.
 """
 
 from __future__ import annotations
@@ -58,12 +62,25 @@ def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z
     _pending.append((work, shard, param))
 
 
+def _block_like(shard: torch.Tensor, z: Group) -> torch.Tensor:
+    """An empty block [z·rows, cols] for the all-gather of a piece [rows, cols] over Z."""
+    return shard.new_empty((z.size * shard.shape[0], shard.shape[1]))
+
+
+def start_gather(shard: torch.Tensor, z: Group) -> tuple[torch.Tensor, dist.Work]:
+    """Issue the async all-gather over Z (z.size > 1) of this rank's piece [rows/z, cols] of a
+    weight block: (the block [rows, cols], valid once the returned work is waited on)."""
+    block = _block_like(shard, z)
+    work = comm.all_gather(block, shard.detach().contiguous(), z, async_op=True)
+    assert work is not None
+    return block, work
+
+
 def gather_weight(shard: torch.Tensor, z: Group) -> torch.Tensor:
     """This rank's Z piece [rows/z, cols] of a weight block → the block [rows, cols]."""
     if z.size == 1:
         return shard
-    block = torch.empty((z.size * shard.shape[0], shard.shape[1]), dtype=shard.dtype,
-                        device=shard.device)  # fmt: skip
+    block = _block_like(shard, z)
     comm.all_gather(block, shard.detach().contiguous(), z)
     return block
 
@@ -78,18 +95,23 @@ def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _Linear3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook, gather):
+        ctx.save_for_backward(x)
+        # the parameter itself, not a saved tensor: activation checkpointing hands back saved
+        # tensors detached, and the Z reduce-scatter adds dW to this parameter's `.grad`
+        ctx.weight = weight
         ctx.groups = (in_group, out_group, z)
         ctx.block_grad_hook = block_grad_hook
-        partial = torch.matmul(x, gather_weight(weight, z).t())
-        return _summed(partial, in_group)
+        ctx.gather = gather
+        block = gather_weight(weight, z) if gather is None else gather()
+        return _summed(torch.matmul(x, block.t()), in_group)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         _, out_group, z = ctx.groups
-        grad_x = torch.matmul(grad_out, gather_weight(weight, z))
+        block = gather_weight(weight, z) if ctx.gather is None else ctx.gather()
+        grad_x = torch.matmul(grad_out, block)
         work = None
         if out_group.size > 1:
             work = comm.all_reduce(grad_x, out_group, async_op=True)
@@ -103,7 +125,7 @@ class _Linear3D(torch.autograd.Function):
                 grad_w = None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def linear3d(
@@ -113,12 +135,15 @@ def linear3d(
     out_group: Group,
     z: Group,
     block_grad_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., in/|in_group|] (this rank's input features and tokens) and this rank's weight
     piece [out/(|out_group|·z), in/|in_group|] → O [..., out/|out_group|], summed over
     `in_group` (no bias). `block_grad_hook` maps the gradient of the whole block
-    [out/|out_group|, in/|in_group|] before its Z reduce-scatter. See the module docstring."""
-    return _Linear3D.apply(x, weight, in_group, out_group, z, block_grad_hook)
+    [out/|out_group|, in/|in_group|] before its Z reduce-scatter. `gather` returns the whole
+    block [out/|out_group|, in/|in_group|] each time forward or backward needs it (default: a
+    synchronous all-gather of `weight` over Z). See the module docstring."""
+    return _Linear3D.apply(x, weight, in_group, out_group, z, block_grad_hook, gather)
 
 
 class _SplitLastDim(torch.autograd.Function):
