@@ -375,3 +375,30 @@ def test_overlap_efficiency_hides_only_its_share_of_the_hideable_part():
     hideable = ideal.hidden["tp.all_reduce"]
     assert partial.hidden["tp.all_reduce"] == pytest.approx(hideable / 2)
     assert partial.step_seconds == pytest.approx(ideal.step_seconds + hideable / 2)
+
+
+def test_optimizer_step_streams_each_devices_parameters_once():
+    streamed = dataclasses.replace(hw(), memory_bandwidth=1e10)
+    bytes_per_param = 16 + 12 + 4  # AdamW reads w, g, m, v and writes w, m, v; clipping reads g
+    single = estimate(Plan(), TINY, streamed, global_batch=4)
+    assert single.breakdown["optimizer"] == pytest.approx(
+        TINY.num_params() * bytes_per_param / 1e10
+    )
+    # tensor parallelism splits the layers; the embedding (tied head) is vocab-parallel
+    split = estimate(Plan(tp=2), TINY, streamed, global_batch=4)
+    assert split.breakdown["optimizer"] == pytest.approx(single.breakdown["optimizer"] / 2)
+    assert "optimizer" not in estimate(Plan(), TINY, hw(), global_batch=4).breakdown
+
+
+def test_checkpointed_layers_run_unsplit_under_tp_subbatches():
+    """Inside a checkpoint a sub-batched layer runs as plain TP: its reductions are replayed
+    by the recomputation and none of them hides."""
+    no_latency = local(RATE, BW, latency=0.0, devices_per_node=4, dtype="bf16")
+    base = {"tp": 2, "pp": 2, "micro_batches": 2}
+    sub = Overlap(tp_subbatches=2)
+    plain = estimate(Plan(**base, recompute="full"), TINY, no_latency, 4)
+    both = estimate(Plan(**base, recompute="full", overlap=sub), TINY, no_latency, 4)
+    assert both.breakdown["tp.all_reduce"] == pytest.approx(plain.breakdown["tp.all_reduce"])
+    assert "tp.all_reduce" not in both.hidden
+    without = estimate(Plan(**base, overlap=sub), TINY, no_latency, 4)
+    assert without.hidden["tp.all_reduce"] > 0

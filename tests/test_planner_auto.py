@@ -25,6 +25,7 @@ def cached_calibration(tmp_path, monkeypatch):
         memory_bytes=8e9,
         fingerprint=cal.fingerprint(),
         overlap_efficiency=0.6,
+        memory_bandwidth={"1": 1e10, "2": 1.6e10},
     )
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(calibration.to_dict()))

@@ -21,6 +21,7 @@ def _calibration(**overrides) -> cal.Calibration:
         "memory_bytes": 8e9,
         "fingerprint": cal.fingerprint(),
         "overlap_efficiency": 0.6,
+        "memory_bandwidth": {"1": 1e10, "2": 1.6e10},
     }
     return cal.Calibration(**{**fields, **overrides})
 
@@ -58,6 +59,7 @@ def test_flops_for_threads_and_hardware_from():
     hw2 = cal.hardware_from(c, ranks=2, bandwidth=125e6)
     assert hw2.memory_bytes == 4e9
     assert hw2.link(True) == (1e-4, 125e6)
+    assert hw2.memory_bandwidth == c.bandwidth_for_threads(cal.threads_per_rank(2))
     assert hw2.devices_per_node == 2
     with pytest.raises(ConfigError, match="ranks=0"):
         cal.hardware_from(c, ranks=0)
@@ -146,3 +148,8 @@ def test_hidden_fraction_formula():
     assert cal.hidden_fraction(1.0, 1.0, 2.0) == 0.0  # serialised
     assert cal.hidden_fraction(1.0, 0.5, 1.0) == 1.0  # the shorter one vanished
     assert cal.hidden_fraction(1.0, 0.5, 1.25) == pytest.approx(0.5)
+
+
+def test_optimizer_bandwidth_is_measured():
+    bandwidth = cal.measure_optimizer_bandwidth(1, params=2**16, min_seconds=0.02)
+    assert 1e7 < bandwidth < 1e13

@@ -7,7 +7,8 @@ bandwidth (`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the ran
 count, and the efficiency the dense model's own step reaches at that rate
 (`measure_model_efficiency`, one rank's share of the batch, all ranks measuring at once as they
 run): the machine's achieved efficiency at the model's shapes, one number for every plan; and
-the share of an all-reduce that hides under concurrent compute (`measure_overlap`).
+the share of an all-reduce that hides under concurrent compute (`measure_overlap`); and the
+bandwidth of an optimizer step (`measure_optimizer_bandwidth`).
 Then each plan whose world size is the cluster's runs through the Trainer: one warm-up step,
 then `steps` steps, the slowest rank's step time per step, the median kept. Memory per
 rank is measured as the optimizer's parameter, gradient and AdamW state bytes plus the peak of
@@ -43,6 +44,7 @@ from interlace.planner.calibrate import (
     link_sweep,
     measure_matmul_flops,
     measure_model_efficiency,
+    measure_optimizer_bandwidth,
     measure_overlap,
     memory_bytes,
 )
@@ -97,6 +99,7 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
     # every rank measures at once, as they compute at once in the runs
     dist.barrier(group=ctx.group.pg)
     flops = measure_matmul_flops(threads)
+    optimizer = measure_optimizer_bandwidth(threads)
     options = ctx.options
     config = get_preset(options["model"])
     if options["seq_len"]:
@@ -111,6 +114,7 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
         "matmul_flops": slowest(-flops, ctx.group) * -1,  # the slowest rank's rate
         "model_efficiency": slowest(-efficiency, ctx.group) * -1,
         "overlap_efficiency": slowest(-overlap, ctx.group) * -1,
+        "memory_bandwidth_Bps": slowest(-optimizer, ctx.group) * -1,
         "threads": threads,
     }
 
@@ -177,6 +181,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
             devices_per_node=p,
             latency=calibration["link_latency_s"],
             reduce_scatter_as_all_reduce=True,  # gloo
+            memory_bandwidth=calibration["memory_bandwidth_Bps"],
         ),
         matmul_efficiency=calibration["model_efficiency"],
         overlap_efficiency=calibration["overlap_efficiency"],
@@ -258,7 +263,12 @@ def table(doc: dict[str, Any]) -> str:
         f"calibrated: {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank ({c['threads']} threads), "
         f"model steps at {c.get('model_efficiency', 1.0):.0%} of that, "
         f"{c.get('overlap_efficiency', 1.0):.0%} of overlapped comm hidden, "
-        f"link {c['link_bandwidth_Bps'] / 1e6:.0f} MB/s, α {c['link_latency_s'] * 1e6:.0f} µs",
+        f"link {c['link_bandwidth_Bps'] / 1e6:.0f} MB/s, α {c['link_latency_s'] * 1e6:.0f} µs"
+        + (
+            f", optimizer step {c['memory_bandwidth_Bps'] / 1e9:.1f} GB/s"
+            if "memory_bandwidth_Bps" in c
+            else ""
+        ),
         f"{'model':10s} {'plan':56s} {'meas s':>7s} {'pred s':>7s} {'err':>6s} "
         f"{'mem MB':>7s} {'pred MB':>7s}",
     ]

@@ -16,7 +16,8 @@ the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it 
 - **Overlap**: the fraction of an all-reduce that hides under a matmul loop of about the same
   length running at the same time (async c10d), on the same 2 ranks: `hidden_fraction`. On a
   CPU the ranks' compute and gloo's transfer threads share the cores, so it is below 1.
-- **Memory**: the machine's RAM, shared by the ranks.
+- **Memory**: the machine's RAM, shared by the ranks, and the bandwidth an AdamW step with
+  gradient clipping reaches (`measure_optimizer_bandwidth`), which prices the optimizer step.
 
 torch has no calibration of its own; this module is the planner's, hence written here.
 """
@@ -57,8 +58,9 @@ class Calibration:
     matmul_flops: sustained fp32 FLOP/s of one rank, by its thread count ("1", "2", ...);
     link_latency: α seconds per message; link_bandwidth: bytes/s per direction;
     memory_bytes: the machine's RAM; overlap_efficiency: the fraction of a collective that hides
-    under concurrent compute (`measure_overlap`); fingerprint: what the numbers belong to;
-    seconds: how long the calibration took.
+    under concurrent compute (`measure_overlap`); memory_bandwidth: bytes/s of an optimizer step
+    per thread count, like matmul_flops (`measure_optimizer_bandwidth`); fingerprint: what the
+    numbers belong to; seconds: how long the calibration took.
     """
 
     matmul_flops: dict[str, float]
@@ -67,17 +69,26 @@ class Calibration:
     memory_bytes: float
     fingerprint: dict[str, Any]
     overlap_efficiency: float
+    memory_bandwidth: dict[str, float]
     seconds: float = 0.0
 
     def flops_for_threads(self, threads: int) -> float:
         """FLOP/s measured with `threads` threads (the nearest measured count below it)."""
-        counts = sorted(int(t) for t in self.matmul_flops)
-        usable = [t for t in counts if t <= threads] or counts[:1]
-        return self.matmul_flops[str(usable[-1])]
+        return _for_threads(self.matmul_flops, threads)
+
+    def bandwidth_for_threads(self, threads: int) -> float:
+        """Optimizer-step bytes/s measured with `threads` threads (the nearest count below)."""
+        return _for_threads(self.memory_bandwidth, threads)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every field."""
         return asdict(self)
+
+
+def _for_threads(by_threads: dict[str, float], threads: int) -> float:
+    counts = sorted(int(t) for t in by_threads)
+    usable = [t for t in counts if t <= threads] or counts[:1]
+    return by_threads[str(usable[-1])]
 
 
 def fingerprint() -> dict[str, Any]:
@@ -121,6 +132,38 @@ def measure_matmul_flops(threads: int, min_seconds: float = 0.3) -> float:
     finally:
         torch.set_num_threads(saved)
     return 2 * n * k * m / best
+
+
+def measure_optimizer_bandwidth(
+    threads: int, params: int = 2**20, min_seconds: float = 0.3
+) -> float:
+    """Bytes/s an AdamW step with gradient-norm clipping streams on `threads` threads:
+    `cost.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
+    parameter tensors of `params` / 8 elements, with gradients)."""
+    from interlace.planner.cost import OPTIMIZER_BYTES_PER_PARAM
+
+    weights = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    optimizer = torch.optim.AdamW(weights, lr=1e-6)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+
+        def step() -> float:
+            start = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(weights, 1.0)
+            optimizer.step()
+            return time.perf_counter() - start
+
+        step()  # warm-up: the moments are allocated here
+        best, spent = float("inf"), 0.0
+        while spent < min_seconds:
+            elapsed = step()
+            best, spent = min(best, elapsed), spent + elapsed
+    finally:
+        torch.set_num_threads(saved)
+    return OPTIMIZER_BYTES_PER_PARAM * 8 * (params // 8) / best
 
 
 def measure_model_efficiency(
@@ -306,6 +349,7 @@ def measure() -> Calibration:
     flops = {str(t): measure_matmul_flops(t) for t in counts}
     return Calibration(
         matmul_flops=flops,
+        memory_bandwidth={str(t): measure_optimizer_bandwidth(t) for t in counts},
         link_latency=alpha,
         link_bandwidth=bandwidth,
         memory_bytes=memory_bytes(),
@@ -350,14 +394,16 @@ def hardware_from(
     keeping the measured α), and RAM / ranks; all ranks on one node."""
     if ranks < 1:
         raise ConfigError(f"ranks={ranks} must be >= 1")
+    threads = threads_per_rank(ranks)
     return local(
-        calibration.flops_for_threads(threads_per_rank(ranks)),
+        calibration.flops_for_threads(threads),
         bandwidth if bandwidth is not None else calibration.link_bandwidth,
         memory_bytes=calibration.memory_bytes / ranks,
         devices_per_node=max(ranks, 1),
         latency=calibration.link_latency,
         reduce_scatter_as_all_reduce=True,  # gloo, the CPU backend
         overlap_efficiency=calibration.overlap_efficiency,
+        memory_bandwidth=calibration.bandwidth_for_threads(threads),
     )
 
 
@@ -382,6 +428,7 @@ __all__ = [
     "measure_loopback_link",
     "measure_matmul_flops",
     "measure_model_efficiency",
+    "measure_optimizer_bandwidth",
     "measure_overlap",
     "threads_per_rank",
 ]

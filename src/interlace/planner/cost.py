@@ -57,9 +57,13 @@ in the compute dtype, plus one layer's full activations as the working set of a 
   `interlace.planner.cost3d`. The embedding and head are replicated (compute split by z only),
   and the dp all-reduce follows the backward, exposed.
 
+**Optimizer** (`optimizer`): after the gradient all-reduces, every device steps its own
+parameters: OPTIMIZER_BYTES_PER_PARAM bytes per parameter streamed at the hardware's
+`memory_bandwidth`.
+
 Not modelled yet: gradient compression (priced as dense), MoE load imbalance and balancing
-traffic, the optimizer step, kernel efficiency falling with small
-matmuls, and contention between groups sharing a link.
+traffic, kernel efficiency falling with small matmuls, and contention between groups sharing
+a link.
 """
 
 from __future__ import annotations
@@ -82,6 +86,10 @@ from interlace.planner.profile import (
 
 GRAD_BYTES = 4
 """Bytes per gradient element in the data parallel all-reduce (fp32)."""
+OPTIMIZER_BYTES_PER_PARAM = 32
+"""Memory traffic of one parameter's optimizer step: AdamW reads the fp32 weight, gradient and
+two moments (16 bytes) and writes the weight and moments (12), and gradient clipping reads the
+gradient once more (4)."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
 """Bytes per activation element of each compute dtype."""
 INTERLEAVED_VIRTUAL_STAGES = 2
@@ -213,7 +221,8 @@ class StepTerms:
     term, `comm_hidden` the part hidden under compute, and `comm_forward_share` the fraction of
     each term's calls issued in the forward (the rest in backward and recomputation).
     Per step: `send_recv_one` one boundary transfer; `dp_exposed`/`dp_hidden` the gradient
-    all-reduce (`dp.all_reduce`); `ep_dp` the expert gradient all-reduce.
+    all-reduce (`dp.all_reduce`); `ep_dp` the expert gradient all-reduce; `optimizer` the
+    optimizer step (with gradient clipping) of the device's parameters.
     """
 
     plan: Plan
@@ -230,6 +239,7 @@ class StepTerms:
     dp_exposed: float
     dp_hidden: float
     ep_dp: float
+    optimizer: float
     recompute_runs: int
     profile: ModelProfile
     stages: tuple[Stage, ...]
@@ -257,6 +267,8 @@ class StepTerms:
                 hidden["dp.all_reduce"] = self.dp_hidden
         if self.ep_dp:
             breakdown["ep_dp.all_reduce"] = self.ep_dp
+        if self.optimizer:
+            breakdown["optimizer"] = self.optimizer
         return breakdown, hidden
 
 
@@ -400,10 +412,22 @@ def step_terms(
         dp_exposed=dp_exposed,
         dp_hidden=dp_hidden,
         ep_dp=ep_dp_seconds,
+        optimizer=max(_device_params(st, plan) for st in stages)
+        * OPTIMIZER_BYTES_PER_PARAM
+        / hardware.memory_bandwidth,
         recompute_runs=recompute_runs,
         profile=profile,
         stages=stages,
     )
+
+
+def _device_params(stage: Stage, plan: Plan) -> float:
+    """Parameters one device of `stage` holds: the layers' split by tp (3D: x·y·z, with the
+    embedding and head replicated), expert parameters by tp·ep."""
+    tp, dense = plan.tp_size, stage.params - stage.expert_params
+    if plan.tp3d is not None:
+        return stage.layer_params / tp + dense - stage.layer_params
+    return dense / tp + stage.expert_params / (tp * plan.ep)
 
 
 def estimate(

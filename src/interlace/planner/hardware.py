@@ -14,6 +14,7 @@ at hand, and `get_hardware("local")` measures this machine (`interlace.planner.c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from interlace.errors import ConfigError
@@ -37,6 +38,8 @@ class Hardware:
         does), so it costs an all-reduce's traffic.
     overlap_efficiency: the fraction of a collective that hides under concurrent compute where
         interlace overlaps them (1: fully, as with separate copy engines; measured on a CPU).
+    memory_bandwidth: bytes/s a device streams through its memory (HBM, or what an optimizer
+        step reaches on a CPU); it prices the optimizer step. inf: the step is not priced.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Hardware:
     inter_node_latency: float
     reduce_scatter_as_all_reduce: bool = False
     overlap_efficiency: float = 1.0
+    memory_bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
         if not 0 <= self.overlap_efficiency <= 1:
@@ -70,6 +74,7 @@ class Hardware:
             "memory_bytes": self.memory_bytes,
             "intra_node_bandwidth": self.intra_node_bandwidth,
             "inter_node_bandwidth": self.inter_node_bandwidth,
+            "memory_bandwidth": self.memory_bandwidth,
             **{f"peak_flops[{k}]": v for k, v in self.peak_flops.items()},
         }
         for key, value in positive.items():
@@ -117,6 +122,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node_latency=5e-6,
         inter_node_bandwidth=25 * GB,
         inter_node_latency=10e-6,
+        memory_bandwidth=2039 * GB,
     ),
     # 4 × A100-SXM4-40GB per node, NVLink 3, 4 × 25 GB/s Slingshot-11 NICs per node.
     "perlmutter": Hardware(
@@ -129,6 +135,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node_latency=5e-6,
         inter_node_bandwidth=25 * GB,
         inter_node_latency=10e-6,
+        memory_bandwidth=1555 * GB,
     ),
     # 8 × H100-SXM5-80GB, NVLink 4 (900 GB/s both directions), 8 × 400 Gb/s InfiniBand.
     "dgx-h100": Hardware(
@@ -141,6 +148,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node_latency=4e-6,
         inter_node_bandwidth=50 * GB,
         inter_node_latency=8e-6,
+        memory_bandwidth=3350 * GB,
     ),
     # Frontier node: 4 × MI250X = 8 GCDs (each one device, 64 GB HBM), Infinity Fabric between
     # GCDs (50 GB/s per direction on a single link), 4 × 25 GB/s Slingshot-11 per node.
@@ -154,6 +162,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node_latency=8e-6,
         inter_node_bandwidth=12.5 * GB,
         inter_node_latency=12e-6,
+        memory_bandwidth=1600 * GB,
     ),
     # 8 × RTX 3090 (24 GB) on PCIe 4.0 per node (no NVLink), one 100 Gb/s InfiniBand NIC.
     "rtx3090-ib": Hardware(
@@ -166,6 +175,7 @@ PRESETS: dict[str, Hardware] = {
         intra_node_latency=10e-6,
         inter_node_bandwidth=12.5 * GB / 8,
         inter_node_latency=15e-6,
+        memory_bandwidth=936 * GB,
     ),
 }
 
@@ -182,12 +192,14 @@ def local(
     name: str = "local",
     reduce_scatter_as_all_reduce: bool = False,
     overlap_efficiency: float = 1.0,
+    memory_bandwidth: float = math.inf,
 ) -> Hardware:
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
     `dtype` (so matmul_efficiency is 1), `link_bandwidth` bytes/s per direction between two
     devices of a node; `inter_node_bandwidth` defaults to the same link, `latency` is α of
     both links; `reduce_scatter_as_all_reduce` for a backend that runs it so (gloo);
-    `overlap_efficiency` as measured (`calibrate.measure_overlap`)."""
+    `overlap_efficiency` and `memory_bandwidth` as measured (`calibrate.measure_overlap`,
+    `calibrate.measure_optimizer_bandwidth`)."""
     return Hardware(
         name=name,
         peak_flops={dtype: float(matmul_flops)},
@@ -202,6 +214,7 @@ def local(
         inter_node_latency=latency,
         reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
         overlap_efficiency=overlap_efficiency,
+        memory_bandwidth=memory_bandwidth,
     )
 
 

@@ -16,7 +16,8 @@ pieces are put together. The simulator replays the pipeline schedule op by op:
 - tp and ep collectives extend the F and B spans by their exposed time (a "comm" span after
   the compute span); the part hidden under compute is drawn on the comm lane beside it;
 - the dp gradient all-reduce follows the last backward, its hidden part (DDP buckets) drawn
-  under the backward; the expert gradient all-reduce (`ep_dp`) follows it.
+  under the backward; the expert gradient all-reduce (`ep_dp`) follows it, then the optimizer
+  step.
 
 Every stage is given the slowest stage's durations, as the cost model assumes. Under that
 assumption GPipe, 1F1B and interleaved (m a multiple of p) reproduce `estimate`'s
@@ -180,8 +181,8 @@ def _input_ready(
 
 
 def _gradient_spans(t: StepTerms, rank: int, end: float, spans: list[Span]) -> float:
-    """Append the dp / ep_dp gradient all-reduces of `rank` after its last backward at `end`;
-    returns the rank's step end."""
+    """Append the dp / ep_dp gradient all-reduces of `rank` after its last backward at `end`,
+    then its optimizer step; returns the rank's step end."""
     if t.dp_hidden:
         start = max(0.0, end - t.dp_hidden)
         spans.append(_span(rank, "dp.all_reduce (hidden)", "comm", start, t.dp_hidden, "comm"))
@@ -189,6 +190,9 @@ def _gradient_spans(t: StepTerms, rank: int, end: float, spans: list[Span]) -> f
         if seconds:
             spans.append(_span(rank, name, "comm", end, seconds, "comm"))
             end += seconds
+    if t.optimizer:
+        spans.append(_span(rank, "optimizer", "optimizer", end, t.optimizer))
+        end += t.optimizer
     return end
 
 
