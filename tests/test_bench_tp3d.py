@@ -39,4 +39,5 @@ def test_loopback_smoke_run_measures_what_it_predicts(tmp_path):
         assert row["measured"] == pytest.approx(row["predicted"]), name
         assert row["step_median_s"] > 0
     assert set(result["layouts"]["tp3d=1x1x2"]["measured"]) == {"tp_z"}
+    assert result["layouts"]["tp3d=1x1x2"]["step_median_s_no_prefetch"] > 0  # timed once more
     assert (tmp_path / "tp3d.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,5 +1,6 @@
 """`tp3d`: bytes per rank per training step of each tensor parallel group, 1D TP against every 3D
-layout (x, y, z) of the same ranks, as the comm meter counts them and as predicted; plus step time.
+layout (x, y, z) of the same ranks, as the comm meter counts them and as predicted; plus step time,
+for layouts with z > 1 also without the weight prefetch (`tp3d_prefetch=false`).
 
 One forward + backward of the built-in GPT per layout, all ranks in the tensor parallel group.
 Measured: the meter's wire bytes (ring model) per group ("tp", or "tp_x", "tp_y", "tp_z") in one
@@ -27,7 +28,7 @@ from interlace.mesh import build_mesh
 from interlace.models import GPTConfig, build_model
 from interlace.parallel.tensor3d import layer_wire_bytes, shard3d_spec
 from interlace.parallelize import parallelize
-from interlace.plan import Plan
+from interlace.plan import Overlap, Plan
 
 _GROUPS = ("tp", "tp_x", "tp_y", "tp_z")
 _B = 4  # bytes per fp32 element
@@ -76,8 +77,16 @@ def predicted_1d(cfg: GPTConfig, tokens: int, p: int) -> dict[str, float]:
     return {"tp": 2 * (p - 1) / p * ((4 * cfg.n_layers + 2) * act + 3 * tokens * _B)}
 
 
-def _measure(options: dict[str, Any], grid: tuple[int, int, int] | None, ranks: int, ctx):
-    plan = Plan(tp=ranks) if grid is None else Plan(tp3d=grid)
+def _measure(
+    options: dict[str, Any],
+    grid: tuple[int, int, int] | None,
+    ranks: int,
+    ctx: RankContext,
+    prefetch: bool = True,
+) -> dict[str, Any]:
+    plan = (
+        Plan(tp=ranks) if grid is None else Plan(tp3d=grid, overlap=Overlap(tp3d_prefetch=prefetch))
+    )
     cfg = gpt_config(options)
     torch.manual_seed(0)
     model = parallelize(build_model(cfg), plan, build_mesh(plan))
@@ -117,9 +126,14 @@ def _measure(options: dict[str, Any], grid: tuple[int, int, int] | None, ranks: 
 
 
 def run_rank(ctx: RankContext) -> dict[str, Any]:
-    """Every layout of the world's ranks, one after another (same model, same batch)."""
+    """Every layout of the world's ranks, one after another (same model, same batch); layouts
+    with z > 1 again without the weight prefetch, for its step time."""
     ranks, options = ctx.group.size, ctx.options
     rows = {_name(g, ranks): _measure(options, g, ranks, ctx) for g in layouts(ranks)}
+    for grid in layouts(ranks):
+        if grid is not None and grid[2] > 1:
+            off = _measure(options, grid, ranks, ctx, prefetch=False)
+            rows[_name(grid, ranks)]["step_median_s_no_prefetch"] = off["step_median_s"]
     return {
         "params": gpt_config(options).num_params(),
         "layouts": rows,
@@ -128,18 +142,22 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """One row per layout: measured and predicted MB per group, step time."""
+    """One row per layout: measured and predicted MB per group, step time (and without the
+    weight prefetch)."""
     r = doc["result"]
     lines = [
         f"GPT {r['params'] / 1e6:.2f} M params; wire MB per rank per step, measured/predicted",
-        f"{'layout':12s} " + " ".join(f"{g:>15s}" for g in _GROUPS) + f" {'step s':>7s}",
+        f"{'layout':12s} " + " ".join(f"{g:>15s}" for g in _GROUPS) + f" {'step s':>7s}"
+        f" {'no prefetch':>11s}",
     ]
     for name, row in r["layouts"].items():
         cells = []
         for g in _GROUPS:
             m, p = row["measured"].get(g, 0.0), row["predicted"].get(g, 0.0)
             cells.append(f"{m / 1e6:7.3f}/{p / 1e6:<7.3f}" if m or p else f"{'-':>15s}")
-        lines.append(f"{name:12s} " + " ".join(cells) + f" {row['step_median_s']:7.3f}")
+        off = row.get("step_median_s_no_prefetch")
+        off_cell = f"{off:11.3f}" if off is not None else f"{'-':>11s}"
+        lines.append(f"{name:12s} " + " ".join(cells) + f" {row['step_median_s']:7.3f} {off_cell}")
     return "\n".join(lines)
 
 
@@ -161,7 +179,15 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     left.plot(names, totals, "k_", markersize=22, label="predicted")
     left.set_ylabel("wire MB per rank per step")
     left.legend(fontsize=7)
-    right.bar(names, [rows[n]["step_median_s"] for n in names], color="0.5")
+    right.bar(names, [rows[n]["step_median_s"] for n in names], color="0.5", label="prefetch")
+    off = [
+        (n, rows[n]["step_median_s_no_prefetch"])
+        for n in names
+        if "step_median_s_no_prefetch" in rows[n]
+    ]
+    if off:
+        right.plot(*zip(*off, strict=True), "rv", label="no prefetch")
+        right.legend(fontsize=7)
     right.set_ylabel("seconds per forward + backward")
     env = doc["environment"]
     for ax in (left, right):
@@ -197,8 +223,12 @@ def headline(doc: dict[str, Any]) -> str:
 
 
 def key_numbers(doc_result: dict[str, Any]) -> dict[str, float]:
-    """Each layout's median step time."""
-    return {f"{n} step_s": row["step_median_s"] for n, row in doc_result["layouts"].items()}
+    """Each layout's median step time (and without the weight prefetch)."""
+    numbers = {f"{n} step_s": row["step_median_s"] for n, row in doc_result["layouts"].items()}
+    for n, row in doc_result["layouts"].items():
+        if "step_median_s_no_prefetch" in row:
+            numbers[f"{n} step_s no prefetch"] = row["step_median_s_no_prefetch"]
+    return numbers
 
 
 BENCHMARK = Benchmark(
@@ -210,7 +240,9 @@ BENCHMARK = Benchmark(
         "rank per group are compared with AxoNN's per-layer formula (REFERENCE.md §3) summed "
         "over the block linears plus the layout's other collectives (LayerNorm statistics and "
         "residual split/gather over X, loss and replicated gradients over Z). A bytes benchmark: "
-        "loopback is enough; step times on loopback show compute, not the network."
+        "loopback is enough; step times on loopback show compute, not the network. Layouts "
+        "with z > 1 are timed again without the weight prefetch (each Z all-gather issued when "
+        "its layer needs it instead of one layer ahead)."
     ),
     table=table,
     plot=plot,
