@@ -61,7 +61,8 @@ class _Prefetch:
 
 
 def in_backward() -> bool:
-    """True while the autograd engine runs (backward, or a checkpointed layer's recomputation)."""
+    """True while the autograd engine runs (backward, or a checkpointed layer's recomputation).
+    torch has no public query for this; its engine's current graph task id is -1 outside."""
     return torch._C._current_graph_task_id() >= 0
 
 
