@@ -402,3 +402,17 @@ def test_checkpointed_layers_run_unsplit_under_tp_subbatches():
     assert "tp.all_reduce" not in both.hidden
     without = estimate(Plan(**base, overlap=sub), TINY, no_latency, 4)
     assert without.hidden["tp.all_reduce"] > 0
+
+
+def test_idle_devices_speed_up_the_busy_ones_in_the_bubble():
+    """pp=2, m=2, free links: the bubble is one micro-batch's compute, run idle_speedup
+    times faster while the other stage waits."""
+    plan = Plan(pp=2, micro_batches=2, schedule="gpipe")
+    free = local(RATE, 1e30, latency=0.0, devices_per_node=2, dtype="bf16")
+    even = estimate(plan, TINY, free, global_batch=4)
+    shared = estimate(plan, TINY, dataclasses.replace(free, idle_speedup=2.0), 4)
+    per_mb = even.breakdown["compute"] / 2
+    assert even.breakdown["pp.bubble"] == pytest.approx(per_mb)
+    assert shared.breakdown["pp.bubble"] == pytest.approx(per_mb / 2)
+    with pytest.raises(ConfigError, match="idle_speedup"):
+        dataclasses.replace(free, idle_speedup=0.5)

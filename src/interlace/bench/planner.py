@@ -2,13 +2,16 @@
 MoE-GPT) trained for a few steps on the cluster's ranks, each beside its prediction.
 
 On every rank first the machine is calibrated on the cluster itself (so on the emulated link
-when it is shaped): an all_reduce size sweep over the world group fitted as α + bytes /
-bandwidth (`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the rank's thread
+when it is shaped): an all_reduce size sweep over the world group, each call after a few
+milliseconds of compute as in a step, fitted as α + bytes / bandwidth on mean times
+(`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the rank's thread
 count, and the efficiency the dense model's own step reaches at that rate
 (`measure_model_efficiency`, one rank's share of the batch, all ranks measuring at once as they
 run): the machine's achieved efficiency at the model's shapes, one number for every plan; and
 the share of an all-reduce that hides under concurrent compute (`measure_overlap`); and the
-bandwidth of an optimizer step (`measure_optimizer_bandwidth`).
+bandwidth of an optimizer step (`measure_optimizer_bandwidth`); and how much faster one rank
+computes while the others wait (`idle_speedup`, which prices pipeline bubbles: ranks sharing
+a CPU's cores compute faster when some of them idle).
 Then each plan whose world size is the cluster's runs through the Trainer: one warm-up step,
 then `steps` steps, the slowest rank's step time per step, the median kept. Memory per
 rank is measured as the optimizer's parameter, gradient and AdamW state bytes plus the peak of
@@ -88,7 +91,7 @@ def _state_bytes(trainer: Trainer) -> int:
 
 def _calibrate(ctx: RankContext) -> dict[str, float]:
     alpha, bandwidth = (
-        fit_link(link_sweep(ctx.group), ctx.group.size)
+        fit_link(link_sweep(ctx.group, repeats=15, compute_between=0.005), ctx.group.size)
         if ctx.group.size > 1
         else (
             0.0,
@@ -100,6 +103,9 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
     dist.barrier(group=ctx.group.pg)
     flops = measure_matmul_flops(threads)
     optimizer = measure_optimizer_bandwidth(threads)
+    dist.barrier(group=ctx.group.pg)
+    alone = measure_matmul_flops(threads) if ctx.group.rank == 0 else 0.0  # the others wait
+    alone = slowest(alone, ctx.group)
     options = ctx.options
     config = get_preset(options["model"])
     if options["seq_len"]:
@@ -115,6 +121,7 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
         "model_efficiency": slowest(-efficiency, ctx.group) * -1,
         "overlap_efficiency": slowest(-overlap, ctx.group) * -1,
         "memory_bandwidth_Bps": slowest(-optimizer, ctx.group) * -1,
+        "idle_speedup": max(1.0, alone / (slowest(-flops, ctx.group) * -1)),
         "threads": threads,
     }
 
@@ -182,6 +189,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
             latency=calibration["link_latency_s"],
             reduce_scatter_as_all_reduce=True,  # gloo
             memory_bandwidth=calibration["memory_bandwidth_Bps"],
+            idle_speedup=calibration["idle_speedup"],
         ),
         matmul_efficiency=calibration["model_efficiency"],
         overlap_efficiency=calibration["overlap_efficiency"],
@@ -265,8 +273,9 @@ def table(doc: dict[str, Any]) -> str:
         f"{c.get('overlap_efficiency', 1.0):.0%} of overlapped comm hidden, "
         f"link {c['link_bandwidth_Bps'] / 1e6:.0f} MB/s, α {c['link_latency_s'] * 1e6:.0f} µs"
         + (
-            f", optimizer step {c['memory_bandwidth_Bps'] / 1e9:.1f} GB/s"
-            if "memory_bandwidth_Bps" in c
+            f", optimizer step {c['memory_bandwidth_Bps'] / 1e9:.1f} GB/s, "
+            f"one rank alone computes {c['idle_speedup']:.2f}× faster"
+            if "idle_speedup" in c
             else ""
         ),
         f"{'model':10s} {'plan':56s} {'meas s':>7s} {'pred s':>7s} {'err':>6s} "

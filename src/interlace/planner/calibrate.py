@@ -10,7 +10,9 @@ the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it 
   rank of an N-rank run uses (`interlace train` and `interlace bench` give each rank
   cpu_count // N threads), for every N up to the CPU count.
 - **Link**: an all_reduce size sweep between 2 forked gloo ranks over loopback (the ranks of a
-  local run), fitted as t = a + b·bytes by least squares on relative error. A 2-rank ring
+  local run), each call after a few milliseconds of compute as in a training step (so the
+  time includes waking the transfer threads and waiting for the other rank), fitted on mean
+  times as t = a + b·bytes by least squares on relative error. A 2-rank ring
   all_reduce sends 2 messages and `wire_bytes` = n, so α = a / 2 and bandwidth = 1 / b.
   `link_sweep` and `fit_link` also run inside a benchmark's ranks, on an emulated link.
 - **Overlap**: the fraction of an all-reduce that hides under a matmul loop of about the same
@@ -47,6 +49,8 @@ CACHE_ENV = "INTERLACE_HARDWARE_CACHE"
 """Environment variable naming the calibration cache file."""
 SWEEP_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 """All-reduce payloads of the link sweep (fp32 tensors)."""
+LINK_COMPUTE_BETWEEN = 0.005
+"""Seconds of compute before each timed all_reduce of the local link sweep (`link_sweep`)."""
 MATMUL_SHAPE = (2048, 512, 2048)
 """(rows, inner, cols) of the timed matmul: 2048 tokens through a 512 → 2048 projection."""
 
@@ -214,7 +218,7 @@ def measure_overlap(group: Group, seconds: float = 0.05, repeats: int = 5) -> fl
     from interlace import comm
 
     meter = comm.CommMeter()
-    a = torch.randn(256, 256)
+    compute = _compute_loop(seconds, group)
 
     def timed(fn: Callable[[], object]) -> float:
         times = []
@@ -224,14 +228,6 @@ def measure_overlap(group: Group, seconds: float = 0.05, repeats: int = 5) -> fl
             fn()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
-
-    per_matmul = timed(lambda: a @ a)
-    count = max(1, round(seconds / max(per_matmul, 1e-9)))
-    count = int(_agreed(torch.tensor([count]), group))
-
-    def compute() -> None:
-        for _ in range(count):
-            a @ a
 
     compute_s = timed(compute)
     probe = torch.zeros(2**18)  # 1 MB: sized below from its own time
@@ -258,27 +254,56 @@ def _agreed(value: torch.Tensor, group: Group) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- link
 def link_sweep(
-    group: Group, sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5
+    group: Group,
+    sizes: tuple[int, ...] = SWEEP_BYTES,
+    repeats: int = 5,
+    compute_between: float = 0.0,
 ) -> list[tuple[int, float]]:
-    """(payload bytes, median seconds) of a blocking all_reduce over `group` per size in
-    `sizes`; every rank must call it. Uses its own comm meter (nothing is counted elsewhere)."""
+    """(payload bytes, mean seconds) of a blocking all_reduce over `group` per size in
+    `sizes`; every rank must call it. The mean, not the median: a step's time adds up its
+    collectives, so their expected time is what counts (on loopback a small all_reduce takes
+    0.3 ms or 3 ms, depending on when the ranks' threads wake). Each timed call follows a
+    barrier, or with `compute_between` > 0 about that many seconds of matmuls instead, as in
+    a training step:
+    the ranks then arrive as unevenly as they do there, and the time includes waiting for the
+    slower one. Uses its own comm meter (nothing is counted elsewhere)."""
     import torch.distributed as dist
 
     from interlace import comm
 
     meter = comm.CommMeter()
+    compute = _compute_loop(compute_between, group) if compute_between > 0 else None
     out = []
     for size in sizes:
         buffer = torch.zeros(size // 4)
         comm.all_reduce(buffer, group, meter=meter)  # warm-up: connection and allocation
         times = []
         for _ in range(repeats):
-            dist.barrier(group=group.pg)
+            if compute is None:
+                dist.barrier(group=group.pg)
+            else:
+                compute()
             start = time.perf_counter()
             comm.all_reduce(buffer, group, meter=meter)
             times.append(time.perf_counter() - start)
-        out.append((size, statistics.median(times)))
+        out.append((size, statistics.fmean(times)))
     return out
+
+
+def _compute_loop(seconds: float, group: Group) -> Callable[[], None]:
+    """A loop of 256² matmuls lasting about `seconds`, the same count on every rank."""
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    per_matmul = (time.perf_counter() - start) / 5
+    count = int(_agreed(torch.tensor([max(1, round(seconds / per_matmul))]), group))
+
+    def compute() -> None:
+        for _ in range(count):
+            a @ a
+
+    return compute
 
 
 def fit_link(samples: list[tuple[int, float]], group_size: int = 2) -> tuple[float, float]:
@@ -309,7 +334,7 @@ def _sweep_rank(
     import torch.distributed as dist
 
     world = Group("world", dist.group.WORLD, 2, dist.get_rank())
-    samples = link_sweep(world, sizes, repeats)
+    samples = link_sweep(world, sizes, repeats, compute_between=LINK_COMPUTE_BETWEEN)
     return samples, measure_overlap(world) if overlap else None
 
 
@@ -342,7 +367,7 @@ def measure() -> Calibration:
     """Measure everything now (a few seconds): the link first (forking before any
     multi-threaded compute), then matmuls for every thread count a local run can give a rank."""
     started = time.perf_counter()
-    samples, overlap = _loopback(SWEEP_BYTES, 5, overlap=True)
+    samples, overlap = _loopback(SWEEP_BYTES, 15, overlap=True)
     alpha, bandwidth = fit_link(samples)
     cpus = os.cpu_count() or 1
     counts = sorted({threads_per_rank(r) for r in range(1, cpus + 1)})

@@ -39,10 +39,11 @@ devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: 
   all-reduce follows the backward and is fully exposed.
 - **pp**: a micro-batch's time on the slowest stage T_mb (compute, recompute, tp and ep) runs
   m times, and the bubble adds (p − 1)/v · T_mb (GPipe and 1F1B v = 1; interleaved v = 2), i.e. a
-  bubble fraction (p − 1)/(m + p − 1). The shifted schedule moves the recomputation of the last
-  min(m, p − 1) micro-batches into the bubble. `pp.send_recv`: each micro-batch's boundary
-  activation forward and its gradient backward, 2·(v·m + p − 1) transfers, not overlapped (an
-  upper bound).
+  bubble fraction (p − 1)/(m + p − 1); while the bubble leaves devices idle, the busy ones
+  compute `hardware.idle_speedup` times faster (CPU ranks sharing cores). The shifted
+  schedule moves the recomputation of the last min(m, p − 1) micro-batches into the bubble.
+  `pp.send_recv`: each micro-batch's boundary activation forward and its gradient backward,
+  2·(v·m + p − 1) transfers, not overlapped (an upper bound).
 
 **Memory** per device, the largest stage: parameters × 16 bytes (fp32 weight, gradient, two
 AdamW moments), non-expert parameters divided by tp, expert parameters by tp·ep; activations:
@@ -240,6 +241,7 @@ class StepTerms:
     dp_hidden: float
     ep_dp: float
     optimizer: float
+    idle_speedup: float
     recompute_runs: int
     profile: ModelProfile
     stages: tuple[Stage, ...]
@@ -259,7 +261,9 @@ class StepTerms:
         breakdown.update({k: m * t for k, t in self.comm.items()})
         hidden = {k: m * t for k, t in self.comm_hidden.items()}
         if pp > 1:
-            breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * self.stage_micro_batch
+            work = self.stage_micro_batch - self.forward - self.backward - self.recompute
+            work += (self.forward + self.backward + self.recompute) / self.idle_speedup
+            breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * work
             breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
         if plan.dp > 1:
             breakdown["dp.all_reduce"] = self.dp_exposed
@@ -415,6 +419,7 @@ def step_terms(
         optimizer=max(_device_params(st, plan) for st in stages)
         * OPTIMIZER_BYTES_PER_PARAM
         / hardware.memory_bandwidth,
+        idle_speedup=hardware.idle_speedup,
         recompute_runs=recompute_runs,
         profile=profile,
         stages=stages,

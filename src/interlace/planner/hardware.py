@@ -40,6 +40,9 @@ class Hardware:
         interlace overlaps them (1: fully, as with separate copy engines; measured on a CPU).
     memory_bandwidth: bytes/s a device streams through its memory (HBM, or what an optimizer
         step reaches on a CPU); it prices the optimizer step. inf: the step is not priced.
+    idle_speedup: how much faster one device computes while the others of its node idle than
+        while all compute (1 for accelerators; above 1 for CPU ranks sharing cores, whose
+        pipeline bubbles then run the busy stages faster).
     """
 
     name: str
@@ -54,12 +57,15 @@ class Hardware:
     reduce_scatter_as_all_reduce: bool = False
     overlap_efficiency: float = 1.0
     memory_bandwidth: float = math.inf
+    idle_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.overlap_efficiency <= 1:
             raise ConfigError(
                 f"{self.name}: overlap_efficiency={self.overlap_efficiency} must be in [0, 1]"
             )
+        if not self.idle_speedup >= 1:
+            raise ConfigError(f"{self.name}: idle_speedup={self.idle_speedup} must be >= 1")
         if not 0 < self.matmul_efficiency <= 1:
             raise ConfigError(
                 f"{self.name}: matmul_efficiency={self.matmul_efficiency} must be in (0, 1], "
@@ -193,13 +199,14 @@ def local(
     reduce_scatter_as_all_reduce: bool = False,
     overlap_efficiency: float = 1.0,
     memory_bandwidth: float = math.inf,
+    idle_speedup: float = 1.0,
 ) -> Hardware:
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
     `dtype` (so matmul_efficiency is 1), `link_bandwidth` bytes/s per direction between two
     devices of a node; `inter_node_bandwidth` defaults to the same link, `latency` is α of
     both links; `reduce_scatter_as_all_reduce` for a backend that runs it so (gloo);
-    `overlap_efficiency` and `memory_bandwidth` as measured (`calibrate.measure_overlap`,
-    `calibrate.measure_optimizer_bandwidth`)."""
+    `overlap_efficiency`, `memory_bandwidth` and `idle_speedup` as measured
+    (`calibrate.measure_overlap`, `calibrate.measure_optimizer_bandwidth`)."""
     return Hardware(
         name=name,
         peak_flops={dtype: float(matmul_flops)},
@@ -215,6 +222,7 @@ def local(
         reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
         overlap_efficiency=overlap_efficiency,
         memory_bandwidth=memory_bandwidth,
+        idle_speedup=idle_speedup,
     )
 
 
