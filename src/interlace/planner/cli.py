@@ -21,6 +21,7 @@ from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner.cost import PlanCost, estimate
+from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 
@@ -142,6 +143,14 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         help="price the model with its vocabulary padded to this multiple (1 = as is)",
     )
     p.add_argument(
+        "--expert-skew",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="Mixture-of-Experts models: expert popularity is Zipf with exponent S (0 = "
+        "balanced, the default; e.g. 1.2); prices each plan's moe_balance under that load",
+    )
+    p.add_argument(
         "--dtype",
         default=None,
         help=f"compute dtype: bf16, fp16, tf32, fp32 (default: bf16; fp32 on {LOCAL})",
@@ -155,6 +164,12 @@ def run_planner(args: argparse.Namespace) -> int:
     spec = pad_vocab(model, args.vocab_multiple)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1")
+    check_expert_skew(args.expert_skew)
+    if args.expert_skew and not model.n_experts:
+        raise ConfigError(
+            f"--expert-skew {args.expert_skew} describes expert popularity, but {args.model} "
+            "has no experts; drop it or give a Mixture-of-Experts model (e.g. experts=16)"
+        )
     if not args.search and not args.plan:
         raise ConfigError("give --search to rank plans, or --plan to price one plan")
     plan = None if args.search else Plan.parse(args.plan)
@@ -170,12 +185,22 @@ def run_planner(args: argparse.Namespace) -> int:
             args.seq,
             dtype=args.dtype,
             runnable_only=args.runnable_only,
+            expert_skew=args.expert_skew,
         )[: args.top]
     else:
         if args.seq and args.seq != spec.seq_len:
             spec = replace(spec, seq_len=args.seq)
         check_plan(plan, n, spec, args.runnable_only)
-        costs = [estimate(plan, spec, hardware, args.global_batch, dtype=args.dtype)]
+        costs = [
+            estimate(
+                plan,
+                spec,
+                hardware,
+                args.global_batch,
+                dtype=args.dtype,
+                expert_skew=args.expert_skew,
+            )
+        ]
     if args.trace:
         _write_trace(costs[0], spec, hardware, args)
     if args.json:
@@ -235,7 +260,9 @@ def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argp
     from interlace.planner.simulate import simulate
     from interlace.timeline import plot_timeline, write_chrome_trace
 
-    sim = simulate(cost.plan, spec, hardware, args.global_batch, dtype=args.dtype)
+    sim = simulate(
+        cost.plan, spec, hardware, args.global_batch, dtype=args.dtype, expert_skew=args.expert_skew
+    )
     path = Path(args.trace)
     write_chrome_trace(sim.spans, path)
     png = plot_timeline(sim.spans, path.with_suffix(".png"), title=f"{cost.plan} (simulated)")

@@ -29,9 +29,16 @@ devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: 
   `tp_subbatches` s > 1 the all-reduces of layers that are not checkpointed (checkpointed ones
   run unsplit) run under the other sub-batch's compute: exposed = max(comm / s, comm − their
   compute).
-- **ep**: per MoE layer and micro-batch a dispatch and a combine all_to_all forward and both
-  again backward (+2 when recomputed) of tokens·top_k·capacity_factor rows of d (capacity 1 when
-  dropless), and one all_gather of the [E] routing counts. Expert load is assumed balanced.
+- **ep** (`interlace.planner.cost_moe`): per MoE layer and micro-batch a dispatch and a
+  combine all_to_all forward and both again backward (+2 when recomputed), and one all_gather
+  of the [E] routing counts. Expert popularity is Zipf with exponent `expert_skew` (0, the
+  default: balanced). Under `moe_balance=none` with a capacity each all_to_all moves
+  tokens·top_k·capacity_factor rows of d and the capacity caps the hottest device's expert
+  compute; otherwise (dropless) the busiest link sets the all_to_all and the busiest device
+  the expert compute, after `shadow` / `prophet` replicas chosen by the runtime's own
+  searches on the expected count matrix. Replicas add Trans (forward) and Agg (backward),
+  both `ep.all_to_all` calls, hidden under the block's compute by Pro-Prophet's overlap form
+  (`hidden`). Expert compute beyond the balanced load goes to `compute` and `recompute`.
 - **dp**: one all_reduce of the stage's non-expert fp32 gradients (expert gradients over
   `ep_dp`). DDP (pp = 1, dp_overlap) runs buckets during backward: exposed = max(all_reduce −
   backward, last bucket) — everything but the last bucket can hide behind the backward, the
@@ -52,9 +59,10 @@ keeps its d-wide input, divided by tp only with sequence parallel) × tokens per
 micro-batches in flight (`micro_batches_in_flight`: all m under GPipe, ≤ p − s under 1F1B)
 in the compute dtype, plus one layer's full activations as the working set of a recomputation.
 
-- **tp_x / tp_y / tp_z** (3D, AxoNN): per layer the weight all-gathers over Z, the output
-  all-reduces and the asynchronous input-gradient all-reduces (hidden under the dW matmul) and
-  dW reduce-scatters (hidden under the backward), LayerNorm statistics; see
+- **tp_x / tp_y / tp_z** (3D, AxoNN): per layer the weight all-gathers over Z (with
+  `tp3d_prefetch`, each but the first of a pass hidden under the previous linear's compute),
+  the output all-reduces and the asynchronous input-gradient all-reduces (hidden under the dW
+  matmul) and dW reduce-scatters (hidden under the backward), LayerNorm statistics; see
   `interlace.planner.cost3d`. The embedding and head are replicated (compute split by z only),
   and the dp all-reduce follows the backward, exposed.
 
@@ -62,9 +70,9 @@ in the compute dtype, plus one layer's full activations as the working set of a 
 parameters: OPTIMIZER_BYTES_PER_PARAM bytes per parameter streamed at the hardware's
 `memory_bandwidth`.
 
-Not modelled yet: gradient compression (priced as dense), MoE load imbalance and balancing
-traffic, kernel efficiency falling with small matmuls, and contention between groups sharing
-a link.
+Not modelled yet: gradient compression (priced as dense), routing that differs between
+devices or drifts between iterations (the skew is one fixed popularity), kernel efficiency
+falling with small matmuls, and contention between groups sharing a link.
 """
 
 from __future__ import annotations
@@ -135,7 +143,8 @@ def group_inside_node(size: int, stride: int, devices_per_node: int) -> bool:
 @dataclass(frozen=True)
 class PlanCost:
     """The estimate for one plan: seconds per term (`breakdown`, summing to `step_seconds`),
-    seconds hidden under compute per term (`hidden`), throughput and memory per device."""
+    seconds hidden under compute per term (`hidden`), throughput and memory per device, and
+    the expert-parallel details (`moe`, see `StepTerms`)."""
 
     plan: Plan
     hardware: str
@@ -150,6 +159,7 @@ class PlanCost:
     memory_bytes_per_device: float
     memory: dict[str, float] = field(default_factory=dict)
     memory_limit_bytes: float = 0.0
+    moe: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -172,6 +182,7 @@ class PlanCost:
             "breakdown": dict(self.breakdown),
             "hidden": dict(self.hidden),
             "memory": dict(self.memory),
+            "moe": dict(self.moe),
         }
 
 
@@ -221,7 +232,11 @@ class StepTerms:
     2/3 of 3F), `recompute` (the checkpointed forward); `comm` the exposed tp/ep collectives per
     term, `comm_hidden` the part hidden under compute, and `comm_forward_share` the fraction of
     each term's calls issued in the forward (the rest in backward and recomputation).
-    Per step: `send_recv_one` one boundary transfer; `dp_exposed`/`dp_hidden` the gradient
+    Per step: `moe` what the expert-parallel terms assumed and found (`cost_moe`): the skew,
+    the hottest device's load over the balanced one, experts replicated per layer, seconds of
+    dispatch/combine, exposed Trans and Agg (all three in `ep.all_to_all`) and of expert
+    compute beyond the balanced load (in `compute` and `recompute`); `send_recv_one` one
+    boundary transfer; `dp_exposed`/`dp_hidden` the gradient
     all-reduce (`dp.all_reduce`); `ep_dp` the expert gradient all-reduce; `optimizer` the
     optimizer step (with gradient clipping) of the device's parameters.
     """
@@ -245,6 +260,7 @@ class StepTerms:
     recompute_runs: int
     profile: ModelProfile
     stages: tuple[Stage, ...]
+    moe: dict[str, float] = field(default_factory=dict)
 
     @property
     def stage_micro_batch(self) -> float:
@@ -283,9 +299,14 @@ def step_terms(
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
+    expert_skew: float = 0.0,
 ) -> StepTerms:
     """The terms of one step of `config` under `plan` (see `StepTerms` and the module
-    docstring). PlanError for a batch the plan cannot split."""
+    docstring), experts' popularity Zipf with exponent `expert_skew` (0 = balanced). PlanError
+    for a batch the plan cannot split or a bad skew."""
+    from interlace.planner.cost_moe import check_expert_skew  # builds on this module
+
+    check_expert_skew(expert_skew)
     seq = seq_len or config.seq_len
     profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
     act_bytes = DTYPE_BYTES.get(dtype, 2)
@@ -354,20 +375,47 @@ def step_terms(
         hidden["tp.all_reduce"] = tp_split - exposed
         comm["tp.all_reduce"] -= tp_split - exposed
 
-    # ---- expert parallel collectives per micro-batch
+    # ---- expert parallel collectives per micro-batch (`planner.cost_moe`)
+    moe: dict[str, float] = {}
     if plan.ep > 1 and slowest.n_moe:
+        from interlace.planner.cost_moe import moe_layer_terms  # builds on this module
+
+        n_moe, n_ckpt = slowest.n_moe, slowest.n_moe_checkpointed
         inside = group_inside_node(plan.ep, tp, dpn)
-        capacity = 1.0 if config.dropless else config.capacity_factor
-        rows_sent = tokens * config.top_k * capacity
-        a2a_count = slowest.n_moe * 4 + 2 * slowest.n_moe_checkpointed
-        comm["ep.all_to_all"] = a2a_count * collective_seconds(
-            "all_to_all", rows_sent * d * act_bytes, plan.ep, inside, hardware
+        expert_forward = tokens * config.top_k * 4 * d * config.ffn_dim / (tp * rate)
+        layer = moe_layer_terms(
+            plan,
+            config,
+            hardware,
+            tokens,
+            act_bytes,
+            rate,
+            expert_params=slowest.expert_params / (n_moe * config.n_experts),
+            block_forward=(compute_mb / 3 - n_moe * expert_forward) / n_moe,
+            skew=expert_skew,
         )
-        comm["ep.all_gather"] = slowest.n_moe * collective_seconds(
+        a2a_count = n_moe * 4 + 2 * n_ckpt
+        transfers = n_moe * (layer.trans + layer.agg)
+        comm["ep.all_to_all"] = a2a_count * layer.all_to_all + transfers
+        if layer.trans_hidden + layer.agg_hidden:
+            hidden["ep.all_to_all"] = n_moe * (layer.trans_hidden + layer.agg_hidden)
+        comm["ep.all_gather"] = n_moe * collective_seconds(
             "all_gather", 8 * config.n_experts, plan.ep, inside, hardware
         )
-        forward_calls += 3 * slowest.n_moe
-        total_calls += a2a_count + slowest.n_moe
+        compute_mb += 3 * n_moe * layer.extra_forward
+        recompute_mb += n_ckpt * layer.extra_forward
+        replicated = 2 * n_moe if layer.replicated else 0  # Trans forward, Agg backward
+        forward_calls += 3 * n_moe + replicated // 2
+        total_calls += a2a_count + n_moe + replicated
+        moe = {
+            "expert_skew": expert_skew,
+            "hottest_device_load": layer.hottest,
+            "replicated_experts": float(layer.replicated),
+            "dispatch_combine": m * a2a_count * layer.all_to_all,
+            "trans": m * n_moe * layer.trans,
+            "agg": m * n_moe * layer.agg,
+            "imbalance_compute": m * (3 * n_moe + n_ckpt) * layer.extra_forward,
+        }
 
     recompute_runs = m
     if plan.schedule == "shifted" and pp > 1:
@@ -423,6 +471,7 @@ def step_terms(
         recompute_runs=recompute_runs,
         profile=profile,
         stages=stages,
+        moe=moe,
     )
 
 
@@ -442,11 +491,13 @@ def estimate(
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
+    expert_skew: float = 0.0,
 ) -> PlanCost:
     """Estimate one optimizer step of `config` under `plan` on `hardware` with `global_batch`
-    sequences of `seq_len` tokens (default: the config's): `step_terms`, summed. The plan's tp
-    may be 1D or 3D. Raises PlanError for a batch the plan cannot split."""
-    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype)
+    sequences of `seq_len` tokens (default: the config's) and expert popularity Zipf with
+    exponent `expert_skew`: `step_terms`, summed. The plan's tp may be 1D or 3D. Raises
+    PlanError for a batch the plan cannot split or a bad skew."""
+    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype, expert_skew)
     breakdown, hidden = terms.breakdown()
     profile = terms.profile
     seq = profile.config.seq_len
@@ -478,6 +529,7 @@ def estimate(
         memory_bytes_per_device=memory.pop("total"),
         memory=memory,
         memory_limit_bytes=hardware.memory_bytes,
+        moe=dict(terms.moe),
     )
 
 
@@ -498,7 +550,8 @@ def _add_tp3d(
     from interlace.planner.cost3d import ends_seconds, layer_cost
 
     assert plan.tp3d is not None
-    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware)
+    prefetch = plan.overlap.tp3d_prefetch
+    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch)
     forward = 0.0
     for key, seconds in layer.exposed.items():
         comm[key] = comm.get(key, 0.0) + stage.n_layers * seconds
@@ -507,6 +560,17 @@ def _add_tp3d(
         forward += (stage.n_layers + stage.n_checkpointed) * seconds
     for key, seconds in layer.hidden.items():
         hidden[key] = hidden.get(key, 0.0) + stage.n_layers * seconds
+    if prefetch and stage.n_layers:
+        # the first gather of the forward and of the backward pass has nothing to hide under;
+        # a checkpointed stage's backward starts with the recomputed first linear
+        gather = "tp_z.all_gather"
+        replayed = stage.n_checkpointed * layer.replay_hidden
+        start = layer.first_forward
+        start += layer.first_forward if stage.n_checkpointed else layer.first_backward
+        if replayed + start:
+            comm[gather] = comm.get(gather, 0.0) + start
+            hidden[gather] = hidden.get(gather, 0.0) + replayed - start
+            forward += layer.first_forward
     ends = (int(stage.has_embed) + int(stage.has_head)) * ends_seconds(
         config, plan.tp3d, tokens, act_bytes, hardware
     )

@@ -5,14 +5,20 @@ Per transformer layer and micro-batch, with T = tokens / z on each rank and b by
 for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection, down — the
 "in" and "out" groups swap; `tensor3d.layer_wire_bytes` gives the same bytes on the wire):
 
-- forward: all_gather of the weight over Z (no prefetch: exposed) and all_reduce of the output
-  [T, n_out/p_out] over the "in" group (exposed);
-- backward: the weight gathered again over Z (exposed); the input gradient [T, n_in/p_in]
+- forward: all_gather of the weight over Z and all_reduce of the output [T, n_out/p_out] over
+  the "in" group (exposed);
+- backward: the weight gathered again over Z; the input gradient [T, n_in/p_in]
   all-reduced over the "out" group asynchronously while the dW matmul runs, so only
   max(0, all_reduce − dW) is exposed; the dW block [n_out/p_out, n_in/p_in] reduce-scattered
   over Z asynchronously, waited before the optimizer: hidden under the rest of the
   micro-batch's backward, exposed beyond it;
 - recomputation replays the forward collectives of checkpointed layers;
+- weight prefetch (`Overlap.tp3d_prefetch`, `tensor3d_prefetch`): each Z all-gather but the
+  first of a pass (forward; backward with its recomputations) is issued while the linear
+  before it in the pass computes, so only max(0, gather − that linear's compute) stays
+  exposed (`prefetched_gathers`; forward matmul 2·T·n_in·n_out/(x·y) FLOPs, backward twice
+  that), less the part `overlap_efficiency` does not hide; the rest is `hidden`. Without it
+  every gather is exposed;
 - each of the block's two LayerNorms all-reduces [T, 2] statistics over X forward and
   backward; the first stage splits the embedding output over X and the last gathers the
   residual [T, d/x] over X before the replicated final norm and head.
@@ -58,11 +64,17 @@ def block_linears(config: GPTConfig) -> tuple[Linear3DShape, ...]:
 class Layer3DCost:
     """Seconds of one layer's 3D-TP collectives per micro-batch, by comm-meter term:
     `exposed` on the critical path and `hidden` under compute; `forward` the share of
-    `exposed` that a recomputation replays."""
+    `exposed` that a recomputation replays and `replay_hidden` the gather seconds it hides.
+    With prefetch, `first_forward` / `first_backward` are the seconds `hidden` credits to the
+    first linear's forward gather and the last linear's backward gather, which a pass
+    starting there cannot hide."""
 
     exposed: dict[str, float]
     hidden: dict[str, float]
     forward: dict[str, float]
+    replay_hidden: float = 0.0
+    first_forward: float = 0.0
+    first_backward: float = 0.0
 
 
 def _add(into: dict[str, float], key: str, seconds: float) -> None:
@@ -77,9 +89,11 @@ def layer_cost(
     act_bytes: int,
     rate: float,
     hardware: Hardware,
+    prefetch: bool = False,
 ) -> Layer3DCost:
     """The collectives of one transformer layer per micro-batch of `tokens` tokens (before the
-    split over z), `rate` FLOP/s per device, on `hardware` (see the module docstring)."""
+    split over z), `rate` FLOP/s per device, on `hardware`, the weight gathers prefetched
+    under the neighbouring linear's compute when `prefetch` (see the module docstring)."""
     x, y, z = tp3d
     per_node = hardware.devices_per_node
     size = {"x": x, "y": y, "z": z}
@@ -93,7 +107,9 @@ def layer_cost(
     hidden: dict[str, float] = {}
     forward: dict[str, float] = {}
     scatter = 0.0
-    for lin in block_linears(config):
+    linears = block_linears(config)
+    gathers = prefetched_gathers(linears, tp3d, t, act_bytes, rate, hardware, prefetch)
+    for lin, (gather, gather_f, gather_b) in zip(linears, gathers, strict=True):
         in_axis, out_axis = ("y", "x") if lin.transposed else ("x", "y")
         p_in, p_out = size[in_axis], size[out_axis]
         block = lin.n_in * lin.n_out / (x * y) * act_bytes
@@ -101,26 +117,66 @@ def layer_cost(
         def seconds(op: str, payload: float, axis: str) -> float:
             return collective_seconds(op, payload, size[axis], inside[axis], hardware)
 
-        gather = seconds("all_gather", block / z, "z")
         out_reduce = seconds("all_reduce", t * lin.n_out / p_out * act_bytes, in_axis)
         for into in (exposed, forward):
-            _add(into, "tp_z.all_gather", gather)
+            _add(into, "tp_z.all_gather", gather_f)
             _add(into, f"tp_{in_axis}.all_reduce", out_reduce)
-        _add(exposed, "tp_z.all_gather", gather)  # the backward's gather
+        _add(exposed, "tp_z.all_gather", gather_b)  # the backward's gather
+        _add(hidden, "tp_z.all_gather", 2 * gather - gather_f - gather_b)
         dx = seconds("all_reduce", t * lin.n_in / p_in * act_bytes, out_axis)
         dw = 2 * t * lin.n_in * lin.n_out / (x * y) / rate
         dx_exposed = exposed_after_overlap(dx, max(0.0, dx - dw), hardware)
         _add(exposed, f"tp_{out_axis}.all_reduce", dx_exposed)
         _add(hidden, f"tp_{out_axis}.all_reduce", dx - dx_exposed)
         scatter += seconds("reduce_scatter", block, "z")
-    backward = 4 * t * sum(s.n_in * s.n_out for s in block_linears(config)) / (x * y) / rate
+    backward = 4 * t * sum(s.n_in * s.n_out for s in linears) / (x * y) / rate
     scatter_exposed = exposed_after_overlap(scatter, max(0.0, scatter - backward), hardware)
     _add(exposed, "tp_z.reduce_scatter", scatter_exposed)
     _add(hidden, "tp_z.reduce_scatter", scatter - scatter_exposed)
     norms = 2 * collective_seconds("all_reduce", t * 2 * act_bytes, x, inside["x"], hardware)
     _add(exposed, "tp_x.all_reduce", 2 * norms)
     _add(forward, "tp_x.all_reduce", norms)
-    return Layer3DCost(exposed, hidden, forward)
+    first, last = gathers[0], gathers[-1]
+    replay_hidden = sum(whole - ahead for whole, ahead, _ in gathers)
+    return Layer3DCost(
+        exposed, hidden, forward, replay_hidden, first[0] - first[1], last[0] - last[2]
+    )
+
+
+def prefetched_gathers(
+    linears: tuple[Linear3DShape, ...],
+    tp3d: tuple[int, int, int],
+    t: float,
+    act_bytes: int,
+    rate: float,
+    hardware: Hardware,
+    prefetch: bool,
+) -> list[tuple[float, float, float]]:
+    """Seconds of each linear's weight all-gather over Z for `t` tokens per rank: (the whole
+    gather, exposed in forward, exposed in backward). Without `prefetch`, all exposed. With
+    it, a gather flies while the linear before it in the pass computes: in forward the
+    previous linear's forward matmul (2·t·n_in·n_out/(x·y) FLOPs), in backward the next
+    linear's backward (twice that), the layers repeating (q follows the previous layer's
+    down), so the ideal exposed part is max(0, gather − that compute), of which
+    `overlap_efficiency` of the rest hides."""
+    x, y, z = tp3d
+    inside = group_inside_node(z, x * y, hardware.devices_per_node)
+    out = []
+    for j, lin in enumerate(linears):
+        block = lin.n_in * lin.n_out / (x * y) * act_bytes
+        gather = collective_seconds("all_gather", block / z, z, inside, hardware)
+        if not prefetch:
+            out.append((gather, gather, gather))
+            continue
+        before, after = linears[j - 1], linears[(j + 1) % len(linears)]
+        forward = 2 * t * before.n_in * before.n_out / (x * y) / rate
+        backward = 4 * t * after.n_in * after.n_out / (x * y) / rate
+        forward_exposed, backward_exposed = (
+            exposed_after_overlap(gather, max(0.0, gather - compute), hardware)
+            for compute in (forward, backward)
+        )
+        out.append((gather, forward_exposed, backward_exposed))
+    return out
 
 
 def ends_seconds(

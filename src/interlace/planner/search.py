@@ -25,6 +25,7 @@ from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.plan import Overlap, Plan
 from interlace.planner.cost import PlanCost, estimate
+from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, Hardware
 
 SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
@@ -161,11 +162,14 @@ def search(
     runnable_only: bool = False,
     memory_fraction: float = 0.9,
     vocab_multiple: int = 1,
+    expert_skew: float = 0.0,
 ) -> list[PlanCost]:
     """Valid plans of `spec` on `n_devices` of `hardware` that fit in `memory_fraction` of
     device memory, fastest first. `vocab_multiple` > 1 prices the model with its vocabulary
-    padded (`pad_vocab`) so that tp can split it. PlanError naming the fix when none is valid
-    or none fits."""
+    padded (`pad_vocab`) so that tp can split it; `expert_skew` is the experts' Zipf
+    popularity exponent (`cost.estimate`). PlanError naming the fix when none is valid or
+    none fits."""
+    check_expert_skew(expert_skew)
     spec = pad_vocab(spec, vocab_multiple)
     if not isinstance(n_devices, int) or n_devices < 1:
         raise PlanError(f"number of devices {n_devices!r} must be a positive integer, e.g. 8")
@@ -181,7 +185,7 @@ def search(
             check_plan(plan, n_devices, spec, runnable_only)
         except PlanError:
             continue
-        cost = estimate(plan, spec, hardware, global_batch, dtype=dtype)
+        cost = estimate(plan, spec, hardware, global_batch, dtype=dtype, expert_skew=expert_skew)
         valid.append(cost)
         if cost.memory_bytes_per_device <= limit:
             fitting.append(cost)
@@ -224,6 +228,8 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
         lines.append(
             f"Pipeline bubble: {p} stages, {m} micro-batches, schedule {cost.plan.schedule}."
         )
+    if cost.moe:
+        lines.append(explain_moe(cost))
     for name, seconds in sorted(cost.hidden.items()):
         if seconds > 0:
             lines.append(f"{name}: {seconds:.3g} s hidden under computation.")
@@ -235,3 +241,17 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
         f"({mem.get('micro_batches_in_flight', 1):g} micro-batches in flight)."
     )
     return "\n".join(lines)
+
+
+def explain_moe(cost: PlanCost) -> str:
+    """One line on the expert-parallel terms of `cost` (`cost.moe`): the load the skew gives
+    the hottest device under the plan's moe_balance, and what `ep.all_to_all` is made of."""
+    moe = cost.moe
+    return (
+        f"MoE (expert skew {moe['expert_skew']:g}, moe_balance={cost.plan.moe_balance}): the "
+        f"hottest device computes {moe['hottest_device_load']:.2f}x the balanced load "
+        f"({moe['imbalance_compute']:+.3g} s of expert compute), "
+        f"{moe['replicated_experts']:g} experts replicated per layer; ep.all_to_all is "
+        f"dispatch/combine {moe['dispatch_combine']:.3g} s, Trans {moe['trans']:.3g} s and Agg "
+        f"{moe['agg']:.3g} s exposed."
+    )

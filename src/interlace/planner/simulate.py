@@ -90,10 +90,11 @@ def simulate(
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
+    expert_skew: float = 0.0,
 ) -> Simulation:
     """Simulate one step of `config` under `plan` on `hardware` (arguments as
     `cost.estimate`); PlanError as `step_terms` raises it."""
-    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype)
+    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype, expert_skew)
     breakdown, _ = terms.breakdown()
     spans = _pipeline_spans(terms)
     ends = {}

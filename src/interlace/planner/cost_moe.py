@@ -1,0 +1,168 @@
+"""Expert parallel cost terms of one MoE layer under skewed expert popularity, for
+`planner.cost.step_terms`.
+
+**Popularity.** `expert_skew` s is a Zipf exponent: the expert of popularity rank r (0 =
+hottest) receives a share (r + 1)^−s / Σ_j (j + 1)^−s of the assignments; s = 0 is the
+balanced load the model assumed before. The ranks are dealt round-robin over the ep devices
+(rank r on device r mod D), so with several experts per device the hottest ones sit on
+different devices; with one expert per device (Pro-Prophet's setting) the order does not
+matter. Every device routes its N tokens · top_k assignments with the same popularity: the
+expected count matrix is C[s, e] = N · k · p_e, [D, E].
+
+**Per strategy** (`plan.moe_balance`), the runtime's own code prices and places
+(`interlace.moe.balance`): `Placement.blocked` owners, `layer_time` for the tokens each device
+computes (H) and receives (R), and the strategy's `search` for the replicas.
+
+- `none` with a capacity (the router's `capacity_factor`, not dropless): each device keeps at
+  most ceil(capacity_factor · N · k / E) assignments per expert and drops the rest, so the
+  hottest device's load is capped. The all-to-all is priced as before, N · k ·
+  capacity_factor rows, the most the capacity lets a device receive (an upper bound).
+- `dropless` (and `none` on a dropless router): no capacity; the busiest link sets the
+  all-to-all, α · (D − 1) + max_i R_i · row_bytes / bandwidth, and the busiest device the
+  expert compute.
+- `shadow`: FasterMoE shadowing (`shadow_search`, Trans and Agg priced in full as the runtime's
+  balancer does) picks hottest experts to replicate on every device.
+- `prophet`: Pro-Prophet's greedy placement (`prophet_search` with the overlap-adjusted model,
+  as the runtime's balancer under the overlapping layer) on the same count matrix.
+
+Both searches run with this hardware's ep link bandwidth and matmul rate. Replicas add Trans
+(the replicated experts' fp32 parameters, owners to replicas, once per layer forward) and Agg
+(their gradients back, once per layer backward), both `ep.all_to_all` calls in the comm meter:
+α · (D − 1) + `layer_time`'s T_Trans / T_Agg each. The expert-parallel layer issues both
+asynchronously under either strategy, so each hides as Pro-Prophet's overlap form allows:
+the ideal exposed part is α · (D − 1) + max(0, T_Trans − T_FEC − T_FNEC) (Agg: T_BEC,
+T_BNEC), with T_FNEC the block's non-MoE forward compute (T_BNEC twice it), and only
+`hardware.overlap_efficiency` of the hideable part hides.
+
+Expert compute: the balanced forward N · k · F_e / (tp · rate) is already in the layer's FLOPs
+(F_e = 2 · the expert's matmul weights per token); the hottest device adds (max_i H_i − N · k) ·
+F_e / (tp · rate) forward, twice that backward (negative when capacity drops tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from interlace.errors import PlanError
+from interlace.models.config import GPTConfig
+from interlace.moe.balance import ExpertSize, LayerCost, Placement, layer_time, make_balancer
+from interlace.plan import Plan
+from interlace.planner.cost import (
+    GRAD_BYTES,
+    collective_seconds,
+    exposed_after_overlap,
+    group_inside_node,
+)
+from interlace.planner.hardware import Hardware
+
+MODELLED_BALANCES = ("shadow", "prophet")
+"""Strategies whose placements come from a search driven by the performance model."""
+
+
+def check_expert_skew(skew: float) -> None:
+    """PlanError unless `skew` (a Zipf exponent) is a finite number >= 0."""
+    if isinstance(skew, bool) or not isinstance(skew, int | float) or not math.isfinite(skew):
+        raise PlanError(
+            f"expert skew {skew!r} is not a finite number; give a Zipf exponent >= 0, e.g. 1.2 "
+            "(0 = balanced experts)"
+        )
+    if skew < 0:
+        raise PlanError(
+            f"expert skew {skew} is negative; give a Zipf exponent >= 0, e.g. 1.2 "
+            "(0 = balanced experts, larger = hotter hottest experts)"
+        )
+
+
+def zipf_popularity(n_experts: int, n_devices: int, skew: float) -> torch.Tensor:
+    """[E] share of assignments per expert: Zipf with exponent `skew` over popularity ranks,
+    rank r placed on expert (r mod D) · E/D + r // D (round-robin over D blocked devices)."""
+    per_device = n_experts // n_devices
+    ranks = torch.arange(n_experts, dtype=torch.float64)
+    weights = (ranks + 1) ** -skew
+    experts = (ranks.long() % n_devices) * per_device + ranks.long() // n_devices
+    popularity = torch.empty(n_experts, dtype=torch.float64)
+    popularity[experts] = weights / weights.sum()
+    return popularity
+
+
+@dataclass(frozen=True)
+class MoELayerTerms:
+    """Seconds of one MoE layer per micro-batch on the slowest device (see module docstring).
+
+    all_to_all: one dispatch or combine; extra_forward: expert forward compute beyond the
+    balanced load (backward: twice); trans / agg: exposed Trans and Agg, with their hidden
+    parts; replicated: experts with replicas; hottest: max_i H_i over the balanced N · k.
+    """
+
+    all_to_all: float
+    extra_forward: float
+    trans: float
+    trans_hidden: float
+    agg: float
+    agg_hidden: float
+    replicated: int
+    hottest: float
+
+
+def moe_layer_terms(
+    plan: Plan,
+    config: GPTConfig,
+    hardware: Hardware,
+    tokens: int,
+    act_bytes: int,
+    rate: float,
+    expert_params: float,
+    block_forward: float,
+    skew: float,
+) -> MoELayerTerms:
+    """The terms of one MoE layer for `tokens` tokens per device and micro-batch, `rate` FLOP/s
+    per device, `expert_params` parameters per expert and `block_forward` seconds of the
+    block's non-MoE forward compute (T_FNEC), at popularity skew `skew`."""
+    d_count, n_experts, k = plan.ep, config.n_experts, config.top_k
+    inside = group_inside_node(d_count, plan.tp_size, hardware.devices_per_node)
+    alpha, bandwidth = hardware.link(inside)
+    latency = alpha * (d_count - 1)
+    row_bytes = config.d_model * act_bytes
+    flops_per_token = 2 * 2 * config.d_model * config.ffn_dim
+    throughput = plan.tp_size * rate / flops_per_token
+    assignments = tokens * k
+    counts = assignments * zipf_popularity(n_experts, d_count, skew).expand(d_count, -1)
+    capped = plan.moe_balance == "none" and not config.dropless
+    if capped:
+        counts = counts.clamp(max=math.ceil(config.capacity_factor * assignments / n_experts))
+    base = Placement.blocked(n_experts, d_count)
+    placement = base
+    if plan.moe_balance in MODELLED_BALANCES:
+        balancer = make_balancer(plan.moe_balance, bandwidth=bandwidth, flops=plan.tp_size * rate)
+        size = ExpertSize(row_bytes, expert_params * GRAD_BYTES, flops_per_token)
+        placement = balancer.for_layer(True).search(counts, base, size)
+    cost = LayerCost(row_bytes, expert_params * GRAD_BYTES, bandwidth, throughput)
+    full = layer_time(counts, placement, cost)
+    if capped:
+        rows = assignments * config.capacity_factor
+        all_to_all = collective_seconds("all_to_all", rows * row_bytes, d_count, inside, hardware)
+    else:
+        all_to_all = latency + full.a2a
+    trans = agg = trans_exposed = agg_exposed = 0.0
+    if placement.replicated:
+        ideal = layer_time(
+            counts,
+            placement,
+            replace(cost, fnec=block_forward, bnec=2 * block_forward, overlap=True),
+        )
+        trans, agg = latency + full.trans, latency + full.agg
+        trans_exposed = exposed_after_overlap(trans, latency + ideal.trans, hardware)
+        agg_exposed = exposed_after_overlap(agg, latency + ideal.agg, hardware)
+    return MoELayerTerms(
+        all_to_all=all_to_all,
+        extra_forward=full.fec - assignments / throughput,
+        trans=trans_exposed,
+        trans_hidden=trans - trans_exposed,
+        agg=agg_exposed,
+        agg_hidden=agg - agg_exposed,
+        replicated=len(placement.replicated),
+        hottest=full.fec * throughput / assignments,
+    )
