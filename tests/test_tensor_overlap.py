@@ -20,7 +20,8 @@ from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.models import build_model, get_preset
 from interlace.parallel import find_structure, shard_of, shard_spec, tp_comm
-from interlace.parallel.tensor_overlap import apply_tp_overlap, run_interleaved
+from interlace.parallel.tensor_overlap import apply_tp_overlap
+from interlace.parallel.tp_interleave import run_interleaved
 from interlace.parallelize import parallelize
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
@@ -201,11 +202,14 @@ def test_tp_benchmark_runs_every_mode_on_the_same_losses_and_bytes():
     result = run_ranks(2, _bench_rank, options)[0]
     modes = result["modes"]
     peer = {"megatron_core_tp"} if unavailable() is None else set()
-    assert set(modes) == {"plain_tp", "overlapped_tp_k2", "dtensor_tp"} | peer
+    overlapped = {"overlapped_tp_k2", "overlapped_tp_k2_in_block"}
+    assert set(modes) == {"plain_tp", "dtensor_tp"} | overlapped | peer
     losses = [m["loss"] for m in modes.values()]
     assert max(losses) - min(losses) < 1e-4, losses
     plain, over = modes["plain_tp"], modes["overlapped_tp_k2"]
+    in_block = modes["overlapped_tp_k2_in_block"]
     assert plain["meter_all_reduce_bytes"] == over["meter_all_reduce_bytes"] > 0
+    assert in_block["meter_all_reduce_bytes"] == over["meter_all_reduce_bytes"]
     if not peer:
         assert "Megatron-Core not run" in result["peers_skipped"]["megatron_core"]
     doc = {"result": result, "options": options, "environment": {"ranks": 2, "network": "lo"}}

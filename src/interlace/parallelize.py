@@ -71,7 +71,9 @@ def parallelize(
         subbatches = plan.overlap.tp_subbatches
         check_tp_overlap(structure, subbatches, sequence_parallel)
         report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
-        report += apply_tp_overlap(model, structure, subbatches, sequence_parallel)
+        report += apply_tp_overlap(
+            model, structure, subbatches, sequence_parallel, plan.overlap.tp_block_boundary
+        )
     if plan.tp3d is not None and plan.tp_size > 1:
         try:
             structure = find_structure(model)

@@ -38,12 +38,15 @@ class Overlap:
     tp_subbatches: sub-batches per micro-batch for overlapped tensor parallelism (1 = off).
     tp3d_prefetch: all-gather the next 3D linear's weight over tp3d's z while the current one
         computes (AxoNN); False = each gather when its layer needs it. Same bytes either way.
+    tp_block_boundary: with tp_subbatches > 1, each layer's last forward all-reduce runs under
+        the next layer's first compute; False = every layer waits for its own.
     """
 
     dp_overlap: bool = True
     dp_bucket_mb: float = 25.0
     tp_subbatches: int = 1
     tp3d_prefetch: bool = True
+    tp_block_boundary: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,16 @@ class Plan:
             raise PlanError(
                 f"tp3d_prefetch={self.overlap.tp3d_prefetch!r} must be true or false, e.g. "
                 "tp3d_prefetch=false"
+            )
+        if not isinstance(self.overlap.tp_block_boundary, bool):
+            raise PlanError(
+                f"tp_block_boundary={self.overlap.tp_block_boundary!r} must be true or false, "
+                "e.g. tp_block_boundary=false"
+            )
+        if not self.overlap.tp_block_boundary and self.overlap.tp_subbatches < 2:
+            raise PlanError(
+                "tp_block_boundary=false applies to overlapped tensor parallelism; use it with "
+                "tp_subbatches=2 or more, or drop it"
             )
         if not self.overlap.tp3d_prefetch and self.tp3d is None:
             raise PlanError(

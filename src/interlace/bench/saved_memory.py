@@ -9,7 +9,7 @@ checkpoint hooks take over, so such a layer counts only the input it keeps; the 
 rebuilds during backward live for one layer's backward and are not counted. Not counted
 either: parameters, gradients, optimizer state and transient buffers of an op. The hooks are
 per thread; overlapped tensor parallelism carries them into its sub-batch threads
-(`tensor_overlap.run_interleaved`), so what those save is counted too.
+(`tp_interleave.run_interleaved`), so what those save is counted too.
 """
 
 from __future__ import annotations

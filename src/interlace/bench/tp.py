@@ -62,12 +62,14 @@ def _model(options: dict[str, Any]) -> nn.Module:
     return build_model(gpt_config(options))
 
 
-def _interlace_tp(options: dict[str, Any], group: Group, subbatches: int) -> nn.Module:
+def _interlace_tp(
+    options: dict[str, Any], group: Group, subbatches: int, block_boundary: bool = True
+) -> nn.Module:
     model = _model(options)
     structure = find_structure(model)
     check_divisible(structure, group.size)
     apply_tensor_parallel(model, structure, group)
-    apply_tp_overlap(model, structure, subbatches)
+    apply_tp_overlap(model, structure, subbatches, block_boundary=block_boundary)
     return model
 
 
@@ -175,9 +177,10 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     comm_s = median(sample(replay, group, min_samples=options["steps"], min_seconds=0))
     modes = {"plain_tp": _measure(ctx, plain, batch, metered=True)}
     del plain
-    overlapped = _interlace_tp(options, tp, k)
-    modes[f"overlapped_tp_k{k}"] = _measure(ctx, overlapped, batch, metered=True)
-    del overlapped
+    for boundary, suffix in ((True, ""), (False, "_in_block")):
+        overlapped = _interlace_tp(options, tp, k, block_boundary=boundary)
+        modes[f"overlapped_tp_k{k}{suffix}"] = _measure(ctx, overlapped, batch, metered=True)
+        del overlapped
     modes["dtensor_tp"] = _measure(ctx, _dtensor_tp(options, p), batch, metered=False)
     skipped = {}
     reason = unavailable()
@@ -216,13 +219,13 @@ def table(doc: dict[str, Any]) -> str:
         f"(in sub-batches {r['compute_subbatched_s']:.3f} s; forward "
         f"{r['compute_forward_s']:.3f} s), TP collectives alone "
         f"{r['comm_s']:.3f} s ({r['comm_calls']} all-reduces, {r['comm_bytes'] / 1e6:.1f} MB)",
-        f"{'mode':17s} {'step s':>7s} {'fwd s':>6s} {'hidden':>7s} {'meter MB':>9s} {'calls':>6s} "
+        f"{'mode':26s} {'step s':>7s} {'fwd s':>6s} {'hidden':>7s} {'meter MB':>9s} {'calls':>6s} "
         f"{'iface tx MB':>11s} {'loss':>8s}",
     ]
     for name, m in r["modes"].items():
         meter_mb = m.get("meter_all_reduce_bytes")
         lines.append(
-            f"{name:17s} {m['step_median_s']:7.3f} {m['forward_median_s']:6.3f} "
+            f"{name:26s} {m['step_median_s']:7.3f} {m['forward_median_s']:6.3f} "
             f"{m['hidden_fraction']:7.2f} "
             f"{'-' if meter_mb is None else f'{meter_mb / 1e6:.1f}':>9s} "
             f"{m.get('meter_all_reduce_calls', '-')!s:>6s} {m['tx_bytes'] / 1e6:11.1f} "
@@ -279,7 +282,9 @@ BENCHMARK = Benchmark(
         "A forward + backward of the built-in GPT split by 1D tensor parallelism over all "
         "ranks: interlace's plain TP (one blocking all-reduce per attention and MLP each way), "
         "interlace's overlapped TP (each layer in `subbatches` interleaved sub-batches whose "
-        "all-reduces take turns, forward and backward), torch's DTensor TP (parallelize_module, "
+        "all-reduces take turns, forward and backward, each layer's last forward all-reduce under "
+        "the next layer's first compute; `_in_block`: without that block-boundary step), "
+        "torch's DTensor TP (parallelize_module, "
         "Colwise q/k/v/up, Rowwise out_proj/down) and, with the `peers` extra, Megatron-Core's "
         "Column/RowParallelLinear in the same places. The limit of a step is max(compute, "
         "comm); no overlap gives their sum."

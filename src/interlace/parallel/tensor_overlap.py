@@ -3,23 +3,26 @@ another's compute (`plan.overlap.tp_subbatches = k >= 2`).
 
 Every transformer layer of the layer list (found by `detect`) is made to split its input along
 the batch dimension into k sub-batches and run its own, unchanged forward once per sub-batch,
-the k runs interleaved. Each run executes on its own thread, but only one thread computes at a
-time: a baton passes round-robin, and the only place it is handed over is the forward
-all-reduce of a row-parallel layer (`tp_comm.reduce_from_tp`), which, while a baton is held,
-issues the all-reduce asynchronously (c10d `async_op=True`), passes the baton, and waits on
-its result only when the baton comes back. With k = 2 in a pre-norm block:
+the k runs interleaved (`tp_interleave`): each run executes on its own thread, but only one
+thread computes at a time; a baton passes round-robin, and the only place it is handed over is
+the forward all-reduce of a row-parallel layer (`tp_comm.reduce_from_tp`), which, while a
+baton is held, issues the all-reduce asynchronously (c10d `async_op=True`), passes the baton,
+and waits on its result only when the baton comes back. With k = 2 in a pre-norm block:
 
     attn(1) ─ all-reduce(1) issued ─► attn(2) ─ all-reduce(2) issued ─► wait(1), MLP(1) ─
-    all-reduce(1) issued ─► wait(2), MLP(2) ─ all-reduce(2) issued ─► wait(1) ─► wait(2)
+    all-reduce(1) issued ─► wait(2), MLP(2) ─ all-reduce(2) issued ─► park
 
 which is the block-level schedule (attention of every sub-batch, then each one's MLP while the
-others' reductions fly); only the last sub-batch's MLP all-reduce of a layer stays exposed.
-Because the hand-over points are the same on every rank, all ranks issue their collectives in
-the same order. The all-reduced bytes are those of plain TP, in k times as many calls.
+others' reductions fly). At the block boundary, inside the model's forward, the last
+sub-batch parks with its reduction in flight and the layer returns outputs whose last rows
+are pending; the next layer adopts the parked thread just before its own last sub-batch, so
+that reduction flies under the next layer's first compute (`tp_interleave`'s tail). Because
+the hand-over points are the same on every rank, all ranks issue their collectives in the same
+order. The all-reduced bytes are those of plain TP, in k times as many calls.
 
 Backward mirrors it. Each sub-batch's graph is recorded on its own thread, ending at leaves
 of its own: fresh copies of its inputs and detached aliases of the layer's parameters
-(`torch.func.functional_call`). The layer's output joins the outer graph through one
+(`_ParameterAliases`). The layer's output joins the outer graph through one
 autograd function whose backward differentiates the k graphs on k threads under the same
 baton; the hand-over point there is the input-gradient all-reduce of `copy_to_tp`, issued
 async. With k = 2: MLP-backward(2) runs while the MLP input-gradient all-reduce of sub-batch 1
@@ -30,9 +33,10 @@ the forward is interleaved.
 
 Threads rather than a rewritten forward: the layer's own code (built-in GPT, Hugging Face GPT-2,
 Llama, any model `detect` understands) runs untouched, with no per-model schedule. Not
-overlapped: the last sub-batch's reduction of each layer, at the block boundary, in both
-directions; and on CUDA the backward's hand-over only happens where the autograd engine runs
-the backward on the calling thread (CPU), elsewhere the reductions run synchronously.
+overlapped: the last sub-batch's input-gradient reduction of each layer, at the block
+boundary in backward (see `tp_interleave`); and on CUDA the backward's hand-over only happens
+where the autograd engine runs the backward on the calling thread (CPU), elsewhere the
+reductions run synchronously.
 
 Splitting rule: a tensor argument whose first dimension equals the hidden state's batch size B
 is split along it (tuples, lists and dicts are walked), anything else (None, numbers, strings,
@@ -50,7 +54,6 @@ recomputation. Its all-reduces are still not repeated by the recomputation
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,98 +61,16 @@ import torch
 from torch import nn
 
 from interlace.errors import PlanError
+from interlace.parallel import tp_interleave
 from interlace.parallel.detect import Structure
-from interlace.parallel.tp_comm import set_reduce_yield
+from interlace.parallel.tp_interleave import interleave, run_interleaved, saved_tensor_hooks
 
 _PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-class _Baton:
-    """Lets n threads run one at a time, handing over round-robin among those not finished."""
-
-    def __init__(self, n: int):
-        self.turn = 0
-        self.finished = [False] * n
-        self.cond = threading.Condition()
-
-    def wait_turn(self, i: int) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == i)
-
-    def pass_on(self, i: int) -> None:
-        n = len(self.finished)
-        with self.cond:
-            following = ((i + s) % n for s in range(1, n + 1))
-            self.turn = next((j for j in following if not self.finished[j]), -1)
-            self.cond.notify_all()
-
-    def switch(self, i: int) -> None:
-        self.pass_on(i)
-        self.wait_turn(i)
-
-
-def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Run `calls` each on its own thread, one at a time, switching at `reduce_from_tp`; return
-    their results in order (the first exception is re-raised). Grad mode, autocast, the
-    accelerator device and the saved-tensor hooks (offloading, memory meters) of the caller
-    are carried into the threads."""
-    baton = _Baton(len(calls))
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-    grad = torch.is_grad_enabled()
-    autocast = [
-        (dev, torch.get_autocast_dtype(dev))
-        for dev in ("cpu", "cuda")
-        if torch.is_autocast_enabled(dev)
-    ]
-    device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
-    saved_hooks = _saved_tensor_hooks()
-
-    def worker(i: int) -> None:
-        baton.wait_turn(i)
-        set_reduce_yield(lambda: baton.switch(i))
-        if saved_hooks is not None:
-            torch._C._autograd._push_saved_tensors_default_hooks(*saved_hooks)
-        try:
-            if device is not None:
-                torch.accelerator.set_device_index(device)
-            with torch.set_grad_enabled(grad):
-                contexts = [torch.autocast(dev, dtype) for dev, dtype in autocast]
-                for c in contexts:
-                    c.__enter__()
-                try:
-                    results[i] = calls[i]()
-                finally:
-                    for c in reversed(contexts):
-                        c.__exit__(None, None, None)
-        except BaseException as exc:  # handed to the caller below
-            errors.append(exc)
-        finally:
-            if saved_hooks is not None:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            set_reduce_yield(None)
-            baton.finished[i] = True
-            baton.pass_on(i)
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def _saved_tensor_hooks() -> tuple[Callable, Callable] | None:
-    """The caller's innermost saved-tensor hooks (pack, unpack), None when there are none.
-    torch keeps them per thread and has no public getter, hence the private call."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-
 def _under_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are torch's activation checkpoint's."""
-    hooks = _saved_tensor_hooks()
+    hooks = saved_tensor_hooks()
     return hooks is not None and hooks[0].__module__ == "torch.utils.checkpoint"
 
 
@@ -233,14 +154,23 @@ class _SubBatchRun:
     """One interleaved forward of a layer over k sub-batches, kept for its interleaved backward.
 
     Each sub-batch's differentiable inputs are fresh leaves and the layer's parameters are
-    replaced by detached aliases (`torch.func.functional_call`), so every sub-batch's graph
-    ends at leaves of its own: `backward` differentiates the k graphs on k threads that take
-    turns like the forward's (one sub-batch's input-gradient all-reduce of `copy_to_tp` flies
-    while the next computes), and returns the summed parameter gradients to the real
-    parameters through the outer graph — whose hooks (DDP buckets, replica sums) then fire
-    exactly once per parameter, as without sub-batches."""
+    replaced by detached aliases (`_ParameterAliases`), so every sub-batch's graph ends at
+    leaves of its own: `backward` differentiates the k graphs on k threads that take turns
+    like the forward's (one sub-batch's input-gradient all-reduce of `copy_to_tp` flies while
+    the next computes), and returns the summed parameter gradients to the real parameters
+    through the outer graph — whose hooks (DDP buckets, replica sums) then fire exactly once
+    per parameter, as without sub-batches. `tail` is the previous layer's pending tail, adopted
+    into this run; with `may_park` this run may leave one (`merged` then has Pending rows)."""
 
-    def __init__(self, layer: nn.Module, base_forward: Callable, args: tuple, kwargs: dict):
+    def __init__(
+        self,
+        layer: nn.Module,
+        base_forward: Callable,
+        args: tuple,
+        kwargs: dict,
+        tail: tp_interleave.Tail | None,
+        may_park: bool,
+    ):
         batch = _batch_size(args, kwargs, layer._interlace_d_model)
         self.k = min(layer._interlace_tp_subbatches, batch)
         originals = _tensors((args, kwargs))
@@ -257,14 +187,23 @@ class _SubBatchRun:
             self.leaves.append([t for t, d in zip(fresh, differentiable, strict=True) if d])
             a, kw = _with_tensors(piece, iter(fresh))
             calls.append(lambda a=a, kw=kw: base_forward(*a, **kw))
-        named = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        self.aliases = {n: p.detach().requires_grad_() for n, p in named}
-        held = {f"layer.{n}": a for n, a in self.aliases.items()}
-        outputs = torch.func.functional_call(_Holder(layer), held, (calls,))
+        self.aliases = _ParameterAliases(layer)
+        self.params = self.aliases.params
+        self.aliases.swap_in()
+        try:
+            outputs, self.parked = interleave(calls, tail, may_park)
+        except BaseException:
+            self.aliases.swap_out()
+            raise
+        if self.parked is None:
+            self.aliases.swap_out()
         self.outputs = [_tensors(o) for o in outputs]
-        with torch.no_grad():
-            self.merged = _merge(outputs)
+
+        def done(result: Any) -> None:
+            self.outputs[-1] = _tensors(result)
+            self.aliases.swap_out()
+
+        self.merged, self.parked = _merge_or_defer(outputs, self.parked, batch, done)
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         """Gradients of the inputs, then of the parameters, given the merged outputs' `grads`."""
@@ -272,7 +211,7 @@ class _SubBatchRun:
             [None] * self.k if g is None else g.split([o[j].shape[0] for o in self.outputs])
             for j, g in enumerate(grads)
         ]
-        wrt = list(self.aliases.values())
+        wrt = self.aliases.aliases
 
         def differentiate(i: int) -> tuple[torch.Tensor | None, ...]:
             pairs = [
@@ -310,18 +249,95 @@ def _sum(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.stack(present).sum(0) if len(present) > 1 else present[0]
 
 
-class _Holder(nn.Module):
-    """Holds a layer as its child `layer`, so `functional_call` can swap the layer's
-    parameters around a run of interleaved calls without calling the layer (its hooks have
-    run already, on the whole batch)."""
+class _ParameterAliases:
+    """Detached aliases standing in for a layer's trainable parameters while its sub-batches
+    run, so that each sub-batch's graph ends at leaves of its own (see `_SubBatchRun`); tied
+    parameters share one alias. Written by hand rather than with `torch.func.functional_call`,
+    whose swap lasts one call: a parked tail goes on running the layer's code after that call
+    has returned, and must see the aliases until it finishes."""
 
     def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.aliases = [p.detach().requires_grad_() for p in self.params]
+        by_id = {id(p): a for p, a in zip(self.params, self.aliases, strict=True)}
+        self._slots = [
+            (module, name, param, by_id[id(param)])
+            for module in layer.modules()
+            for name, param in module._parameters.items()
+            if param is not None and id(param) in by_id
+        ]
 
-    def forward(self, calls: list[Callable[[], Any]]) -> list[Any]:
-        """The calls' results, run by `run_interleaved`."""
-        return run_interleaved(calls)
+    def swap_in(self) -> None:
+        """Put the aliases in the parameters' places."""
+        for module, name, _, alias in self._slots:
+            module._parameters[name] = alias
+
+    def swap_out(self) -> None:
+        """Put the parameters back."""
+        for module, name, param, _ in self._slots:
+            module._parameters[name] = param
+
+
+def _row_sizes(batch: int, k: int) -> list[int]:
+    """Rows of each of the k sub-batches `tensor_split` cuts from `batch` rows."""
+    q, r = divmod(batch, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def _merge_or_defer(
+    outputs: list[Any],
+    parked: tp_interleave.Seat | None,
+    batch: int,
+    on_tail: Callable[[Any], None] | None,
+) -> tuple[Any, tp_interleave.Seat | None]:
+    """The merged outputs of a run, and the seat still to write their last rows (None when
+    complete). With a `parked` seat, outputs whose tensors are all cut along the batch get
+    full-batch buffers: the rows known now are copied in, the seat writes its own (through
+    `.data`, so no version counter moves under the next layer's saved tensors) when it
+    finishes, then calls `on_tail(result)`. Other outputs: the seat is finished here."""
+    sizes = _row_sizes(batch, len(outputs))
+    cut = parked is not None and all(
+        t.dim() > 0 and t.shape[0] == size
+        for out, size in zip(outputs[:-1], sizes, strict=False)
+        for t in _tensors(out)
+    )
+    if parked is not None and not (cut and _tensors(outputs[0])):
+        parked.on_finish = on_tail
+        outputs[-1] = tp_interleave.finish_seat(parked)
+        parked = None
+    if parked is None:
+        with torch.no_grad():
+            return _merge(outputs), None
+    start = batch - sizes[-1]
+    known = [_tensors(o) for o in outputs[:-1]]
+    buffers = [t.new_empty((batch, *t.shape[1:])) for t in known[0]]
+    with torch.no_grad():
+        for j, buffer in enumerate(buffers):
+            torch.cat([ts[j] for ts in known], out=buffer[:start])
+
+    def write_rows(result: Any) -> None:
+        rows = _tensors(result)
+        if [t.shape[0] for t in rows] != [sizes[-1]] * len(buffers):
+            raise PlanError("tp_subbatches: the last sub-batch returned outputs of other shapes")
+        with torch.no_grad():
+            for buffer, t in zip(buffers, rows, strict=True):
+                buffer.data[start:].copy_(t)
+        if on_tail is not None:
+            on_tail(result)
+
+    parked.on_finish = write_rows
+    return _with_tensors(outputs[0], iter(buffers)), parked
+
+
+def _leave_tail(result: Any, parked: tp_interleave.Seat | None, batch: int, k: int) -> Any:
+    """`result` as the caller receives it: with a `parked` seat, its tensors become `Pending`
+    aliases registered as the pending tail (see `tp_interleave`)."""
+    if parked is None:
+        return result
+    pending = [t.as_subclass(tp_interleave.Pending) for t in _tensors(result)]
+    start = batch - _row_sizes(batch, k)[-1]
+    tp_interleave.set_pending(tp_interleave.Tail(parked, pending, start, batch))
+    return _with_tensors(result, iter(pending))
 
 
 class _InterleavedBackward(torch.autograd.Function):
@@ -350,18 +366,27 @@ class _SubBatched:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         base_forward = super().forward  # type: ignore[misc]
+        tail = tp_interleave.take_pending(_tensors((args, kwargs)))
         batch = _batch_size(args, kwargs, self._interlace_d_model)
         k = min(self._interlace_tp_subbatches, batch or 0)
-        if k < 2 or not _splittable((args, kwargs)) or _under_checkpoint():
+        split = k >= 2 and _splittable((args, kwargs)) and not _under_checkpoint()
+        if tail is not None and not (
+            split and tail.rows() == (batch - _row_sizes(batch, k)[-1], batch)
+        ):
+            tp_interleave.finish_tail(tail)
+            tail = None
+        if not split:
             return base_forward(*args, **kwargs)
+        may_park = self._interlace_defer and tp_interleave.deferral_allowed()
         if not torch.is_grad_enabled():
             pieces = _split((args, kwargs), batch, k)
-            return _merge(
-                run_interleaved([lambda p=p: base_forward(*p[0], **p[1]) for p in pieces])
-            )
-        run = _SubBatchRun(self, base_forward, args, kwargs)  # type: ignore[arg-type]
+            calls = [lambda p=p: base_forward(*p[0], **p[1]) for p in pieces]
+            outputs, parked = interleave(calls, tail, may_park)
+            merged, parked = _merge_or_defer(outputs, parked, batch, None)
+            return _leave_tail(merged, parked, batch, k)
+        run = _SubBatchRun(self, base_forward, args, kwargs, tail, may_park)  # type: ignore[arg-type]
         joined = _InterleavedBackward.apply(run, *run.inputs, *run.params)
-        return _with_tensors(run.merged, iter(joined))
+        return _leave_tail(_with_tensors(run.merged, iter(joined)), run.parked, batch, k)
 
 
 _CLASSES: dict[type, type] = {}
@@ -392,12 +417,18 @@ def check_tp_overlap(structure: Structure, subbatches: int, sequence_parallel: b
 
 
 def apply_tp_overlap(
-    model: nn.Module, structure: Structure, subbatches: int, sequence_parallel: bool = False
+    model: nn.Module,
+    structure: Structure,
+    subbatches: int,
+    sequence_parallel: bool = False,
+    block_boundary: bool = True,
 ) -> list[str]:
     """Make every layer of the tensor-parallel `model` (already split by
     `apply_tensor_parallel` with `structure`) run in `subbatches` interleaved sub-batches;
     return the report line. Parameters and their names are unchanged (each layer's class gains
-    the sub-batching forward in place). `subbatches` < 2: nothing to do."""
+    the sub-batching forward in place). `block_boundary`: inside `model`'s forward, each
+    layer's last all-reduce runs under the next layer's first compute. `subbatches` < 2:
+    nothing to do."""
     check_tp_overlap(structure, subbatches, sequence_parallel)
     if subbatches < 2:
         return []
@@ -406,13 +437,31 @@ def apply_tp_overlap(
         names = [f"{structure.layers}.{i}" for i in range(count)]
     else:
         names = [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]
-    for name in names:
-        module = model.get_submodule(name)
+    modules = [model.get_submodule(name) for name in names]
+    defer = block_boundary and structure.layers is not None and not _share_parameters(modules)
+    for module in modules:
         module.__class__ = _sub_batched_class(type(module))
         module._interlace_tp_subbatches = subbatches
         module._interlace_d_model = structure.d_model
+        module._interlace_defer = defer
+    if defer:
+        model.register_forward_pre_hook(lambda *_: tp_interleave.enter_deferral(), prepend=True)
+        model.register_forward_hook(lambda *_: tp_interleave.leave_deferral(), always_call=True)
     where = structure.layers if structure.layers is not None else "attention and feed-forward"
+    boundary = ", each layer's last one under the next layer's first compute" if defer else ""
     return [
         f"overlapped tensor parallel: {len(names)} modules ({where}) run {subbatches} "
-        "interleaved sub-batches, forward all-reduces async"
+        f"interleaved sub-batches, forward all-reduces async{boundary}"
     ]
+
+
+def _share_parameters(modules: list[nn.Module]) -> bool:
+    """Whether any parameter belongs to more than one of `modules` (layers with tied weights
+    cannot leave a tail: the next layer would see the previous one's parameter aliases)."""
+    seen: set[int] = set()
+    for module in modules:
+        own = {id(p) for p in module.parameters()}
+        if own & seen:
+            return True
+        seen |= own
+    return False

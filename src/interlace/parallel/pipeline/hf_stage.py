@@ -42,6 +42,7 @@ from interlace.errors import PlanError
 from interlace.parallel.detect import find_structure
 from interlace.parallel.pipeline.partition import seq_len_of
 from interlace.parallel.pipeline.stage import copy_head
+from interlace.parallel.tp_interleave import deferral_scope
 
 Piece = Callable[[torch.Tensor], torch.Tensor]
 
@@ -195,9 +196,11 @@ class HFStage(nn.Module):
         self._names = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for the shapes."""
-        for piece, checkpointed in self.pieces():
-            x = checkpoint(piece, x, use_reentrant=False) if checkpointed else piece(x)
+        """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
+        last all-reduce to the next (`tp_interleave.deferral_scope`); none is left on return."""
+        with deferral_scope():
+            for piece, checkpointed in self.pieces():
+                x = checkpoint(piece, x, use_reentrant=False) if checkpointed else piece(x)
         return x
 
     def pieces(self) -> list[tuple[Piece, bool]]:

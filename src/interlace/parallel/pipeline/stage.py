@@ -35,6 +35,7 @@ from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
 from interlace.parallel.tensor import VocabParallelHead, copy_shard_spec
 from interlace.parallel.tp_comm import ReductionReplay
+from interlace.parallel.tp_interleave import deferral_scope
 
 TIED_GROUP_NAME = "pp_ends"
 """Comm-meter name of the {first, last} pipeline rank group that sums the tied embedding."""
@@ -73,12 +74,16 @@ class GPTStage(nn.Module):
             self.lm_head = copy_head(model.lm_head) if head_copy else model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for the shapes."""
-        for piece, checkpointed in self.pieces():
-            if checkpointed:  # the replay reuses the forward's tensor parallel reductions
-                x = checkpoint(piece, x, use_reentrant=False, context_fn=ReductionReplay.contexts)
-            else:
-                x = piece(x)
+        """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
+        last all-reduce to the next (`tp_interleave.deferral_scope`); none is left on return."""
+        with deferral_scope():
+            for piece, checkpointed in self.pieces():
+                if checkpointed:  # the replay reuses the forward's tensor parallel reductions
+                    x = checkpoint(
+                        piece, x, use_reentrant=False, context_fn=ReductionReplay.contexts
+                    )
+                else:
+                    x = piece(x)
         return x
 
     def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:

@@ -1,0 +1,199 @@
+"""Block-boundary overlap of sub-batched tensor parallelism: a layer's last all-reduce flies
+under the next layer's first compute (`tp_interleave`'s pending tail), and nothing reads the
+rows it has not written yet.
+
+Each case runs tp=2 with k sub-batches on forked ranks and compares with the serial model built
+from the same seed (fp32, loss and every gradient), and logs the order in which the layers'
+parts run on the sub-batch threads.
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from interlace.errors import PlanError
+from interlace.mesh import build_mesh
+from interlace.models import build_model, get_preset
+from interlace.parallel import find_structure, shard_of, shard_spec, tp_comm, tp_interleave
+from interlace.parallel import tensor_overlap as overlap
+from interlace.parallelize import parallelize
+from interlace.plan import Overlap, Plan
+from interlace.testing import run_ranks
+
+B, T = 4, 16
+ATOL = 1e-5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(get_preset("tiny"))
+
+
+def _tokens() -> torch.Tensor:
+    vocab = get_preset("tiny").vocab_size
+    return torch.randint(0, vocab, (B, T + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _serial() -> tuple[nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    model = _model()
+    initial = copy.deepcopy(model)
+    tokens = _tokens()
+    loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+    loss.backward()
+    return initial, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _split(model: nn.Module, k: int) -> nn.Module:
+    structure = find_structure(model)
+    plan = Plan(tp=2)
+    parallelize(model, plan, build_mesh(plan))
+    overlap.apply_tp_overlap(model, structure, k)
+    return model
+
+
+def _errors(model: nn.Module, loss, loss_ref, grads_ref) -> dict[str, float]:
+    group = build_mesh(Plan(tp=2)).group("tp")
+    errors = {"loss": (loss.detach() - loss_ref).abs().item()}
+    for name, p in model.named_parameters():
+        spec, ref = shard_spec(p), grads_ref[name]
+        ref = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
+        errors[name] = (p.grad - ref).abs().max().item()
+    return errors
+
+
+def _counted(counts: dict[str, int]) -> None:
+    """Count, in `counts`, the runs that left a tail and the runs that adopted one."""
+    interleave = tp_interleave.interleave
+
+    def counting(calls, tail=None, may_park=False):
+        results, parked = interleave(calls, tail, may_park)
+        counts["adopted"] += tail is not None
+        counts["parked"] += parked is not None
+        return results, parked
+
+    overlap.interleave = counting
+
+
+def _step(model: nn.Module, loss_ref, grads_ref, k: int) -> dict:
+    model = _split(model, k)
+    counts = {"adopted": 0, "parked": 0}
+    _counted(counts)
+    log: list[tuple[str, str]] = []
+    for i, block in enumerate(model.blocks):
+        block.attn.register_forward_pre_hook(
+            lambda *_, i=i: log.append((f"attn{i}", threading.current_thread().name))
+        )
+        block.mlp.register_forward_hook(
+            lambda *_, i=i: log.append((f"mlp{i} done", threading.current_thread().name))
+        )
+    tokens = _tokens()
+    loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+    loss.backward()
+    return {"errors": _errors(model, loss, loss_ref, grads_ref), "counts": counts, "log": log}
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_each_layer_leaves_its_last_reduction_to_the_next_and_equals_serial(k):
+    model, loss, grads = _serial()
+    for result in run_ranks(2, _step, model, loss, grads, k):
+        bad = {name: e for name, e in result["errors"].items() if not e <= ATOL}
+        assert not bad, bad
+        layers = len(model.blocks)
+        # every layer parks its last sub-batch; every layer but the first adopts one
+        assert result["counts"] == {"parked": layers, "adopted": layers - 1}
+        log = result["log"]
+        # layer 0's last sub-batch finishes its MLP (its all-reduce waited on) only after
+        # layer 1's first sub-batch has started its attention
+        finished = [i for i, (event, _) in enumerate(log) if event == "mlp0 done"]
+        started = [i for i, (event, _) in enumerate(log) if event == "attn1"]
+        assert len(finished) == len(started) == k
+        assert started[0] < finished[-1]
+        assert all(f < started[0] for f in finished[:-1])
+
+
+def _inference(model: nn.Module, k: int) -> dict:
+    model = _split(model, k)
+    counts = {"adopted": 0, "parked": 0}
+    _counted(counts)
+    with torch.no_grad():
+        logits = model(_tokens()[:, :-1])[0]  # this rank's vocabulary slice
+    return {"logits": logits, "counts": counts}
+
+
+def test_inference_without_autograd_defers_and_equals_serial():
+    model = _model()
+    with torch.no_grad():
+        expected = model(_tokens()[:, :-1])[0]
+    for rank, out in enumerate(run_ranks(2, _inference, copy.deepcopy(model), 2)):
+        assert out["counts"] == {"parked": len(model.blocks), "adopted": len(model.blocks) - 1}
+        width = out["logits"].shape[-1]
+        local = expected[..., rank * width : (rank + 1) * width]
+        torch.testing.assert_close(out["logits"], local, atol=ATOL, rtol=0)
+
+
+def _other_uses(model: nn.Module, k: int) -> dict:
+    """Layers called by hand inside a deferral scope, the output used in between."""
+    model = _split(model, k)
+    x = torch.randn(B, T, model.config.d_model, generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    with torch.no_grad(), tp_interleave.deferral_scope():
+        y = model.blocks[0](x)
+        out["pending"] = isinstance(y, tp_interleave.Pending)
+        out["shape"] = tuple(y.shape)  # metadata: must not finish the tail
+        out["still_pending"] = getattr(tp_interleave._state, "pending", None) is not None
+        out["doubled"] = y * 2  # any operation: the tail finishes first
+        out["after_op"] = getattr(tp_interleave._state, "pending", None) is not None
+        out["next"] = model.blocks[1](y)
+    out["left_scope"] = getattr(tp_interleave._state, "pending", None) is not None
+    with torch.no_grad():
+        out["reference_first"] = _unsplit_block(model.blocks[0], x)
+    return out
+
+
+def _unsplit_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block on the whole batch, as plain TP (k = 1)."""
+    saved = block._interlace_tp_subbatches
+    block._interlace_tp_subbatches = 1
+    try:
+        return block(x)
+    finally:
+        block._interlace_tp_subbatches = saved
+
+
+def test_any_other_use_of_a_pending_output_finishes_the_tail_first():
+    for out in run_ranks(2, _other_uses, _model(), 2):
+        assert out["pending"] and out["shape"] == (B, T, 64) and out["still_pending"]
+        assert not out["after_op"] and not out["left_scope"]
+        torch.testing.assert_close(out["doubled"], 2 * out["reference_first"], atol=ATOL, rtol=0)
+
+
+def test_a_failing_tail_raises_on_the_caller():
+    def failing() -> None:
+        tp_comm._yield_point.switch()  # as after an async all-reduce: the lone seat parks
+        raise ValueError("late failure")
+
+    results, parked = tp_interleave.interleave([failing], may_park=True)
+    assert results == [None] and parked is not None
+    with pytest.raises(ValueError, match="late failure"):
+        tp_interleave.finish_seat(parked)
+
+
+def _parked_through_parallelize(model: nn.Module, boundary: bool) -> int:
+    plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2, tp_block_boundary=boundary))
+    parallelize(model, plan, build_mesh(plan))
+    counts = {"adopted": 0, "parked": 0}
+    _counted(counts)
+    tokens = _tokens()
+    model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    return counts["parked"]
+
+
+def test_the_plan_switches_the_block_boundary_step():
+    layers = len(_model().blocks)
+    assert run_ranks(2, _parked_through_parallelize, _model(), True) == [layers] * 2
+    assert run_ranks(2, _parked_through_parallelize, _model(), False) == [0, 0]
+    with pytest.raises(PlanError, match="tp_block_boundary=false applies"):
+        Plan.parse("tp=2,tp_block_boundary=false").validate(2)
