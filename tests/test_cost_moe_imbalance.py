@@ -1,14 +1,17 @@
 """The planner's expert-parallel terms under skewed expert popularity (`planner.cost_moe`),
 against loads and times worked out by hand from the Zipf shares and the placement."""
 
+import argparse
 import math
 from dataclasses import replace
 
 import pytest
 
-from interlace.errors import PlanError
+from interlace.cli import _add_plan_args
+from interlace.errors import ConfigError, PlanError
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
+from interlace.planner.cli import run_planner
 from interlace.planner.cost import estimate
 from interlace.planner.cost_moe import zipf_popularity
 from interlace.planner.hardware import local
@@ -168,3 +171,24 @@ def test_explain_names_the_moe_terms():
 def test_bad_skew_is_refused(skew):
     with pytest.raises(PlanError, match="expert skew"):
         price(skew=skew)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    _add_plan_args(parser)  # includes the planner's options
+    return parser.parse_args(argv)
+
+
+def test_cli_prices_the_skew_and_refuses_bad_values(capsys):
+    model = "layers=2,hidden=32,heads=2,vocab=64,experts=2,top_k=1,seq=32"
+    argv = ["--model", model, "--hardware", "dgx-a100", "--global-batch", "8"]
+    argv += ["--plan", "dp=2,ep=2,moe_balance=dropless", "--explain"]
+    assert run_planner(parse([*argv, "--expert-skew", "1.2"])) == 0
+    assert "MoE (expert skew 1.2, moe_balance=dropless)" in capsys.readouterr().out
+    with pytest.raises(PlanError, match=r"expert skew -1\.0 is negative"):
+        run_planner(parse([*argv, "--expert-skew", "-1"]))
+    dense = ["--model", "tiny", "--plan", "dp=2", "--hardware", "dgx-a100"]
+    with pytest.raises(ConfigError, match="has no experts"):
+        run_planner(parse([*dense, "--expert-skew", "1"]))
+    with pytest.raises(SystemExit):
+        parse([*argv, "--expert-skew", "hot"])
