@@ -43,6 +43,7 @@ bytes are computed from its capacity-padded buffers, and its layer has no perfor
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -53,11 +54,11 @@ from torch import nn
 from interlace import comm
 from interlace.bench import moe_deepspeed
 from interlace.bench.base import Benchmark, RankContext, check_names
+from interlace.bench.moe_calibrate import layer_cost, measure_expert, measure_link
 from interlace.bench.moe_report import headline, key_numbers, plot, table
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.models import get_preset
-from interlace.models.mlp import MLP
 from interlace.moe.balance import (
     LayerCost,
     Placement,
@@ -148,28 +149,20 @@ def _total(value: float, group: comm.Group) -> float:
 
 
 # ---------------------------------------------------------------------- calibration
-def _calibrate(ctx: RankContext) -> dict[str, float]:
-    """B̄: bytes/s a rank receives from the others in an all_to_all of one batch of tokens;
-    t: tokens/s through one expert's forward."""
-    group, o = ctx.group, ctx.options
-    probe = torch.randn(o["tokens"], o["d_model"])
-    out = torch.empty_like(probe)
-    quiet = comm.CommMeter()
-    seconds = median(
-        sample(lambda: comm.all_to_all(out, probe, group, meter=quiet), group, min_seconds=0.2)
-    )
-    received = probe.nbytes * (group.size - 1) / group.size
-    bandwidth = received / seconds if group.size > 1 else 1e12
-    expert = MLP(o["d_model"], o["ffn"])
-    with torch.no_grad():
-        fwd = median(sample(lambda: expert(probe), group, min_seconds=0.2))
-    return {
-        "bandwidth_Bps": bandwidth,
-        "a2a_probe_bytes": probe.nbytes,
-        "a2a_probe_s": seconds,
-        "throughput_tokens_per_s": o["tokens"] / fwd,
-        "expert_forward_s": fwd,
-    }
+def _calibrate(ctx: RankContext) -> dict[str, Any]:
+    """The performance model's constants measured on the live group (`moe_calibrate`), and c
+    (`route_time_s`), the rest of the layer per routed assignment: what a dropless layer's
+    forward + backward on an even top-1 routing leaves after the other modelled terms."""
+    o, group = ctx.options, ctx.group
+    cal = measure_link(group, o["tokens"], o["d_model"])
+    cal |= measure_expert(group, o["tokens"], o["d_model"], o["ffn"])
+    moe = ExpertParallelMoE(_forced_layer(o, o["experts"], 1), group, "dropless")
+    moe.router.choices = ((torch.arange(o["tokens"]) + group.rank) % o["experts"]).unsqueeze(1)
+    seconds, kept = _layer_seconds(ctx, moe)
+    rest = seconds - layer_time(kept, moe.placement, layer_cost(cal, moe.expert_size)).total
+    cal["route_time_s"] = max(0.0, rest) / o["tokens"]
+    cal["calibration_layer_s"] = seconds
+    return cal
 
 
 # ---------------------------------------------------------------------- workloads
@@ -213,15 +206,22 @@ def _set_routing(blocks: list[_Block], work: Any, step: int, rank: int, o: dict,
 
 
 # ---------------------------------------------------------------------- one configuration
+def _forced_layer(o: dict[str, Any], experts: int, k: int) -> MoELayer:
+    """A full `MoELayer` of the options' sizes whose router is a `ForcedRouter` (sharing the
+    layer's projection)."""
+    layer = MoELayer(o["d_model"], o["ffn"], experts, k, o["capacity_factor"])
+    forced = ForcedRouter(o["d_model"], experts, k, o["capacity_factor"])
+    forced.proj = layer.router.proj
+    layer.router = forced
+    return layer
+
+
 def _build(ctx: RankContext, experts: int, k: int, strategy: str, cal: dict) -> list[_Block]:
     o, group = ctx.options, ctx.group
     torch.manual_seed(o["seed"])  # the same full model on every rank
     blocks = []
     for _ in range(o["layers"]):
-        layer = MoELayer(o["d_model"], o["ffn"], experts, k, o["capacity_factor"])
-        forced = ForcedRouter(o["d_model"], experts, k, o["capacity_factor"])
-        forced.proj = layer.router.proj
-        layer.router = forced
+        layer = _forced_layer(o, experts, k)
         size_flops = 2 * 2 * o["d_model"] * o["ffn"]
         modelled = {
             "bandwidth": cal["bandwidth_Bps"],
@@ -395,13 +395,10 @@ def _run_strategies(ctx: RankContext, work: Any, experts: int, k: int, cal: dict
     return {s: run.result(work, cal) for s, run in runs.items()}
 
 
-def _time_layer(ctx: RankContext, block: _Block, work: Any, k: int, cal: dict) -> dict[str, Any]:
-    """One MoE layer's forward + backward alone on the next step's routing (median of the
-    slowest rank), and the performance model's estimate for its counts and placement."""
+def _layer_seconds(ctx: RankContext, moe: ExpertParallelMoE) -> tuple[float, torch.Tensor]:
+    """Median seconds (slowest rank) of the layer's forward + backward alone on this rank's
+    fixed batch [1, tokens, d_model], and the [D, E] counts it computed (kept)."""
     o, group = ctx.options, ctx.group
-    moe = block.moe
-    schedule_transfers([moe])  # alone: it no longer issues the next layer's Trans
-    _set_routing([block], work, o["warmup"] + o["steps"], group.rank, o, k)
     x = torch.randn(1, o["tokens"], o["d_model"], generator=_generator(o["seed"], group.rank, 98))
     x.requires_grad_(True)
 
@@ -409,25 +406,40 @@ def _time_layer(ctx: RankContext, block: _Block, work: Any, k: int, cal: dict) -
         moe(x).float().pow(2).mean().backward()
 
     seconds = median(sample(fwd_bwd, group, min_samples=o["layer_samples"], min_seconds=0))
-    kept = _gather(moe.router.last_kept, group)
-    cost = LayerCost(
-        token_bytes=moe.expert_size.token_bytes,
-        expert_bytes=moe.expert_size.expert_bytes,
-        bandwidth=cal["bandwidth_Bps"],
-        throughput=cal["throughput_tokens_per_s"],
+    return seconds, _gather(moe.router.last_kept, group)
+
+
+def _time_layer(ctx: RankContext, block: _Block, work: Any, k: int, cal: dict) -> dict[str, Any]:
+    """One MoE layer's forward + backward alone on the next step's routing (median of the
+    slowest rank), next to the performance model's estimate for its counts and placement:
+    refined with every calibrated term (`model_*`), and Pro-Prophet's original terms with the
+    bandwidth of the even all-to-all and the throughput of all ranks at once (`paper_*`)."""
+    o, group = ctx.options, ctx.group
+    moe = block.moe
+    schedule_transfers([moe])  # alone: it no longer issues the next layer's Trans
+    _set_routing([block], work, o["warmup"] + o["steps"], group.rank, o, k)
+    seconds, kept = _layer_seconds(ctx, moe)
+    modelled = layer_time(
+        kept, moe.placement, layer_cost(cal, moe.expert_size, cal["route_time_s"])
     )
-    modelled = layer_time(kept, moe.placement, cost)
+    paper = layer_time(
+        kept,
+        moe.placement,
+        LayerCost(
+            token_bytes=moe.expert_size.token_bytes,
+            expert_bytes=moe.expert_size.expert_bytes,
+            bandwidth=cal["bandwidth_Bps"],
+            throughput=cal["throughput_tokens_per_s"],
+        ),
+    )
     return {
         "layer_s": seconds,
         "model_layer_s": modelled.total,
-        "model_terms": {
-            "a2a": modelled.a2a,
-            "fec": modelled.fec,
-            "bec": modelled.bec,
-            "trans": modelled.trans,
-            "agg": modelled.agg,
-        },
+        "model_terms": asdict(modelled),
         "model_rel_error": abs(modelled.total - seconds) / seconds,
+        "paper_model_layer_s": paper.total,
+        "paper_model_terms": asdict(paper),
+        "paper_model_rel_error": abs(paper.total - seconds) / seconds,
         "replicated": list(moe.placement.replicated),
     }
 
@@ -471,7 +483,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     cal = _calibrate(ctx)
     skipped = _deepspeed_peer(o["peers"])
     workloads: dict[str, Any] = {}
-    errors = []
+    errors, paper_errors = [], []
     for name in o["workloads"].split(","):
         work, info = _workload(ctx, name)
         experts = info["experts"]
@@ -480,17 +492,19 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
         entry: dict[str, Any] = {"workload": info}
         for k in (int(v) for v in o["top_k"].split(",")):
             strategies = _run_strategies(ctx, work, experts, k, cal, skipped is None)
-            errors += [
-                v["model_rel_error"]
-                for v in strategies.values()
-                if v["model_rel_error"] is not None
-            ]
+            modelled = [v for v in strategies.values() if v["model_rel_error"] is not None]
+            errors += [v["model_rel_error"] for v in modelled]
+            paper_errors += [v["paper_model_rel_error"] for v in modelled]
             entry[f"top{k}"] = {"strategies": strategies, "targets": _targets(strategies)}
         workloads[name] = entry
     return {
         "calibration": cal,
         "workloads": workloads,
-        "model_error": {"mean_relative_error": sum(errors) / len(errors), "count": len(errors)},
+        "model_error": {
+            "mean_relative_error": sum(errors) / len(errors),
+            "count": len(errors),
+            "paper_mean_relative_error": sum(paper_errors) / len(paper_errors),
+        },
         "peers": {"deepspeed_moe": {"skipped": skipped} if skipped else {"ran": True}},
     }
 

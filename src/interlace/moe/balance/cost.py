@@ -19,6 +19,37 @@ T_Trans = s · (D − n) · P / (D · B̄). The layer takes
 (dispatch and combine, forward and backward). When a scheduler hides Trans under the expert
 and following non-MoE forward compute (T_FNEC) and Agg under their backward (T_BNEC), the
 overlap-adjusted terms are max(0, T_Trans − T_FEC − T_FNEC) and max(0, T_Agg − T_BEC − T_BNEC).
+
+**Measured refinements.** The terms above are exact for the paper's setting (one link per
+device, one GPU per device, expert compute the only compute). Measured on a real cluster each
+term carries more; `LayerCost`'s further constants add it, and at their defaults (all zero, 2,
+None, False) the model is exactly the one above:
+
+- α (`latency`): seconds every all-to-all costs whatever it moves (a collective's start-up).
+- γ (`send_share`): how much of what a device sends occupies its link's receive direction.
+  An all-to-all then takes α + max_i (R_i + γ · S_i) · token_bytes / B̄ with S_i the tokens
+  device i sends: γ = 0 on a full-duplex link (the paper's max_i R_i), 1 where sending and
+  receiving share the link (an emulated veth link, or a host's one network stack).
+- `exchange`: Trans and Agg priced as the one all-to-all that moves them (how the
+  expert-parallel layer issues them), α + max_i (P · in_i + γ · P · out_i) / B̄ with in_i the
+  replicas device i receives and out_i those it sends (Agg: the reverse), instead of the
+  paper's even spread Σ_e (D − n_e) · P / (D · B̄).
+- a (`expert_latency`): seconds per expert call, so device i's forward takes H_i / t + a ·
+  (its E / D experts + the replicas it holds); with t this is the linear fit a + n / t of one
+  expert's forward time over its token count n.
+- ρ (`backward_ratio`): T_BEC = ρ · T_FEC (2 for matmuls; less where the forward carries
+  overheads the backward does not).
+- C (`cores`): compute units the D devices share (ranks on one host's cores); None = one per
+  device. With C < D a device computes at full speed only while at most C devices work, so
+  T_FEC is the finish time of processor sharing: with the per-device times sorted,
+  w_(1) ≤ … ≤ w_(D), T_FEC = Σ_k (w_(k) − w_(k−1)) · max(1, (D − k + 1) / C), which is
+  max_i w_i when C ≥ D.
+- c (`route_time`): seconds per routed assignment for the rest of the layer on a device (the
+  router, the count all-gather, sorting tokens by expert, the gate-weighted combine, forward
+  and backward): T_LOC = c · max_i A_i with A_i the assignments device i routes. It does not
+  depend on the placement, so it never changes a search's choice.
+
+With them T = 4 · T_A2A + T_FEC + T_BEC + T_Trans + T_Agg + T_LOC (overlap form unchanged).
 """
 
 from __future__ import annotations
@@ -41,6 +72,9 @@ class LayerCost:
     throughput: t, tokens/s one device pushes through an expert's forward.
     fnec, bnec: seconds of the following non-MoE layer's forward / backward compute.
     overlap: use the overlap-adjusted Trans and Agg terms.
+    latency, send_share, exchange, expert_latency, backward_ratio, cores, route_time: the
+        measured refinements α, γ, Trans/Agg as an all-to-all, a, ρ, C and c (module
+        docstring); the defaults give Pro-Prophet's model.
     """
 
     token_bytes: float
@@ -51,11 +85,28 @@ class LayerCost:
     fnec: float = 0.0
     bnec: float = 0.0
     overlap: bool = False
+    latency: float = 0.0
+    send_share: float = 0.0
+    exchange: bool = False
+    expert_latency: float = 0.0
+    backward_ratio: float = 2.0
+    cores: float | None = None
+    route_time: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("token_bytes", "expert_bytes", "bandwidth", "throughput"):
+        for name in ("token_bytes", "expert_bytes", "bandwidth", "throughput", "backward_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"LayerCost.{name}={getattr(self, name)} must be > 0")
+        for name in ("latency", "expert_latency", "route_time"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"LayerCost.{name}={getattr(self, name)} must be >= 0")
+        if not 0 <= self.send_share <= 1:
+            raise ValueError(
+                f"LayerCost.send_share={self.send_share} must be in [0, 1] (0: full-duplex "
+                "link, 1: sending and receiving share it)"
+            )
+        if self.cores is not None and not self.cores > 0:
+            raise ValueError(f"LayerCost.cores={self.cores} must be > 0, or None (one per device)")
 
 
 @dataclass(frozen=True)
@@ -67,35 +118,103 @@ class LayerTime:
     bec: float
     trans: float
     agg: float
+    local: float = 0.0
 
     @property
     def total(self) -> float:
-        """T = 4 · T_A2A + T_FEC + T_BEC + T_Trans + T_Agg (the last two as adjusted)."""
-        return 4 * self.a2a + self.fec + self.bec + self.trans + self.agg
+        """T = 4 · T_A2A + T_FEC + T_BEC + T_Trans + T_Agg + T_LOC (Trans, Agg as adjusted)."""
+        return 4 * self.a2a + self.fec + self.bec + self.trans + self.agg + self.local
+
+
+@dataclass(frozen=True)
+class DeviceLoads:
+    """What the model reads of a count matrix under a placement, per device i (each [D]).
+
+    computed: H_i tokens computed; received: R_i tokens received from other devices;
+    sent: S_i of its own tokens sent to other devices; routed: A_i assignments it routed;
+    replicas_in / replicas_out: replicas it receives / sends (experts); holders: devices
+    holding replicated experts, owners included (Σ_e (D − n_e)); local_experts: E / D.
+    """
+
+    computed: tuple[float, ...]
+    received: tuple[float, ...]
+    sent: tuple[float, ...]
+    routed: tuple[float, ...]
+    replicas_in: tuple[int, ...]
+    replicas_out: tuple[int, ...]
+    holders: int
+    local_experts: int
+
+    @classmethod
+    def of(cls, counts: torch.Tensor, placement: Placement) -> DeviceLoads:
+        """The loads of `placement` for counts [D, E] (tokens device s routed to expert e)."""
+        computed, received = device_loads(counts, placement)
+        counts = counts.to(torch.float64)
+        travels = ~placement.computed_at_source()
+        replicas_in, replicas_out = [0] * placement.num_devices, [0] * placement.num_devices
+        for e in placement.replicated:
+            replicas_out[placement.owner[e]] += len(placement.replicas[e])
+            for s in placement.replicas[e]:
+                replicas_in[s] += 1
+        return cls(
+            computed=tuple(computed.tolist()),
+            received=tuple(received.tolist()),
+            sent=tuple(torch.where(travels, counts, 0.0).sum(dim=1).tolist()),
+            routed=tuple(counts.sum(dim=1).tolist()),
+            replicas_in=tuple(replicas_in),
+            replicas_out=tuple(replicas_out),
+            holders=sum(replicas_in) + len(placement.replicated),
+            local_experts=placement.num_experts // placement.num_devices,
+        )
 
 
 def layer_time(counts: torch.Tensor, placement: Placement, cost: LayerCost) -> LayerTime:
     """Model the layer for routing counts [D, E] (tokens from device s to expert e) under
     `placement`; Trans and Agg are overlap-adjusted when `cost.overlap`."""
-    computed, received = device_loads(counts, placement)
-    holders = sum(1 + len(placement.replicas[e]) for e in placement.replicated)
-    return loads_time(
-        float(computed.max()), float(received.max()), holders, placement.num_devices, cost
-    )
+    return loads_time(DeviceLoads.of(counts, placement), cost)
 
 
-def loads_time(
-    max_computed: float, max_received: float, holders: int, num_devices: int, cost: LayerCost
-) -> LayerTime:
-    """Model the layer from max_i H_i, max_i R_i and the number of devices holding replicated
-    experts (owners included, Σ_e (D − n_e)) on `num_devices` devices."""
-    a2a = max_received * cost.token_bytes / cost.bandwidth
-    fec = max_computed / cost.throughput
-    bec = 2 * fec
-    trans = holders * cost.expert_bytes / (num_devices * cost.bandwidth)
+def loads_time(loads: DeviceLoads, cost: LayerCost) -> LayerTime:
+    """Model the layer from its per-device loads (module docstring)."""
+    a2a = exchange_time(loads.received, loads.sent, cost.token_bytes, cost)
+    work = [
+        h / cost.throughput + cost.expert_latency * (loads.local_experts + held)
+        for h, held in zip(loads.computed, loads.replicas_in, strict=True)
+    ]
+    fec = shared_finish(work, cost.cores)
+    bec = cost.backward_ratio * fec
     grad_bytes = cost.expert_bytes if cost.grad_bytes is None else cost.grad_bytes
-    agg = holders * grad_bytes / (num_devices * cost.bandwidth)
+    if not loads.holders:
+        trans = agg = 0.0
+    elif cost.exchange:
+        trans = exchange_time(loads.replicas_in, loads.replicas_out, cost.expert_bytes, cost)
+        agg = exchange_time(loads.replicas_out, loads.replicas_in, grad_bytes, cost)
+    else:
+        spread = loads.holders / (len(loads.computed) * cost.bandwidth)
+        trans, agg = spread * cost.expert_bytes, spread * grad_bytes
     if cost.overlap:
         trans = max(0.0, trans - fec - cost.fnec)
         agg = max(0.0, agg - bec - cost.bnec)
-    return LayerTime(a2a=a2a, fec=fec, bec=bec, trans=trans, agg=agg)
+    local = cost.route_time * max(loads.routed)
+    return LayerTime(a2a=a2a, fec=fec, bec=bec, trans=trans, agg=agg, local=local)
+
+
+def exchange_time(
+    received: tuple[float, ...], sent: tuple[float, ...], row_bytes: float, cost: LayerCost
+) -> float:
+    """Seconds of one all-to-all in which device i receives received[i] and sends sent[i]
+    rows of `row_bytes`: α + max_i (received_i + γ · sent_i) · row_bytes / B̄."""
+    busiest = max(r + cost.send_share * s for r, s in zip(received, sent, strict=True))
+    return cost.latency + busiest * row_bytes / cost.bandwidth
+
+
+def shared_finish(work: list[float], cores: float | None) -> float:
+    """When the last device finishes, each with `work` [D] seconds of compute alone, if the D
+    devices share `cores` compute units evenly (processor sharing; None: one each)."""
+    if cores is None or cores >= len(work):
+        return max(work)
+    elapsed = done = 0.0
+    for k, w in enumerate(sorted(work)):
+        elapsed += (w - done) * max(1.0, (len(work) - k) / cores)
+        done = w
+    return elapsed

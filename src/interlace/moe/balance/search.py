@@ -22,12 +22,12 @@ all-gathered counts reaches the same placement without talking to the others.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-from interlace.moe.balance.cost import LayerCost, layer_time, loads_time
-from interlace.moe.balance.placement import Placement, device_loads
+from interlace.moe.balance.cost import DeviceLoads, LayerCost, layer_time, loads_time
+from interlace.moe.balance.placement import Placement
 
 
 def shadow_search(counts: torch.Tensor, base: Placement, cost: LayerCost) -> Placement:
@@ -67,64 +67,64 @@ def prophet_search(
         )
     table = counts.to(torch.float64).tolist()
     threshold = alpha * float(counts.sum()) / base.num_experts
-    placement, loads = base, _Loads.of(counts, base)
-    best, best_score, since_best = placement, loads.score(cost), 0
+    placement, loads = base, DeviceLoads.of(counts, base)
+    best, best_score, since_best = placement, _score(loads, cost), 0
     while (
         max(loads.computed) - min(loads.computed) >= threshold and since_best < 2 * base.num_experts
     ):
         moves = [
-            (loads.add(table, placement, expert, devices), expert, devices)
+            (_add(loads, table, placement, expert, devices), expert, devices)
             for expert in range(base.num_experts)
             for devices in _new_replicas(table, placement, expert, n_exclude)
         ]
         if not moves:
             break
-        loads, expert, devices = min(moves, key=lambda move: move[0].score(cost))
+        loads, expert, devices = min(moves, key=lambda move: _score(move[0], cost))
         placement = placement.with_replicas(expert, placement.replicas[expert] + devices)
         since_best += 1
-        if loads.score(cost) < best_score:
-            best, best_score, since_best = placement, loads.score(cost), 0
+        if _score(loads, cost) < best_score:
+            best, best_score, since_best = placement, _score(loads, cost), 0
     return best
 
 
-@dataclass(frozen=True)
-class _Loads:
-    """H and R per device (`device_loads`) and the devices holding replicated experts."""
+def _add(
+    loads: DeviceLoads,
+    table: list[list[float]],
+    placement: Placement,
+    expert: int,
+    devices: tuple[int, ...],
+) -> DeviceLoads:
+    """The loads once `devices` (holding none of `expert` yet) also compute `expert` on their
+    own tokens (table[s][e]: counts as nested lists), which stop reaching its owner, and
+    receive its parameters from the owner."""
+    owner = placement.owner[expert]
+    moved = sum(table[s][expert] for s in devices)
+    computed, received, sent = list(loads.computed), list(loads.received), list(loads.sent)
+    replicas_in, replicas_out = list(loads.replicas_in), list(loads.replicas_out)
+    computed[owner] -= moved
+    received[owner] -= moved
+    replicas_out[owner] += len(devices)
+    for s in devices:
+        computed[s] += table[s][expert]
+        sent[s] -= table[s][expert]
+        replicas_in[s] += 1
+    new_holders = len(devices) + (0 if placement.replicas[expert] else 1)
+    return replace(
+        loads,
+        computed=tuple(computed),
+        received=tuple(received),
+        sent=tuple(sent),
+        replicas_in=tuple(replicas_in),
+        replicas_out=tuple(replicas_out),
+        holders=loads.holders + new_holders,
+    )
 
-    computed: tuple[float, ...]
-    received: tuple[float, ...]
-    holders: int
 
-    @classmethod
-    def of(cls, counts: torch.Tensor, placement: Placement) -> _Loads:
-        """The loads of `placement` for counts [D, E]."""
-        computed, received = device_loads(counts, placement)
-        holders = sum(1 + len(placement.replicas[e]) for e in placement.replicated)
-        return cls(tuple(computed.tolist()), tuple(received.tolist()), holders)
-
-    def add(
-        self, table: list[list[float]], placement: Placement, expert: int, devices: tuple[int, ...]
-    ) -> _Loads:
-        """The loads once `devices` (holding none of `expert` yet) also compute `expert` on
-        their own tokens (table[s][e]: counts as nested lists), which stop reaching its owner."""
-        owner = placement.owner[expert]
-        moved = sum(table[s][expert] for s in devices)
-        computed, received = list(self.computed), list(self.received)
-        computed[owner] -= moved
-        received[owner] -= moved
-        for s in devices:
-            computed[s] += table[s][expert]
-        new_holders = len(devices) + (0 if placement.replicas[expert] else 1)
-        return _Loads(tuple(computed), tuple(received), self.holders + new_holders)
-
-    def score(self, cost: LayerCost) -> tuple[float, float, int]:
-        """What the search minimises: the modelled layer time, then the balance degree (so a
-        move that spreads the load without relieving the busiest device still counts), then
-        the devices holding replicas."""
-        modelled = loads_time(
-            max(self.computed), max(self.received), self.holders, len(self.computed), cost
-        )
-        return modelled.total, statistics.pstdev(self.computed), self.holders
+def _score(loads: DeviceLoads, cost: LayerCost) -> tuple[float, float, int]:
+    """What the search minimises: the modelled layer time, then the balance degree (so a move
+    that spreads the load without relieving the busiest device still counts), then the
+    devices holding replicas."""
+    return loads_time(loads, cost).total, statistics.pstdev(loads.computed), loads.holders
 
 
 def _new_replicas(

@@ -1,0 +1,134 @@
+"""The performance model's measured refinements worked out by hand (latency, send share,
+Trans/Agg as an all-to-all, per-call expert latency, backward ratio, shared cores, routing
+cost), the search's incremental loads, and the calibration's line fit on synthetic timings."""
+
+import random
+
+import pytest
+import torch
+
+from interlace.bench.moe_calibrate import fit_line, layer_cost
+from interlace.moe.balance import ExpertSize, LayerCost, Placement, layer_time
+from interlace.moe.balance.cost import DeviceLoads, exchange_time, shared_finish
+from interlace.moe.balance.search import _add
+
+# Two devices, expert e on device e. Device 0 routes 6 tokens to expert 0 and 2 to expert 1;
+# device 1 routes 4 to expert 0 and none to expert 1.
+COUNTS_2 = torch.tensor([[6, 2], [4, 0]])
+REFINED = LayerCost(
+    token_bytes=2,
+    expert_bytes=100,
+    bandwidth=10,
+    throughput=5,
+    grad_bytes=50,
+    latency=0.1,
+    send_share=0.5,
+    exchange=True,
+    expert_latency=0.01,
+    backward_ratio=1.5,
+    route_time=0.001,
+)
+
+
+def test_refined_terms_without_replicas_equal_hand_computation():
+    t = layer_time(COUNTS_2, Placement.blocked(2, 2), REFINED)
+    # H = (10, 2), R = (4, 2), S = (2, 4), A = (8, 4), one expert call per device
+    # A2A = α + max(4 + 0.5·2, 2 + 0.5·4) · 2 / 10; FEC = max(10/5 + 0.01, 2/5 + 0.01)
+    assert t.a2a == pytest.approx(0.1 + 5 * 2 / 10)
+    assert t.fec == pytest.approx(2.01)
+    assert t.bec == pytest.approx(1.5 * 2.01)
+    assert (t.trans, t.agg) == (0.0, 0.0)
+    assert t.local == pytest.approx(0.001 * 8)
+    assert t.total == pytest.approx(4 * 1.1 + 2.01 + 3.015 + 0.008)
+
+
+def test_refined_trans_and_agg_are_the_all_to_all_that_moves_the_replicas():
+    replicated = Placement.blocked(2, 2).with_replicas(0, [1])
+    t = layer_time(COUNTS_2, replicated, REFINED)
+    # H = (6, 6), R = (0, 2), S = (2, 0); device 1 holds a replica: two expert calls
+    assert t.a2a == pytest.approx(0.1 + max(0 + 0.5 * 2, 2 + 0) * 2 / 10)
+    assert t.fec == pytest.approx(max(6 / 5 + 0.01, 6 / 5 + 0.02))
+    # Trans: device 1 receives one expert (100 B), device 0 sends it: max(0 + 0.5, 1 + 0) · 100
+    assert t.trans == pytest.approx(0.1 + 1 * 100 / 10)
+    # Agg: the reverse with 50-byte gradients: device 0 receives, device 1 sends
+    assert t.agg == pytest.approx(0.1 + 1 * 50 / 10)
+    hidden = layer_time(
+        COUNTS_2, replicated, LayerCost(**{**REFINED.__dict__, "fnec": 2.0, "overlap": True})
+    )
+    assert hidden.trans == pytest.approx(10.1 - 1.22 - 2.0)
+    assert hidden.agg == pytest.approx(max(0.0, 5.1 - 1.5 * 1.22))
+
+
+def test_exchange_time_and_defaults_reduce_to_max_received_over_bandwidth():
+    cost = LayerCost(token_bytes=1, expert_bytes=1, bandwidth=4, throughput=1)
+    assert exchange_time((3.0, 8.0), (9.0, 0.0), 2, cost) == pytest.approx(8 * 2 / 4)
+    shared = LayerCost(1, 1, 4, 1, latency=0.5, send_share=1.0)
+    assert exchange_time((3.0, 8.0), (9.0, 0.0), 2, shared) == pytest.approx(0.5 + 12 * 2 / 4)
+
+
+def test_shared_cores_follow_processor_sharing():
+    # 4 devices on 2 cores with 1, 2, 3, 4 s of work alone: all at half speed until the first
+    # ends at 2 s, then three at 2/3 speed (device 2's last second: 1.5 s), then two at full
+    # speed (1 s each) -> 5.5 s
+    assert shared_finish([4.0, 1.0, 3.0, 2.0], 2.0) == pytest.approx(5.5)
+    assert shared_finish([1.0, 1.0, 1.0, 1.0], 2.0) == pytest.approx(2.0)
+    assert shared_finish([0.0, 0.0, 0.0, 3.0], 1.0) == pytest.approx(3.0)
+    assert shared_finish([4.0, 1.0], None) == 4.0
+    assert shared_finish([4.0, 1.0], 2.0) == 4.0
+
+
+def test_bad_refinements_are_refused():
+    with pytest.raises(ValueError, match=r"send_share=1\.5"):
+        LayerCost(1, 1, 1, 1, send_share=1.5)
+    with pytest.raises(ValueError, match="latency=-1"):
+        LayerCost(1, 1, 1, 1, latency=-1)
+    with pytest.raises(ValueError, match="cores=0"):
+        LayerCost(1, 1, 1, 1, cores=0)
+
+
+def test_search_updates_loads_as_recomputing_them():
+    rng = random.Random(3)
+    counts = torch.tensor([[rng.randrange(50) for _ in range(8)] for _ in range(4)])
+    table = counts.to(torch.float64).tolist()
+    placement = Placement.blocked(8, 4)
+    loads = DeviceLoads.of(counts, placement)
+    for expert, devices in ((0, (1, 2)), (5, (0,)), (0, (3,)), (7, (0, 1, 2))):
+        loads = _add(loads, table, placement, expert, devices)
+        placement = placement.with_replicas(expert, placement.replicas[expert] + devices)
+        assert loads == DeviceLoads.of(counts, placement)
+
+
+def test_fit_line_recovers_synthetic_timings():
+    rng = random.Random(0)
+    xs = [256, 1024, 4096, 8192]
+    ys = [0.0003 + 5e-6 * x * (1 + rng.uniform(-0.01, 0.01)) for x in xs]
+    intercept, slope = fit_line(xs, ys)
+    assert slope == pytest.approx(5e-6, rel=0.02)
+    assert intercept == pytest.approx(0.0003, abs=2e-4)
+    # a burst allowance makes small messages faster than the rate: the intercept would be
+    # negative, so the fit goes through 0 (least squares slope Σxy / Σx²)
+    xs, ys = [1.0, 2.0, 3.0], [0.5, 1.8, 2.9]
+    assert fit_line(xs, ys) == pytest.approx((0.0, (0.5 + 3.6 + 8.7) / 14))
+    with pytest.raises(ValueError, match="distinct x"):
+        fit_line([1.0, 1.0], [2.0, 3.0])
+
+
+def test_layer_cost_takes_every_calibrated_term():
+    cal = {
+        "link_Bps": 1e8,
+        "expert_tokens_per_s": 1e5,
+        "latency_s": 1e-4,
+        "send_share": 0.9,
+        "expert_latency_s": 2e-4,
+        "backward_ratio": 1.7,
+        "cores": 2.0,
+    }
+    cost = layer_cost(cal, ExpertSize(512, 4096, 100), route_time=3e-6)
+    assert (cost.bandwidth, cost.throughput, cost.latency, cost.send_share) == (1e8, 1e5, 1e-4, 0.9)
+    assert (cost.expert_latency, cost.backward_ratio, cost.cores, cost.route_time) == (
+        2e-4,
+        1.7,
+        2.0,
+        3e-6,
+    )
+    assert cost.exchange and (cost.token_bytes, cost.expert_bytes) == (512, 4096)
