@@ -416,3 +416,20 @@ def test_idle_devices_speed_up_the_busy_ones_in_the_bubble():
     assert shared.breakdown["pp.bubble"] == pytest.approx(per_mb / 2)
     with pytest.raises(ConfigError, match="idle_speedup"):
         dataclasses.replace(free, idle_speedup=0.5)
+
+
+def test_block_boundary_hides_each_forward_boundary_but_the_stages_last():
+    """Compute far above communication: within a layer the sub-batches leave half of the
+    split all-reduces exposed (comm / s); the block-boundary step hides one more sub-batch
+    all-reduce for every layer but the last."""
+    slow = local(1e8, BW, latency=0.0, devices_per_node=2, dtype="bf16")
+    tokens = 4 * TINY.seq_len
+    piece = 2 * (1 / 2) * (tokens * TINY.d_model * 2 / 2) / BW  # ring all-reduce of half
+    split = 4 * TINY.n_layers * 2 * piece
+    within = Overlap(tp_subbatches=2, tp_block_boundary=False)
+    inside = estimate(Plan(tp=2, overlap=within), TINY, slow, 4)
+    across = estimate(Plan(tp=2, overlap=Overlap(tp_subbatches=2)), TINY, slow, 4)
+    assert inside.hidden["tp.all_reduce"] == pytest.approx(split / 2)
+    assert across.hidden["tp.all_reduce"] == pytest.approx(split / 2 + (TINY.n_layers - 1) * piece)
+    gain = inside.breakdown["tp.all_reduce"] - across.breakdown["tp.all_reduce"]
+    assert gain == pytest.approx((TINY.n_layers - 1) * piece)

@@ -27,8 +27,10 @@ devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: 
   embedding adds one forward and the head's input one backward all_reduce. With
   `sequence_parallel` each becomes an all_gather plus a reduce_scatter (same bytes). With
   `tp_subbatches` s > 1 the all-reduces of layers that are not checkpointed (checkpointed ones
-  run unsplit) run under the other sub-batch's compute: exposed = max(comm / s, comm − their
-  compute).
+  run unsplit) run under the other sub-batch's compute: exposed = max(comm / s − b, comm −
+  their compute), where b, with `tp_block_boundary`, is one sub-batch all-reduce for each
+  split layer but the stage's last (its forward boundary reduction runs under the next
+  layer's first compute).
 - **ep** (`interlace.planner.cost_moe`): per MoE layer and micro-batch a dispatch and a
   combine all_to_all forward and both again backward (+2 when recomputed), and one all_gather
   of the [E] routing counts. Expert popularity is Zipf with exponent `expert_skew` (0, the
@@ -331,7 +333,7 @@ def step_terms(
     # ---- tensor parallel collectives per micro-batch
     comm: dict[str, float] = {}
     forward_calls = total_calls = 0
-    tp_split = 0.0  # seconds of all-reduces that run on sub-batch threads, hideable
+    tp_split = tp_piece = 0.0  # all-reduces on sub-batch threads (hideable), one of them
     if plan.tp > 1:
         # a recomputation replays the forward's all-reduced outputs (ReductionReplay) unless
         # they run as sequence-parallel gathers; checkpointed layers run unsplit
@@ -353,12 +355,8 @@ def step_terms(
             )
         else:
             one = collective_seconds("all_reduce", payload, tp, inside, hardware)
-            tp_split = (
-                4
-                * split_layers
-                * s
-                * collective_seconds("all_reduce", payload / s, tp, inside, hardware)
-            )
+            tp_piece = collective_seconds("all_reduce", payload / s, tp, inside, hardware)
+            tp_split = 4 * split_layers * s * tp_piece
             comm["tp.all_reduce"] = (count - 4 * split_layers) * one + tp_split
     hidden: dict[str, float] = {}
     if plan.tp3d is not None:
@@ -369,9 +367,10 @@ def step_terms(
     if tp_split:
         s = plan.overlap.tp_subbatches
         split_compute = compute_mb * (1 - slowest.n_checkpointed / slowest.n_layers)
-        exposed = exposed_after_overlap(
-            tp_split, max(tp_split / s, tp_split - split_compute), hardware
-        )
+        floor = tp_split / s
+        if plan.overlap.tp_block_boundary:  # each forward boundary but the stage's last hides
+            floor -= (slowest.n_layers - slowest.n_checkpointed - 1) * tp_piece
+        exposed = exposed_after_overlap(tp_split, max(floor, tp_split - split_compute), hardware)
         hidden["tp.all_reduce"] = tp_split - exposed
         comm["tp.all_reduce"] -= tp_split - exposed
 
