@@ -3,14 +3,17 @@ on 2 forked ranks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
 from interlace.bench import get_benchmark
 from interlace.bench.base import RankContext
-from interlace.bench.planner import run_rank, spearman, summarize
+from interlace.bench.planner import _hardware, _predict, run_rank, spearman, summarize
 from interlace.comm import Group
 from interlace.errors import ConfigError
+from interlace.models import get_preset
 from interlace.testing import run_ranks
 
 
@@ -70,9 +73,17 @@ def test_one_tiny_plan_runs_and_is_predicted():
     bench.check(options)
     result = run_ranks(2, _rank, options, timeout=120)[0]
     (run,) = result["runs"]
+    config = get_preset("tiny")
+    if options["seq_len"]:
+        config = dataclasses.replace(config, seq_len=options["seq_len"])
     assert run["plan"] == "dp=2" and run["step_median_s"] > 0 and run["predicted_s"] > 0
     assert run["memory_bytes"] > run["state_bytes"] > 0
     assert result["calibration"]["link_bandwidth_Bps"] > 0
+    # predicted at the matmul rate measured just before the plan ran
+    assert run["matmul_flops"] > 0
+    hardware = _hardware(result["calibration"], 2, run["matmul_flops"])
+    again = _predict({**run, "model_config": config}, hardware, options)
+    assert again["predicted_s"] == pytest.approx(run["predicted_s"], rel=1e-12)
     assert "1 plans" in bench.table({"result": result})
     with pytest.raises(ConfigError, match="steps=0"):
         bench.check({**options, "steps": 0})

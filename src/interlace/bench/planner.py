@@ -17,7 +17,8 @@ then `steps` steps, the slowest rank's step time per step, the median kept. Memo
 rank is measured as the optimizer's parameter, gradient and AdamW state bytes plus the peak of
 the activations autograd keeps for backward (saved tensors counted once per storage while they
 are alive; parameters excluded; tensors a checkpointed layer recomputes inside its backward are
-not seen). Each is predicted by `cost.estimate` on `hardware.local` built from the calibration.
+not seen). Each is predicted by `cost.estimate` on `hardware.local` built from the calibration,
+at the matmul rate measured again just before the plan ran.
 
 Reported: Spearman rank correlation of predicted and measured step times, the median absolute
 relative error, whether the predicted best plan is within 5% of the measured best, and the
@@ -176,16 +177,14 @@ def _predict(run: dict[str, Any], hardware, options: dict[str, Any]) -> dict[str
     return run
 
 
-def run_rank(ctx: RankContext) -> dict[str, Any]:
-    """Calibrate on the cluster, run every plan of the cluster's size, predict each."""
-    options, p = ctx.options, ctx.group.size
-    calibration = _calibrate(ctx)
-    hardware = dataclasses.replace(
+def _hardware(calibration: dict[str, float], ranks: int, matmul_flops: float):
+    """`hardware.local` from the calibration, at the matmul rate `matmul_flops`."""
+    return dataclasses.replace(
         local(
-            calibration["matmul_flops"],
+            matmul_flops,
             calibration["link_bandwidth_Bps"],
-            memory_bytes=memory_bytes() / p,
-            devices_per_node=p,
+            memory_bytes=memory_bytes() / ranks,
+            devices_per_node=ranks,
             latency=calibration["link_latency_s"],
             reduce_scatter_as_all_reduce=True,  # gloo
             memory_bandwidth=calibration["memory_bandwidth_Bps"],
@@ -194,13 +193,32 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
         matmul_efficiency=calibration["model_efficiency"],
         overlap_efficiency=calibration["overlap_efficiency"],
     )
+
+
+def _matmul_rate_now(ctx: RankContext) -> float:
+    """The slowest rank's matmul FLOP/s, all ranks measuring at once, right now."""
+    dist.barrier(group=ctx.group.pg)
+    rate = measure_matmul_flops(torch.get_num_threads(), min_seconds=0.2)
+    return slowest(-rate, ctx.group) * -1
+
+
+def run_rank(ctx: RankContext) -> dict[str, Any]:
+    """Calibrate on the cluster, run every plan of the cluster's size, predict each. The
+    matmul rate is measured again just before each plan (a shared machine's speed drifts
+    over the minutes the plans take; the prediction is made at the speed the plan ran at),
+    every other calibrated figure is kept."""
+    options, p = ctx.options, ctx.group.size
+    calibration = _calibrate(ctx)
     runs = []
     jobs = [(options["model"], t) for t in DENSE_PLANS.get(p, [])]
     if options["moe_model"]:
         jobs += [(options["moe_model"], t) for t in MOE_PLANS.get(p, [])]
     limit = options["plans"] or len(jobs)
     for model, text in jobs[:limit]:
-        runs.append(_predict(_run_plan(ctx, model, text), hardware, options))
+        rate = _matmul_rate_now(ctx)
+        run = _run_plan(ctx, model, text)
+        run["matmul_flops"] = rate
+        runs.append(_predict(run, _hardware(calibration, p, rate), options))
     return {
         "calibration": calibration,
         "runs": runs,
