@@ -19,8 +19,12 @@ needs_hf = pytest.mark.skipif(transformers is None, reason="needs the hf extra (
 def tiny_hf_model(kind: str, d: int, layers: int, vocab: int, positions: int, **sizes):
     """A seeded tiny Hugging Face causal LM built from a config (no download), dropout off:
     kind "gpt2" (4 heads, tied head) or "llama" (4 heads; `kv_heads` (2) grouped-query kv
-    heads, `ffn` (128) intermediate width). Keep `vocab` apart from every ffn width: the
-    structure detector finds the LM head by its shape."""
+    heads, `ffn` (128) intermediate width); the Mixture-of-Experts kinds "mixtral" (Llama's
+    attention; every layer's MLP a sparse block of `experts` (4) SwiGLU experts of width
+    `ffn` (96), top-`top_k` (2) routed, no router jitter) and "qwen2_moe" (the same, plus a
+    sigmoid-gated shared expert of width `shared_ffn` (128); q, k, v with biases). Keep
+    `vocab` apart from every ffn width: the structure detector finds the LM head by its
+    shape."""
     torch.manual_seed(0)
     if kind == "gpt2":
         config = transformers.GPT2Config(
@@ -28,9 +32,24 @@ def tiny_hf_model(kind: str, d: int, layers: int, vocab: int, positions: int, **
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
+    common = dict(
         hidden_size=d, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=sizes.get("kv_heads", 2), intermediate_size=sizes.get("ffn", 128),
-        vocab_size=vocab, max_position_embeddings=positions,
+        num_key_value_heads=sizes.get("kv_heads", 2), vocab_size=vocab,
+        max_position_embeddings=positions, attention_dropout=0.0,
     )  # fmt: skip
+    experts = dict(num_experts_per_tok=sizes.get("top_k", 2), output_router_logits=False)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(
+            **common, **experts, intermediate_size=sizes.get("ffn", 96),
+            num_local_experts=sizes.get("experts", 4), router_jitter_noise=0.0,
+        )  # fmt: skip
+        return transformers.MixtralForCausalLM(config)
+    if kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **common, **experts, moe_intermediate_size=sizes.get("ffn", 96),
+            num_experts=sizes.get("experts", 4), decoder_sparse_step=1, mlp_only_layers=[],
+            shared_expert_intermediate_size=sizes.get("shared_ffn", 128),
+        )  # fmt: skip
+        return transformers.Qwen2MoeForCausalLM(config)
+    config = transformers.LlamaConfig(**common, intermediate_size=sizes.get("ffn", 128))
     return transformers.LlamaForCausalLM(config)
