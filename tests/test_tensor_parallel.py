@@ -195,6 +195,10 @@ CASES = [
     pytest.param("llama", 2, False, marks=needs_hf),
     pytest.param("llama", 4, False, marks=needs_hf),  # 2 kv heads on 4 ranks: replicated
     pytest.param("llama", 4, True, marks=needs_hf),
+    pytest.param("mixtral", 2, False, marks=needs_hf),  # every expert split along its F
+    pytest.param("mixtral", 2, True, marks=needs_hf),
+    pytest.param("qwen2_moe", 2, False, marks=needs_hf),  # + shared expert and its gate
+    pytest.param("qwen2_moe", 4, True, marks=needs_hf),
 ]
 
 

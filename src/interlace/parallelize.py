@@ -31,6 +31,7 @@ from interlace.parallel.expert import parallelize_experts
 from interlace.parallel.expert_groups import build_expert_groups
 from interlace.parallel.tensor import apply_tensor_parallel, check_divisible
 from interlace.parallel.tensor3d import Grid, apply_tensor3d, check_tensor3d
+from interlace.parallel.tensor_moe import check_expert_blocks
 from interlace.parallel.tensor_overlap import apply_tp_overlap, check_tp_overlap
 from interlace.plan import Plan
 
@@ -69,6 +70,7 @@ def parallelize(
             raise PlanError(f"tp={plan.tp}: {exc}") from None
         check_divisible(structure, plan.tp)
         subbatches = plan.overlap.tp_subbatches
+        check_expert_blocks(model, structure, plan.tp, subbatches)
         check_tp_overlap(structure, subbatches, sequence_parallel)
         report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
         report += apply_tp_overlap(

@@ -13,9 +13,14 @@ token embedding width:
   of width 3·(query width) in q, k, v order (GPT-2's `c_attn`). Head width from the module's
   `head_dim`, or its width divided by a head-count attribute.
 - **feed-forward**: one or two producers d → f (up, or gate and up) and a down projection f → d.
-- **Mixture-of-Experts**: a module with a child list of ≥ 2 feed-forward experts, or a child
-  holding ≥ 3-D parameters (fused experts): left whole, replicated (expert parallelism is the
-  `ep` dimension's work).
+- **Mixture-of-Experts block with fused experts** (Hugging Face Mixtral, Qwen2-MoE, ...): a
+  module whose children are a router holding one parameter [E, d], an experts module holding
+  exactly two parameters, gate|up [E, 2F, d] and down [E, d, F], and optionally a shared
+  feed-forward expert with its gate (a linear layer d → 1). Tensor parallelism splits every
+  expert's F; expert parallelism splits the E experts (`ExpertBlock`, `find_expert_blocks`).
+- **other Mixture-of-Experts layers**: a module with a child list of ≥ 2 feed-forward experts,
+  or any other child holding ≥ 3-D parameters: left whole, replicated (expert parallelism is
+  the `ep` dimension's work).
 - **layer list**: the `nn.ModuleList` holding the attention blocks; **final norm**: the last
   parameterised leaf after it whose parameters are all [d] (the norm before the head).
 
@@ -81,6 +86,28 @@ class FeedForward:
 
 
 @dataclass(frozen=True)
+class ExpertBlock:
+    """A Mixture-of-Experts block with fused experts; child and parameter names are local.
+
+    `router`: the child holding the routing weight [n_experts, d_model]; `experts`: the child
+    holding `gate_up` [n_experts, 2·ffn_dim, d_model] (gate rows, then up rows) and `down`
+    [n_experts, d_model, ffn_dim]; `shared`: a shared feed-forward expert (its `name` is the
+    full module name), added to the routed output after scaling by sigmoid(`shared_gate`(x)).
+    """
+
+    name: str
+    router: str
+    experts: str
+    gate_up: str
+    down: str
+    n_experts: int
+    d_model: int
+    ffn_dim: int
+    shared: FeedForward | None = None
+    shared_gate: str | None = None
+
+
+@dataclass(frozen=True)
 class Vocab:
     """Token embedding [vocab, d_model] and the LM head d_model → vocab (None if not found)."""
 
@@ -93,12 +120,16 @@ class Vocab:
 
 @dataclass
 class Structure:
-    """What tensor parallelism will split in a model, and what it leaves replicated (notes)."""
+    """What tensor parallelism will split in a model, and what it leaves replicated (notes).
+
+    `experts` names every Mixture-of-Experts layer, those in `expert_blocks` (which 1D tensor
+    parallelism splits) included; the others stay whole."""
 
     d_model: int
     vocab: Vocab | None
     attentions: list[Attention] = field(default_factory=list)
     feed_forwards: list[FeedForward] = field(default_factory=list)
+    expert_blocks: list[ExpertBlock] = field(default_factory=list)
     experts: list[str] = field(default_factory=list)
     layers: str | None = None
     final_norm: str | None = None
@@ -124,6 +155,12 @@ class Structure:
                 f"{f.name}: feed-forward ({', '.join(f.producers)} → {f.down}), "
                 f"ffn width {f.ffn_dim}"
             )
+        for b in self.expert_blocks:
+            shared = f", shared expert {b.shared.name}" if b.shared else ""
+            lines.append(
+                f"{b.name}: Mixture-of-Experts block (router {b.router}, {b.n_experts} experts "
+                f"fused in {b.experts}, ffn width {b.ffn_dim}{shared})"
+            )
         return lines + self.notes
 
 
@@ -141,6 +178,12 @@ def find_structure(model: nn.Module) -> Structure:
     claimed: list[str] = []
     for name, module in modules.items():
         if name == "" or _under(name, claimed):
+            continue
+        block = expert_block(name, module)
+        if block is not None and block.d_model == vocab.d_model:
+            structure.expert_blocks.append(block)
+            structure.experts.append(name)
+            claimed.append(name)
             continue
         if _is_experts(module, vocab.d_model):
             structure.experts.append(name)
@@ -202,6 +245,65 @@ def _find_vocab(model: nn.Module) -> Vocab | None:
         return best
     emb_name, emb = max(embeddings, key=lambda item: item[1].num_embeddings)
     return Vocab(emb_name, None, False, emb.num_embeddings, emb.embedding_dim)
+
+
+def find_expert_blocks(model: nn.Module) -> list[ExpertBlock]:
+    """Every Mixture-of-Experts block with fused experts in `model`, outermost first (see
+    `expert_block`); needs no token embedding."""
+    blocks: list[ExpertBlock] = []
+    for name, module in model.named_modules():
+        if not _under(name, [b.name for b in blocks]) and (block := expert_block(name, module)):
+            blocks.append(block)
+    return blocks
+
+
+def expert_block(name: str, module: nn.Module) -> ExpertBlock | None:
+    """`module` (named `name`) as an ExpertBlock, or None: its children must be exactly a
+    router (one parameter [E, d]), fused experts (two parameters, [E, 2F, d] and [E, d, F]),
+    and optionally a feed-forward shared expert and a linear d → 1 shared gate."""
+    if list(module.parameters(recurse=False)):
+        return None
+    children = [(n, c, list(c.parameters(recurse=False))) for n, c in module.named_children()]
+    fused = [(n, c, ps) for n, c, ps in children if any(p.dim() == 3 for p in ps)]
+    if len(fused) != 1:
+        return None
+    experts_name, experts, _ = fused[0]
+    shapes = _fused_shapes(experts)
+    if shapes is None:
+        return None
+    gate_up, down, (n_experts, d, ffn) = shapes
+    router = shared = shared_gate = None
+    for child_name, child, params in children:
+        if child is experts or not any(True for _ in child.parameters()):
+            continue
+        found = _classify(f"{name}.{child_name}", child, d)
+        shape = linear_shape(child)
+        if len(params) == 1 and tuple(params[0].shape) == (n_experts, d) and router is None:
+            router = child_name
+        elif isinstance(found, FeedForward) and shared is None:
+            shared = found
+        elif shape is not None and shape[:2] == (d, 1) and shared_gate is None:
+            shared_gate = child_name
+        else:
+            return None
+    if router is None or (shared_gate is not None and shared is None):
+        return None
+    return ExpertBlock(
+        name, router, experts_name, gate_up, down, n_experts, d, ffn, shared, shared_gate
+    )
+
+
+def _fused_shapes(experts: nn.Module) -> tuple[str, str, tuple[int, int, int]] | None:
+    """(gate|up name, down name, (E, d, F)) if `experts` holds exactly the parameters
+    [E, 2F, d] and [E, d, F] (in either order) and no children with parameters."""
+    params = list(experts.named_parameters())
+    if len(params) != 2 or any(p.dim() != 3 for _, p in params):
+        return None
+    for (up_name, up), (down_name, down) in (params, params[::-1]):
+        n_experts, width, d = up.shape
+        if width % 2 == 0 and tuple(down.shape) == (n_experts, d, width // 2):
+            return up_name, down_name, (n_experts, d, width // 2)
+    return None
 
 
 def _linear_children(module: nn.Module) -> list[tuple[str, int, int]]:

@@ -34,6 +34,8 @@ expressible with `ColwiseParallel`), GQA with fewer kv heads than ranks needs re
 sharded cross-entropy must never gather logits.
 
 Overlapping these all-reduces with compute (`tp_subbatches`) is `tensor_overlap.py`'s work.
+Mixture-of-Experts blocks with fused experts (HF Mixtral, Qwen2-MoE) are split, every expert
+along its width, by `tensor_moe.py`; other MoE layers stay replicated.
 
 All ranks of the group must hold the same full model before `apply_tensor_parallel` (build
 it with the same seed); ranks must also share dropout seeds for the replicated regions.
@@ -138,7 +140,9 @@ def gather_full(shard: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Ten
     return assemble(pieces, spec)
 
 
-def _shard_param(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Parameter:
+def shard_parameter(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Parameter:
+    """This rank's piece of `param` (see `shard_of`) as a new Parameter carrying `spec`; a
+    piece shared by several ranks (replicas > 1) gets its gradient summed among them."""
     piece = shard_of(param.detach(), spec, group.rank, group.size)
     new = nn.Parameter(piece, requires_grad=param.requires_grad)
     setattr(new, _SPEC_ATTR, spec)
@@ -346,10 +350,14 @@ def apply_tensor_parallel(
     lines = [f"tensor parallel over {group.size} ranks{mode}"]
     for a in structure.attentions:
         lines.append(_shard_attention(modules[a.name], a, group, sequence_parallel))
-        _enter_block(modules[a.name], structure.d_model, group, sequence_parallel)
+        enter_block(modules[a.name], structure.d_model, group, sequence_parallel)
     for f in structure.feed_forwards:
         lines.append(_shard_feed_forward(modules[f.name], f, group, sequence_parallel))
-        _enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
+        enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
+    from interlace.parallel.tensor_moe import shard_expert_block  # it builds on this module
+
+    for b in structure.expert_blocks:
+        lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
     lines.append(_shard_vocab(model, structure, group, sequence_parallel))
     if sequence_parallel:
         lines.append(_shard_sequence(model, structure, group))
@@ -365,21 +373,22 @@ def _check_sequence_parallel(structure: Structure) -> None:
     for absent, what in missing:
         if absent:
             raise PlanError(f"sequence_parallel=True needs {what}; none was found")
-    if structure.experts:
+    split = {b.name for b in structure.expert_blocks}
+    if whole := [name for name in structure.experts if name not in split]:
         raise PlanError(
             f"sequence_parallel=True cannot shard the replicated Mixture-of-Experts layers "
-            f"{structure.experts} (routing capacity and load balance need every token); "
+            f"{whole} (routing capacity and load balance need every token); "
             "use sequence_parallel=False"
         )
 
 
-def _shard_column(layer: nn.Module, segments: int, replicas: int, group: Group) -> None:
+def shard_column(layer: nn.Module, segments: int, replicas: int, group: Group) -> None:
     """Shard `layer` in place along its output features (see ShardSpec)."""
     _, n_out, layout = linear_shape(layer)  # type: ignore[misc]
     dim = 0 if layout == "linear" else 1
-    layer.weight = _shard_param(layer.weight, ShardSpec(dim, segments, replicas), group)
+    layer.weight = shard_parameter(layer.weight, ShardSpec(dim, segments, replicas), group)
     if layer.bias is not None:
-        layer.bias = _shard_param(layer.bias, ShardSpec(0, segments, replicas), group)
+        layer.bias = shard_parameter(layer.bias, ShardSpec(0, segments, replicas), group)
     local = n_out * replicas // group.size
     if layout == "linear":
         layer.out_features = local
@@ -390,7 +399,7 @@ def _shard_column(layer: nn.Module, segments: int, replicas: int, group: Group) 
 def _row_parallel(layer: nn.Module, group: Group, sequence_parallel: bool) -> RowParallelLinear:
     _, _, layout = linear_shape(layer)  # type: ignore[misc]
     conv1d = layout == "conv1d"
-    weight = _shard_param(layer.weight, ShardSpec(0 if conv1d else 1), group)
+    weight = shard_parameter(layer.weight, ShardSpec(0 if conv1d else 1), group)
     return RowParallelLinear(weight, layer.bias, group, conv1d, sequence_parallel)
 
 
@@ -398,12 +407,12 @@ def _shard_attention(module: nn.Module, a: Attention, group: Group, sp: bool) ->
     p = group.size
     kv_replicas = 1 if a.n_kv_heads % p == 0 else p // a.n_kv_heads
     if a.fused:
-        _shard_column(getattr(module, a.producers[0]), 3, 1, group)
+        shard_column(getattr(module, a.producers[0]), 3, 1, group)
     else:
         q, k, v = a.producers
-        _shard_column(getattr(module, q), 1, 1, group)
-        _shard_column(getattr(module, k), 1, kv_replicas, group)
-        _shard_column(getattr(module, v), 1, kv_replicas, group)
+        shard_column(getattr(module, q), 1, 1, group)
+        shard_column(getattr(module, k), 1, kv_replicas, group)
+        shard_column(getattr(module, v), 1, kv_replicas, group)
     setattr(module, a.out, _row_parallel(getattr(module, a.out), group, sp))
     heads, kv_heads = a.n_heads // p, a.n_kv_heads * kv_replicas // p
     set_local_heads(module, a, heads, kv_heads)
@@ -441,7 +450,7 @@ def _update_attrs(module: nn.Module, names: Iterable[str], full: int, local: int
 
 def _shard_feed_forward(module: nn.Module, f: FeedForward, group: Group, sp: bool) -> str:
     for name in f.producers:
-        _shard_column(getattr(module, name), 1, 1, group)
+        shard_column(getattr(module, name), 1, 1, group)
     setattr(module, f.down, _row_parallel(getattr(module, f.down), group, sp))
     return (
         f"{f.name}: {', '.join(f.producers)} column-parallel ({f.ffn_dim // group.size} of "
@@ -463,16 +472,16 @@ def _shard_vocab(model: nn.Module, structure: Structure, group: Group, sp: bool)
             f"{vocab.embedding}: vocab-parallel embedding does not support max_norm, sparse "
             "or scale_grad_by_freq; build the embedding without them"
         )
-    weight = _shard_param(embedding.weight, ShardSpec(0), group)
+    weight = shard_parameter(embedding.weight, ShardSpec(0), group)
     new_embedding = VocabParallelEmbedding(weight, vocab.vocab, group, embedding.padding_idx)
     _set_module(model, vocab.embedding, new_embedding)
     if vocab.head is None:
         return f"{vocab.embedding}: vocab-parallel embedding; no LM head found"
     head = model.get_submodule(vocab.head)
-    head_weight = weight if vocab.tied else _shard_param(head.weight, ShardSpec(0), group)
+    head_weight = weight if vocab.tied else shard_parameter(head.weight, ShardSpec(0), group)
     head_bias = head.bias
     if head_bias is not None:
-        head_bias = _shard_param(head_bias, ShardSpec(0), group)
+        head_bias = shard_parameter(head_bias, ShardSpec(0), group)
     local_logits = _has_builtin_loss(model)
     _set_module(
         model,
@@ -533,7 +542,7 @@ def replace_hidden(
     raise PlanError("tensor parallel block called without a hidden-state tensor argument")
 
 
-def _enter_block(module: nn.Module, d: int, group: Group, sp: bool) -> None:
+def enter_block(module: nn.Module, d: int, group: Group, sp: bool) -> None:
     """Route a block's input into the tensor parallel region (all-gather of the sequence under
     sequence parallel, else identity whose gradient is all-reduced)."""
     enter = gather_sequence if sp else copy_to_tp
