@@ -6,6 +6,7 @@ serial model's in fp32, and the metered all-reduce bytes must equal plain TP's.
 """
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -263,7 +264,38 @@ def test_checkpointed_sub_batched_layers_recompute_and_equal_serial():
     plain = run_ranks(2, _checkpointed_step, model, loss, grads, 1)[0]
     bad = {name: e for name, e in sub["errors"].items() if not e <= ATOL}
     assert not bad, f"differs from serial: {bad}"
-    # attention ran once in the forward and once in the recomputation, on the whole batch
-    assert sub["calls"] == plain["calls"] == 2 * LAYERS
-    # inside a checkpoint the layer runs unsplit, its replay repeating no all-reduce
-    assert sub["reduced"]["all_reduce"] == plain["reduced"]["all_reduce"]
+    # attention ran once in the forward and once in the recomputation, per sub-batch: each
+    # sub-batch checkpoints itself
+    assert plain["calls"] == 2 * LAYERS and sub["calls"] == 2 * 2 * LAYERS
+    # the same bytes; inside layers k-fold calls, and no recomputation repeats an all-reduce
+    got, ref = sub["reduced"]["all_reduce"], plain["reduced"]["all_reduce"]
+    assert got["bytes"] == ref["bytes"]
+    assert got["calls"] - ref["calls"] == (2 - 1) * 4 * LAYERS
+
+
+def _dropout_step(model: nn.Module, checkpointed: bool) -> dict[str, torch.Tensor]:
+    """Loss and gradients of one tp=2, k=2 training step with dropout, every block
+    checkpointed or not, from the same random seed."""
+    structure = find_structure(model)
+    plan = Plan(tp=2)
+    parallelize(model, plan, build_mesh(plan))
+    apply_tp_overlap(model, structure, 2)
+    if checkpointed:
+        for block in model.blocks:
+            block.forward = lambda x, run=block.forward: checkpoint(
+                run, x, use_reentrant=False, context_fn=tp_comm.ReductionReplay.contexts
+            )
+    torch.manual_seed(5)
+    loss = _loss("gpt", model.train(), _tokens())
+    loss.backward()
+    return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+
+def test_checkpointed_sub_batches_redraw_their_own_dropout_masks():
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(get_preset("tiny"), dropout=0.2))
+    kept = run_ranks(2, _dropout_step, copy.deepcopy(model), False)
+    recomputed = run_ranks(2, _dropout_step, model, True)
+    for a, b in zip(kept, recomputed, strict=True):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=ATOL, rtol=0, msg=name)

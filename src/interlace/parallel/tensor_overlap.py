@@ -45,11 +45,14 @@ with another kind of argument (a KV cache object) or B < 2 runs unsplit. Outputs
 concatenated along the batch dimension.
 
 Activation checkpointing: a layer called inside torch's checkpoint (`recompute=full` or
-`stage-aware` in a pipeline) runs unsplit, as plain TP, both in its forward and in its
-recomputation. torch's checkpoint recomputes once per autograd graph task, and each
-sub-batch's backward is a graph task of its own, so sub-batch threads could not share one
-recomputation. Its all-reduces are still not repeated by the recomputation
-(`tp_comm.ReductionReplay`).
+`stage-aware` in a pipeline) still runs in sub-batches, each under a checkpoint of its own
+(`_checkpointed`): torch recomputes once per autograd graph task, and each sub-batch's
+backward is one, so the caller's checkpoint could not serve them; it is left with nothing
+saved. Each sub-batch's recomputation runs inside its backward, on its thread, while the
+other sub-batches' input-gradient all-reduces fly, and replays its forward's all-reduced
+outputs instead of communicating (`tp_comm.ReductionReplay`, Oases). Each sub-batch draws
+random numbers (dropout) from a stream of its own (`tp_interleave`), so its recomputation
+draws the same masks as its forward whatever order the sub-batches took turns in.
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from interlace.errors import PlanError
 from interlace.parallel import tp_interleave
 from interlace.parallel.detect import Structure
+from interlace.parallel.tp_comm import ReductionReplay
 from interlace.parallel.tp_interleave import interleave, run_interleaved, saved_tensor_hooks
 
 _PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -72,6 +77,22 @@ def _under_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are torch's activation checkpoint's."""
     hooks = saved_tensor_hooks()
     return hooks is not None and hooks[0].__module__ == "torch.utils.checkpoint"
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    """`forward` under torch's activation checkpoint of its own, recomputation replaying its
+    all-reduces (`tp_comm.ReductionReplay`): how each sub-batch of a layer called inside a
+    checkpoint keeps only its inputs. torch recomputes once per autograd graph task, and each
+    sub-batch's backward is one, so the caller's checkpoint cannot serve the sub-batches; it
+    is left with nothing saved (and recomputes nothing), as the layer's outer graph node saves
+    no tensor."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(
+            forward, *args, use_reentrant=False, context_fn=ReductionReplay.contexts, **kwargs
+        )
+
+    return run
 
 
 def _batch_size(args: tuple, kwargs: dict, d_model: int) -> int | None:
@@ -173,6 +194,7 @@ class _SubBatchRun:
     ):
         batch = _batch_size(args, kwargs, layer._interlace_d_model)
         self.k = min(layer._interlace_tp_subbatches, batch)
+        forward = _checkpointed(base_forward) if _under_checkpoint() else base_forward
         originals = _tensors((args, kwargs))
         differentiable = [t.requires_grad for t in originals]
         self.inputs = [t for t in originals if t.requires_grad]
@@ -186,7 +208,7 @@ class _SubBatchRun:
             ]
             self.leaves.append([t for t, d in zip(fresh, differentiable, strict=True) if d])
             a, kw = _with_tensors(piece, iter(fresh))
-            calls.append(lambda a=a, kw=kw: base_forward(*a, **kw))
+            calls.append(lambda a=a, kw=kw: forward(*a, **kw))
         self.aliases = _ParameterAliases(layer)
         self.params = self.aliases.params
         self.aliases.swap_in()
@@ -369,7 +391,7 @@ class _SubBatched:
         tail = tp_interleave.take_pending(_tensors((args, kwargs)))
         batch = _batch_size(args, kwargs, self._interlace_d_model)
         k = min(self._interlace_tp_subbatches, batch or 0)
-        split = k >= 2 and _splittable((args, kwargs)) and not _under_checkpoint()
+        split = k >= 2 and _splittable((args, kwargs))
         if tail is not None and not (
             split and tail.rows() == (batch - _row_sizes(batch, k)[-1], batch)
         ):

@@ -50,8 +50,9 @@ class Seat:
     `on_finish(result)` runs on the thread after the call returns, before the next seat gets
     the baton: a tail writes its rows there."""
 
-    def __init__(self, call: Callable[[], Any]):
+    def __init__(self, call: Callable[[], Any], rng: _RandomState):
         self.call = call
+        self.rng = rng
         self.ring: _Ring
         self.finished = False
         self.parked = False
@@ -83,9 +84,48 @@ class _Ring:
         return all(s.finished for s in self.seats if s is not seat)
 
 
+class _RandomState:
+    """A seat's own stream of the global random generators (CPU, and CUDA once initialised):
+    each seat draws (dropout masks) from its stream only, whatever the order the seats take
+    turns in, so a seat's checkpointed recomputation draws what its forward drew. The
+    streams are seeded from the caller's generator, one seed per seat."""
+
+    def __init__(self, cpu: torch.Tensor, cuda: torch.Tensor | None):
+        self.cpu, self.cuda = cpu, cuda
+
+    @staticmethod
+    def _cuda() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    @classmethod
+    def seeded(cls) -> _RandomState:
+        """A new stream, seeded by one draw from the global CPU generator."""
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        cuda = torch.Generator("cuda").manual_seed(seed).get_state() if cls._cuda() else None
+        return cls(torch.Generator().manual_seed(seed).get_state(), cuda)
+
+    @classmethod
+    def current(cls) -> _RandomState:
+        """The global generators' state now."""
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state() if cls._cuda() else None)
+
+    def enter(self) -> None:
+        """Make this stream the global generators' state."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+    def leave(self) -> None:
+        """Keep where the global generators are, for the next `enter`."""
+        self.cpu = torch.get_rng_state()
+        if self.cuda is not None:
+            self.cuda = torch.cuda.get_rng_state()
+
+
 def _switch(seat: Seat) -> None:
     """The yield point of a seat's reductions: pass the baton, wait for it, and if every
     other seat has finished and the ring allows it, park until adopted or resolved."""
+    seat.rng.leave()
     with _COND:
         seat.ring.pass_on(seat)
         _COND.wait_for(lambda: seat.ring.turn is seat)
@@ -94,6 +134,7 @@ def _switch(seat: Seat) -> None:
             _COND.notify_all()
             _COND.wait_for(lambda: not seat.parked and seat.ring.turn is seat)
             set_reduce_yield(None)  # adopted: run to the end without handing over again
+    seat.rng.enter()
 
 
 def _worker(seat: Seat, state: _ThreadState) -> None:
@@ -101,6 +142,7 @@ def _worker(seat: Seat, state: _ThreadState) -> None:
         _COND.wait_for(lambda: seat.ring.turn is seat)
     set_reduce_yield(lambda: _switch(seat))
     try:
+        seat.rng.enter()
         seat.result = state.run(seat.call)
         if seat.on_finish is not None:
             seat.on_finish(seat.result)
@@ -108,6 +150,7 @@ def _worker(seat: Seat, state: _ThreadState) -> None:
         seat.error = exc
     finally:
         set_reduce_yield(None)
+        seat.rng.leave()
         with _COND:
             seat.finished = True
             seat.ring.pass_on(seat)
@@ -137,7 +180,7 @@ class _ThreadState:
                 if torch.accelerator.is_available()
                 else None
             ),
-            saved_hooks=saved_tensor_hooks(),
+            saved_hooks=_carried_hooks(),
         )
 
     def run(self, call: Callable[[], Any]) -> Any:
@@ -151,6 +194,14 @@ class _ThreadState:
             for dev, dtype in self.autocast:
                 stack.enter_context(torch.autocast(dev, dtype))
             return call()
+
+
+def _carried_hooks() -> tuple[Callable, Callable] | None:
+    """The caller's saved-tensor hooks to install in the seats, except torch's activation
+    checkpoint's: a checkpoint recomputes once per autograd graph task, and each seat's
+    backward is one, so its seats checkpoint themselves (`tensor_overlap._checkpointed`)."""
+    hooks = saved_tensor_hooks()
+    return None if hooks is None or hooks[0].__module__ == "torch.utils.checkpoint" else hooks
 
 
 def saved_tensor_hooks() -> tuple[Callable, Callable] | None:
@@ -167,7 +218,8 @@ def interleave(
     then None until the seat, adopted or resolved, finishes. A `tail` of an earlier run is
     adopted into the ring just before the last call, and finishes within this run. The first
     exception of any seat is re-raised."""
-    seats = [Seat(call) for call in calls]
+    seats = [Seat(call, _RandomState.seeded()) for call in calls]
+    resume = _RandomState.seeded()  # the caller's generators go on from a stream of their own
     ring_seats = seats[:-1] + ([tail.seat] if tail is not None else []) + seats[-1:]
     state = _ThreadState.capture()
     with _COND:
@@ -179,6 +231,7 @@ def interleave(
         threading.Thread(target=_worker, args=(seat, state), daemon=True).start()
     with _COND:
         _COND.wait_for(lambda: all(s.finished or s.parked for s in ring.seats))
+    resume.enter()
     errors = [s.error for s in ring.seats if s.error is not None]
     if errors:
         for seat in ring.seats:
@@ -196,12 +249,15 @@ def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 def _finish(seat: Seat) -> None:
-    """Let a parked seat run to its end alone and wait for it."""
+    """Let a parked seat run to its end alone and wait for it (the caller's random state
+    kept)."""
+    caller = _RandomState.current()
     with _COND:
         _Ring([seat], may_park=False)
         seat.parked = False
         _COND.notify_all()
         _COND.wait_for(lambda: seat.finished)
+    caller.enter()
 
 
 def finish_seat(seat: Seat) -> Any:

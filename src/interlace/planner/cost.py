@@ -26,11 +26,11 @@ devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: 
   where the replayed forward repeats its two; the vocab-parallel
   embedding adds one forward and the head's input one backward all_reduce. With
   `sequence_parallel` each becomes an all_gather plus a reduce_scatter (same bytes). With
-  `tp_subbatches` s > 1 the all-reduces of layers that are not checkpointed (checkpointed ones
-  run unsplit) run under the other sub-batch's compute: exposed = max(comm / s − b, comm −
-  their compute), where b, with `tp_block_boundary`, is one sub-batch all-reduce for each
-  split layer but the stage's last (its forward boundary reduction runs under the next
-  layer's first compute).
+  `tp_subbatches` s > 1 the layers' all-reduces run under the other sub-batches' compute
+  (a checkpointed layer's recomputation included: each sub-batch checkpoints itself and
+  recomputes inside its backward): exposed = max(comm / s − b, comm − compute), where b,
+  with `tp_block_boundary`, is one sub-batch all-reduce for each layer but the stage's last
+  (its forward boundary reduction runs under the next layer's first compute).
 - **ep** (`interlace.planner.cost_moe`): per MoE layer and micro-batch a dispatch and a
   combine all_to_all forward and both again backward (+2 when recomputed), and one all_gather
   of the [E] routing counts. Expert popularity is Zipf with exponent `expert_skew` (0, the
@@ -336,9 +336,10 @@ def step_terms(
     tp_split = tp_piece = 0.0  # all-reduces on sub-batch threads (hideable), one of them
     if plan.tp > 1:
         # a recomputation replays the forward's all-reduced outputs (ReductionReplay) unless
-        # they run as sequence-parallel gathers; checkpointed layers run unsplit
+        # they run as sequence-parallel gathers; with sub-batches, checkpointed layers
+        # checkpoint each sub-batch, their recomputation inside its interleaved backward
         s = plan.overlap.tp_subbatches
-        split_layers = slowest.n_layers - slowest.n_checkpointed if s > 1 else 0
+        split_layers = slowest.n_layers if s > 1 else 0
         count = 4 * slowest.n_layers + int(slowest.has_embed) + int(slowest.has_head)
         count += 2 * slowest.n_checkpointed if plan.sequence_parallel else 0
         forward_calls += 2 * slowest.n_layers + int(slowest.has_embed)
@@ -366,10 +367,10 @@ def step_terms(
         forward_calls, total_calls = forward_share, 1.0
     if tp_split:
         s = plan.overlap.tp_subbatches
-        split_compute = compute_mb * (1 - slowest.n_checkpointed / slowest.n_layers)
         floor = tp_split / s
         if plan.overlap.tp_block_boundary:  # each forward boundary but the stage's last hides
-            floor -= (slowest.n_layers - slowest.n_checkpointed - 1) * tp_piece
+            floor -= (slowest.n_layers - 1) * tp_piece
+        split_compute = compute_mb + recompute_mb
         exposed = exposed_after_overlap(tp_split, max(floor, tp_split - split_compute), hardware)
         hidden["tp.all_reduce"] = tp_split - exposed
         comm["tp.all_reduce"] -= tp_split - exposed
