@@ -10,7 +10,7 @@ a second each:
 - expert: one expert's forward on rank 0 alone (the others wait) at three token counts,
   fitted as a + n / t; forward + backward at the same counts gives ρ = backward / forward;
   the forward of one batch on every rank at once against rank 0 alone gives the compute units
-  C the ranks share: C = D · alone / together (at most D).
+  C the ranks share: C = D · alone / together (between 1 and D).
 
 The benchmark's original constants stay beside them (`bandwidth_Bps`: received bytes / s of
 the even all-to-all; `throughput_tokens_per_s`: tokens / s of the forward on every rank at
@@ -29,7 +29,7 @@ from interlace.models.mlp import MLP
 from interlace.moe.balance import ExpertSize, LayerCost
 
 _QUIET = comm.CommMeter()  # calibration traffic stays out of every reported meter
-_MIN_SECONDS = 0.1
+_MIN_SECONDS = 0.2
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -124,7 +124,7 @@ def measure_expert(group: comm.Group, tokens: int, d_model: int, ffn: int) -> di
         "expert_latency_s": latency,
         "expert_tokens_per_s": 1 / per_token,
         "backward_ratio": max(ratio, 1e-3),
-        "cores": min(float(group.size), group.size * forward[-1] / together),
+        "cores": min(float(group.size), max(1.0, group.size * forward[-1] / together)),
         "expert_sizes": sizes,
         "expert_forward_alone_s": forward,
         "expert_forward_backward_alone_s": both,
