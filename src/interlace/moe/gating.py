@@ -61,6 +61,7 @@ class TopKRouter(nn.Module):
                 f"top_k={top_k} with n_experts={n_experts} is invalid; use top_k=1, "
                 "or top_k=2 with n_experts>=2"
             )
+        self.d_model = d_model
         self.n_experts = n_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor

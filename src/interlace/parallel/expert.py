@@ -103,6 +103,7 @@ from interlace.moe.balance import (
     make_balancer,
 )
 from interlace.moe.layer import MoELayer
+from interlace.parallel.detect import find_expert_blocks
 from interlace.parallel.expert_trans import _InFlight, _Trans, _TransRoute
 from interlace.parallel.grad_norm import clip_to_norm_, split_grad_norm
 
@@ -150,8 +151,11 @@ class ExpertParallelMoE(nn.Module):
 
     Built from a full local `MoELayer` (identical on every rank of the group: same seed), whose
     router it takes over and of whose experts it keeps this rank's E/D, registered under their
-    global index in `experts` (an nn.ModuleDict). `balance` is a strategy name or a `Balancer`;
-    one that forces dropless routing sets the router's `dropless` flag.
+    global index in `experts` (an nn.ModuleDict). Any module with a `router` (tokens [N, d] →
+    `Routing`; attributes `d_model`, `dropless`) and a list of `experts` ([n, d] → [n, d]) will
+    do: `expert_fused.py` builds one from a block with fused experts (HF Mixtral). `balance`
+    is a strategy name or a `Balancer`; one that forces dropless routing sets the router's
+    `dropless` flag.
 
     After each forward: `aux_loss` (this rank's load-balancing loss) and
     `last_tokens_per_expert` ([E], this rank's routed counts) as in `MoELayer`; in training mode
@@ -212,7 +216,7 @@ class ExpertParallelMoE(nn.Module):
         self._numel = sum(p.numel() for p in template.parameters())
         matmul = sum(p.numel() for p in template.parameters() if p.dim() >= 2)
         element = next(template.parameters()).element_size()
-        d_model = self.router.proj.in_features
+        d_model = self.router.d_model
         self.expert_size = ExpertSize(d_model * element, self._numel * element, 2 * matmul)
 
     def _local_experts(self) -> list[nn.Module]:
@@ -426,21 +430,31 @@ def parallelize_experts(
     history: int = 16,
     overlap: bool = True,
 ) -> list[str]:
-    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group` (in place),
-    linked in module order by `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
+    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group`, and the
+    fused experts module of every block with fused experts (HF Mixtral, Qwen2-MoE; found by
+    `detect.find_expert_blocks`) by a `FusedExpertParallel` (in place), linked in module order
+    by `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
 
     Every rank must pass the same full model. The built-in GPT keeps summing each layer's
     `aux_loss`. Returns one report line per replaced layer.
     """
+    from interlace.parallel.expert_fused import parallelize_fused_experts  # builds on this
+
     balancer = make_balancer(balance) if isinstance(balance, str) else balance
     report = []
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
-    layers = []
+    replaced: list[tuple[str, ExpertParallelMoE]] = []
     for name, layer in targets:
         parent_name, _, child = name.rpartition(".")
         parallel = ExpertParallelMoE(layer, group, balancer, history, overlap)
         setattr(model.get_submodule(parent_name), child, parallel)
-        layers.append(parallel)
+        replaced.append((name, parallel))
+    blocks = find_expert_blocks(model)
+    replaced += parallelize_fused_experts(model, blocks, group, balancer, history, overlap)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    replaced.sort(key=lambda item: order[item[0]])
+    layers = [parallel for _, parallel in replaced]
+    for name, parallel in replaced:
         last = parallel.first_expert + parallel.num_local - 1
         report.append(
             f"{name}: experts {parallel.first_expert}-{last} of {parallel.num_experts} on this "

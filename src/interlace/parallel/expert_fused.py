@@ -1,0 +1,169 @@
+"""Expert parallelism for Mixture-of-Experts blocks with fused experts (`ExpertBlock`: Hugging
+Face Mixtral, Qwen2-MoE, any block of the same structure), through `ExpertParallelMoE`.
+
+Such a block routes by itself and then calls its experts module as
+`experts(hidden [N, d], top_k_index [N, k], top_k_weights [N, k]) → [N, d]`, the experts' weights
+fused for all E of them: gate|up [E, 2F, d] and down [E, d, F]. `FusedExpertParallel` takes
+the experts module's place under the same call, so the block's own router, shared expert and
+output code run unchanged on every rank:
+
+- the routing it is handed becomes a dropless `Routing` (`_GivenRouting`: every assignment
+  kept, no load-balancing loss of its own: the model keeps computing its own from the router
+  it still holds);
+- this rank's E/D experts become `FusedExpert` modules, one per expert, holding its slices
+  gate|up [2F, d] and down [d, F] under the fused parameters' names, registered under the
+  expert's global index like every expert-parallel layer
+  (`<block>.<experts>.experts.<e>.<gate_up name>`);
+- dispatch, combine, replicas (Trans / Agg) and the balancing strategies are
+  `ExpertParallelMoE`'s own.
+
+Each expert computes down · (act(gate · x) ⊙ (up · x)), with the gate rows first in gate|up and
+`act` the experts module's `act_fn`, as the fused module does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interlace.comm import Group
+from interlace.errors import PlanError
+from interlace.moe.balance import Balancer
+from interlace.moe.gating import Routing
+from interlace.parallel.detect import ExpertBlock
+from interlace.parallel.expert import ExpertParallelMoE
+
+
+class FusedExpert(nn.Module):
+    """One expert of a fused experts module: x [n, d] → down · (act(gate · x) ⊙ (up · x)) [n, d],
+    with parameters `<gate_up_name>` [2F, d] (gate rows, then up rows) and `<down_name>` [d, F]."""
+
+    def __init__(
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        names: tuple[str, str],
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        super().__init__()
+        self.names = names
+        self.act = act
+        for name, value in zip(names, (gate_up, down), strict=True):
+            self.register_parameter(name, nn.Parameter(value.detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, d] → [n, d]."""
+        gate_up, down = (getattr(self, name) for name in self.names)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, down)
+
+
+class _GivenRouting(nn.Module):
+    """The router of `ExpertParallelMoE` for a block that routed its tokens itself: returns the
+    choice handed to `give` as a dropless `Routing` (the `dropless` flag is kept for the
+    balancers; this routing never drops)."""
+
+    def __init__(self, n_experts: int, d_model: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.d_model = d_model
+        self.dropless = True
+        self._given: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def give(self, index: torch.Tensor, weights: torch.Tensor) -> None:
+        """Hand over the next call's choice: expert `index` [N, k] and gate `weights` [N, k]."""
+        self._given = (index, weights)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Routing of the N tokens x [N, d] from the choice last handed to `give`."""
+        if self._given is None:
+            raise RuntimeError("fused experts called without their routing (top_k_index)")
+        (index, weights), self._given = self._given, None
+        if index.shape != weights.shape or index.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"routing of shape {tuple(index.shape)} with weights {tuple(weights.shape)} "
+                f"for {x.shape[0]} tokens; expected [N, k] both"
+            )
+        index = index.long()
+        return Routing(
+            expert_index=index,
+            gate_weight=weights,
+            keep=torch.ones_like(index, dtype=torch.bool),
+            aux_loss=x.new_zeros((), dtype=torch.float32),
+            tokens_per_expert=torch.bincount(index.flatten(), minlength=self.n_experts),
+            capacity=None,
+        )
+
+
+class _Experts(nn.Module):
+    """What `ExpertParallelMoE` is built from: a `router` and a list of `experts`."""
+
+    def __init__(self, router: nn.Module, experts: list[nn.Module]):
+        super().__init__()
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+
+
+class FusedExpertParallel(ExpertParallelMoE):
+    """`ExpertParallelMoE` in place of a fused experts module (`block`'s `experts` child,
+    given whole and identical on every rank): called as the fused module is,
+    (hidden [N, d], top_k_index [N, k], top_k_weights [N, k]) → [N, d]; keeps this rank's
+    E/D experts. `balance`, `history`, `overlap` as for `ExpertParallelMoE`."""
+
+    def __init__(
+        self,
+        fused: nn.Module,
+        block: ExpertBlock,
+        group: Group,
+        balance: str | Balancer = "none",
+        history: int = 16,
+        overlap: bool = True,
+    ):
+        where = f"{block.name}.{block.experts}"
+        act = getattr(fused, "act_fn", None)
+        if not callable(act):
+            raise PlanError(
+                f"{where}: fused experts without an `act_fn` attribute; expert parallelism "
+                "needs the experts' activation (gate rows first in gate|up, act_fn on them)"
+            )
+        local = block.n_experts // group.size  # not dividing: the layer below refuses
+        first = group.rank * local
+        gate_up, down = getattr(fused, block.gate_up), getattr(fused, block.down)
+        names = (block.gate_up, block.down)
+        # only this rank's E/D experts are built; the placeholders are never kept
+        experts: list[nn.Module] = [nn.Identity()] * block.n_experts
+        for e in range(first, first + local):
+            experts[e] = FusedExpert(gate_up[e], down[e], names, act)
+        router = _GivenRouting(block.n_experts, block.d_model)
+        super().__init__(_Experts(router, experts), group, balance, history, overlap)
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """[N, d] tokens routed to experts `top_k_index` [N, k] with `top_k_weights` [N, k] →
+        [N, d]; collective over the expert group."""
+        self.router.give(top_k_index, top_k_weights)
+        return super().forward(hidden)
+
+
+def parallelize_fused_experts(
+    model: nn.Module,
+    blocks: list[ExpertBlock],
+    group: Group,
+    balance: str | Balancer,
+    history: int,
+    overlap: bool,
+) -> list[tuple[str, ExpertParallelMoE]]:
+    """Replace each of `blocks`' experts module in `model` by a `FusedExpertParallel` over
+    `group` (in place); return (name, layer) per block, in model order."""
+    layers = []
+    for block in blocks:
+        parent = model.get_submodule(block.name)
+        fused = getattr(parent, block.experts)
+        parallel = FusedExpertParallel(fused, block, group, balance, history, overlap)
+        setattr(parent, block.experts, parallel)
+        layers.append((f"{block.name}.{block.experts}", parallel))
+    return layers
