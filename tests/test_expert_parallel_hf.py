@@ -194,3 +194,17 @@ def _refused():
 
 def test_experts_not_divisible_by_ep_are_refused():
     assert run_ranks(4, _refused) == [True] * 4
+
+
+def _router_aux_loss(model: nn.Module) -> tuple[float, float]:
+    tokens = _batch(0, dist.get_rank())
+    kwargs = {"input_ids": tokens, "use_cache": False, "output_router_logits": True}
+    serial = float(model(**kwargs).aux_loss)
+    plan = Plan(dp=2, ep=2)
+    parallelize(model, plan, build_mesh(plan))
+    return float(model(**kwargs).aux_loss), serial
+
+
+def test_the_models_own_load_balancing_loss_is_kept_on_each_ranks_tokens():
+    for parallel, serial in run_ranks(2, _router_aux_loss, _model("qwen2_moe")):
+        assert parallel == pytest.approx(serial, abs=1e-6)
