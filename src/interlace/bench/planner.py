@@ -6,8 +6,10 @@ when it is shaped): an all_reduce size sweep over the world group, each call aft
 milliseconds of compute as in a step, fitted as α + bytes / bandwidth on mean times
 (`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the rank's thread
 count, and the efficiency the dense model's own step reaches at that rate
-(`measure_model_efficiency`, one rank's share of the batch, all ranks measuring at once as they
-run): the machine's achieved efficiency at the model's shapes, one number for every plan; and
+(`measure_model_efficiency`, at one rank's share of the batch and at 1/2 and 1/4 of it, all
+ranks measuring at once as they run): the machine's achieved efficiency at the model's shapes,
+fitted as a curve in the tokens a matmul sees (`fit_half_rows`: `Hardware.matmul_efficiency`
+and `matmul_half_rows`); and
 the share of an all-reduce that hides under concurrent compute (`measure_overlap`); and the
 bandwidth of an optimizer step (`measure_optimizer_bandwidth`); and how much faster one rank
 computes while the others wait (`idle_speedup`, which prices pipeline bubbles: ranks sharing
@@ -42,8 +44,10 @@ from interlace.bench.timing import slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models import get_preset
+from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.calibrate import (
+    fit_half_rows,
     fit_link,
     link_sweep,
     measure_matmul_flops,
@@ -90,7 +94,22 @@ def _state_bytes(trainer: Trainer) -> int:
     return total
 
 
-def _calibrate(ctx: RankContext) -> dict[str, float]:
+def _efficiency_curve(
+    ctx: RankContext, config: GPTConfig, rows: int, threads: int
+) -> dict[int, float]:
+    """Tokens -> the slowest rank's `measure_model_efficiency` of `config` at `rows` sequences
+    per rank (1.5 s of steps) and at rows // 2 and rows // 4 (0.5 s each), all ranks at once."""
+    dist.barrier(group=ctx.group.pg)
+    return {
+        r * config.seq_len: -slowest(
+            -measure_model_efficiency(config, r, threads, min_seconds=1.5 if r == rows else 0.5),
+            ctx.group,
+        )
+        for r in dict.fromkeys((rows, max(1, rows // 2), max(1, rows // 4)))
+    }
+
+
+def _calibrate(ctx: RankContext) -> dict[str, Any]:
     alpha, bandwidth = (
         fit_link(link_sweep(ctx.group, repeats=15, compute_between=0.005), ctx.group.size)
         if ctx.group.size > 1
@@ -112,14 +131,21 @@ def _calibrate(ctx: RankContext) -> dict[str, float]:
     if options["seq_len"]:
         config = dataclasses.replace(config, seq_len=options["seq_len"])
     rows = max(1, options["global_batch"] // ctx.group.size)
-    dist.barrier(group=ctx.group.pg)
-    efficiency = measure_model_efficiency(config, rows, threads, min_seconds=1.5)
+    curve = _efficiency_curve(ctx, config, rows, threads)
+    efficiency, half_rows = (
+        fit_half_rows(list(curve.items()))
+        if len(curve) > 1
+        else (curve[rows * config.seq_len], 0.0)
+    )
     overlap = measure_overlap(ctx.group) if ctx.group.size > 1 else 1.0
     return {
         "link_latency_s": alpha,
         "link_bandwidth_Bps": bandwidth,
         "matmul_flops": slowest(-flops, ctx.group) * -1,  # the slowest rank's rate
-        "model_efficiency": slowest(-efficiency, ctx.group) * -1,
+        "model_efficiency": curve[rows * config.seq_len],
+        "model_efficiency_by_tokens": {str(t): e for t, e in curve.items()},
+        "matmul_efficiency": efficiency,
+        "matmul_half_rows": half_rows,
         "overlap_efficiency": slowest(-overlap, ctx.group) * -1,
         "memory_bandwidth_Bps": slowest(-optimizer, ctx.group) * -1,
         "idle_speedup": max(1.0, alone / (slowest(-flops, ctx.group) * -1)),
@@ -177,7 +203,7 @@ def _predict(run: dict[str, Any], hardware, options: dict[str, Any]) -> dict[str
     return run
 
 
-def _hardware(calibration: dict[str, float], ranks: int, matmul_flops: float):
+def _hardware(calibration: dict[str, Any], ranks: int, matmul_flops: float):
     """`hardware.local` from the calibration, at the matmul rate `matmul_flops`."""
     return dataclasses.replace(
         local(
@@ -190,7 +216,8 @@ def _hardware(calibration: dict[str, float], ranks: int, matmul_flops: float):
             memory_bandwidth=calibration["memory_bandwidth_Bps"],
             idle_speedup=calibration["idle_speedup"],
         ),
-        matmul_efficiency=calibration["model_efficiency"],
+        matmul_efficiency=calibration["matmul_efficiency"],
+        matmul_half_rows=calibration["matmul_half_rows"],
         overlap_efficiency=calibration["overlap_efficiency"],
     )
 
@@ -287,7 +314,14 @@ def table(doc: dict[str, Any]) -> str:
     c = r["calibration"]
     lines = [
         f"calibrated: {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank ({c['threads']} threads), "
-        f"model steps at {c.get('model_efficiency', 1.0):.0%} of that, "
+        f"model steps at {c.get('model_efficiency', 1.0):.0%} of that"
+        + (
+            f" (fit: {c['matmul_efficiency']:.0%} · m / (m + {c['matmul_half_rows']:.0f}) at m "
+            "tokens)"
+            if "matmul_half_rows" in c
+            else ""
+        )
+        + ", "
         f"{c.get('overlap_efficiency', 1.0):.0%} of overlapped comm hidden, "
         f"link {c['link_bandwidth_Bps'] / 1e6:.0f} MB/s, α {c['link_latency_s'] * 1e6:.0f} µs"
         + (

@@ -202,6 +202,35 @@ def measure_model_efficiency(
     return min(1.0, achieved / measure_matmul_flops(threads))
 
 
+def fit_half_rows(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(efficiency E, half rows h) of the curve E · m / (m + h) (`Hardware.efficiency`) fitted
+    to (rows m, achieved efficiency) samples, e.g. `measure_model_efficiency` at a few batch
+    sizes with m = its tokens: least squares of 1/eff = 1/E + (h/E) · 1/m, a line in 1/m. With
+    E above 1 the fit is redone with E = 1; a falling slope (efficiency not rising with m)
+    gives h = 0 and E the harmonic mean. ConfigError unless there are two distinct m > 0 and
+    every efficiency is in (0, 1]."""
+    if len({m for m, _ in samples}) < 2 or any(m <= 0 for m, _ in samples):
+        raise ConfigError(
+            f"efficiency samples {samples} need at least two distinct row counts m > 0"
+        )
+    if any(not 0 < e <= 1 for _, e in samples):
+        raise ConfigError(f"efficiency samples {samples} must each be in (0, 1]")
+    xs = [1 / m for m, _ in samples]
+    ys = [1 / e for _, e in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    if slope <= 0:
+        return 1 / my, 0.0
+    intercept = my - slope * mx
+    if intercept >= 1:
+        return 1 / intercept, slope / intercept
+    # E = 1: 1/eff − 1 = h · 1/m through the origin (h >= 0 since every eff <= 1)
+    h = sum(x * (y - 1) for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return 1.0, h
+
+
 # --------------------------------------------------------------------------- overlap
 def hidden_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
     """(C + M − B) / min(C, M), clipped to [0, 1]: the share of the shorter of a computation
@@ -445,6 +474,7 @@ __all__ = [
     "cache_path",
     "calibrate",
     "fingerprint",
+    "fit_half_rows",
     "fit_link",
     "hardware_from",
     "link_sweep",

@@ -9,7 +9,9 @@ measurement term by term. The terms are seconds on the critical path; they sum t
 **Work.** FLOPs per token of each layer, the embeddings and the head come from
 `interlace.parallel.pipeline.partition.model_shards` on a `meta`-device model (the same counts
 the pipeline partitioner balances): forward F, backward 2F, a checkpointed layer's recomputed
-forward +F. Time = FLOPs / (peak(dtype) · matmul_efficiency); tensor parallelism divides a
+forward +F. Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows)`), at the rows each matmul
+sees: the micro-batch's tokens (3D: tokens / z), a layer's tokens / s under `tp_subbatches` s,
+and for each expert its share tokens · top_k · ep / E (balanced); tensor parallelism divides a
 layer's FLOPs by tp. Pipeline stages are the partitioner's `balance` of the layers; the slowest
 stage sets the pace.
 
@@ -74,7 +76,8 @@ parameters: OPTIMIZER_BYTES_PER_PARAM bytes per parameter streamed at the hardwa
 
 Not modelled yet: gradient compression (priced as dense), routing that differs between
 devices or drifts between iterations (the skew is one fixed popularity), kernel efficiency
-falling with small matmuls, and contention between groups sharing a link.
+falling with narrow matmuls (tensor parallelism's widths: only rows are modelled), and
+contention between groups sharing a link.
 """
 
 from __future__ import annotations
@@ -312,9 +315,10 @@ def step_terms(
     seq = seq_len or config.seq_len
     profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
     act_bytes = DTYPE_BYTES.get(dtype, 2)
-    rate = hardware.matmul_flops(dtype)
     rows = micro_batch_rows(plan, global_batch)
     tokens = rows * seq
+    batch_split = plan.tp3d[2] if plan.tp3d is not None else 1  # 3D: z splits the tokens
+    rate = hardware.matmul_flops(dtype, tokens / batch_split)
     tp, pp, m = plan.tp_size, plan.pp, plan.micro_batches
     v = INTERLEAVED_VIRTUAL_STAGES if plan.schedule == "interleaved" else 1
     stages = stages_of(profile, pp, tuple(recompute_ratios(plan)))
@@ -327,8 +331,20 @@ def step_terms(
     recompute_mb = slowest.recompute_flops * tokens / tp / rate
     if plan.tp3d is not None:  # the embedding and head are replicated: only z splits them
         ends = slowest.flops - slowest.layer_flops
-        z = plan.tp3d[2]
-        compute_mb = 3 * (slowest.layer_flops / tp + ends / z) * tokens / rate
+        compute_mb = 3 * (slowest.layer_flops / tp + ends / batch_split) * tokens / rate
+    subbatches = plan.overlap.tp_subbatches if plan.tp > 1 else 1
+    if subbatches > 1:  # each layer runs on tokens / s rows at a time
+        sub_rate = hardware.matmul_flops(dtype, tokens / subbatches)
+        compute_mb += _slower(3 * slowest.layer_flops * tokens / tp, sub_rate, rate)
+        recompute_mb += _slower(slowest.recompute_flops * tokens / tp, sub_rate, rate)
+    expert_rate = rate
+    if slowest.n_moe:  # an expert computes its share of the ep group's tokens
+        expert_rate = hardware.matmul_flops(
+            dtype, tokens * config.top_k * plan.ep / config.n_experts
+        )
+        expert = tokens * config.top_k * 4 * d * config.ffn_dim / tp  # forward, per MoE layer
+        compute_mb += _slower(3 * slowest.n_moe * expert, expert_rate, rate)
+        recompute_mb += _slower(slowest.n_moe_checkpointed * expert, expert_rate, rate)
 
     # ---- tensor parallel collectives per micro-batch
     comm: dict[str, float] = {}
@@ -382,14 +398,14 @@ def step_terms(
 
         n_moe, n_ckpt = slowest.n_moe, slowest.n_moe_checkpointed
         inside = group_inside_node(plan.ep, tp, dpn)
-        expert_forward = tokens * config.top_k * 4 * d * config.ffn_dim / (tp * rate)
+        expert_forward = tokens * config.top_k * 4 * d * config.ffn_dim / (tp * expert_rate)
         layer = moe_layer_terms(
             plan,
             config,
             hardware,
             tokens,
             act_bytes,
-            rate,
+            expert_rate,
             expert_params=slowest.expert_params / (n_moe * config.n_experts),
             block_forward=(compute_mb / 3 - n_moe * expert_forward) / n_moe,
             skew=expert_skew,
@@ -473,6 +489,11 @@ def step_terms(
         stages=stages,
         moe=moe,
     )
+
+
+def _slower(flops: float, rate_at: float, rate: float) -> float:
+    """Extra seconds of `flops` run at `rate_at` FLOP/s instead of `rate` (0.0 when equal)."""
+    return flops * (1 / rate_at - 1 / rate)
 
 
 def _device_params(stage: Stage, plan: Plan) -> float:

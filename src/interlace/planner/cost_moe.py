@@ -25,7 +25,8 @@ computes (H) and receives (R), and the strategy's `search` for the replicas.
 - `prophet`: Pro-Prophet's greedy placement (`prophet_search` with the overlap-adjusted model,
   as the runtime's balancer under the overlapping layer) on the same count matrix.
 
-Both searches run with this hardware's ep link bandwidth and matmul rate. Replicas add Trans
+Both searches run with this hardware's ep link bandwidth and its matmul rate at the rows one
+expert sees (tokens · top_k · ep / E, `Hardware.efficiency`). Replicas add Trans
 (the replicated experts' fp32 parameters, owners to replicas, once per layer forward) and Agg
 (their gradients back, once per layer backward), both `ep.all_to_all` calls in the comm meter:
 α · (D − 1) + `layer_time`'s T_Trans / T_Agg each. The expert-parallel layer issues both
@@ -119,8 +120,9 @@ def moe_layer_terms(
     skew: float,
 ) -> MoELayerTerms:
     """The terms of one MoE layer for `tokens` tokens per device and micro-batch, `rate` FLOP/s
-    per device, `expert_params` parameters per expert and `block_forward` seconds of the
-    block's non-MoE forward compute (T_FNEC), at popularity skew `skew`."""
+    per device on the experts' matmuls (at the rows one expert sees), `expert_params`
+    parameters per expert and `block_forward` seconds of the block's non-MoE forward compute
+    (T_FNEC), at popularity skew `skew`."""
     d_count, n_experts, k = plan.ep, config.n_experts, config.top_k
     inside = group_inside_node(d_count, plan.tp_size, hardware.devices_per_node)
     alpha, bandwidth = hardware.link(inside)

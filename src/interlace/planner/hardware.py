@@ -10,6 +10,14 @@ The presets hold nominal datasheet numbers (dense tensor-core peaks, link rates)
 `matmul_efficiency`, the fraction of peak a large GEMM reaches. They are starting points for
 planning, not measurements: `local(...)` builds a Hardware from numbers measured on the machine
 at hand, and `get_hardware("local")` measures this machine (`interlace.planner.calibrate`).
+
+**Efficiency by shape.** A matmul on few rows m (tokens of a micro-batch, a sub-batch or one
+expert) reaches less of the peak than a large one: each call pays a fixed overhead (kernel
+launch, tile quantisation, the non-matmul work around it) that a small m does not amortise.
+`efficiency(m)` = matmul_efficiency · m / (m + matmul_half_rows): at m = matmul_half_rows half
+the large-matmul efficiency. `matmul_half_rows` = 0 (every preset's value: datasheets publish no
+such figure) gives the constant matmul_efficiency at every m; `bench planner` fits it on this
+machine from the model's own step at several row counts (`calibrate.fit_half_rows`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ class Hardware:
     idle_speedup: how much faster one device computes while the others of its node idle than
         while all compute (1 for accelerators; above 1 for CPU ranks sharing cores, whose
         pipeline bubbles then run the busy stages faster).
+    matmul_half_rows: the rows (tokens) a matmul needs to reach half of matmul_efficiency
+        (`efficiency`); 0: matmul_efficiency at every size.
     """
 
     name: str
@@ -58,8 +68,15 @@ class Hardware:
     overlap_efficiency: float = 1.0
     memory_bandwidth: float = math.inf
     idle_speedup: float = 1.0
+    matmul_half_rows: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.matmul_half_rows < math.inf:
+            raise ConfigError(
+                f"{self.name}: matmul_half_rows={self.matmul_half_rows} must be a finite number "
+                ">= 0 (rows at which a matmul reaches half of matmul_efficiency; 0 = the same "
+                "efficiency at every size), e.g. 256"
+            )
         if not 0 <= self.overlap_efficiency <= 1:
             raise ConfigError(
                 f"{self.name}: overlap_efficiency={self.overlap_efficiency} must be in [0, 1]"
@@ -101,9 +118,18 @@ class Hardware:
             )
         return self.peak_flops[dtype]
 
-    def matmul_flops(self, dtype: str) -> float:
-        """FLOP/s a device sustains on large matmuls: peak(dtype) · matmul_efficiency."""
-        return self.peak(dtype) * self.matmul_efficiency
+    def efficiency(self, rows: float | None = None) -> float:
+        """Fraction of peak a matmul on `rows` rows (tokens) reaches: matmul_efficiency ·
+        rows / (rows + matmul_half_rows); matmul_efficiency itself for `rows` None (a large
+        matmul) or matmul_half_rows 0."""
+        if rows is None or not self.matmul_half_rows:
+            return self.matmul_efficiency
+        return self.matmul_efficiency * rows / (rows + self.matmul_half_rows)
+
+    def matmul_flops(self, dtype: str, rows: float | None = None) -> float:
+        """FLOP/s a device sustains on matmuls of `rows` rows (tokens; None: large matmuls):
+        peak(dtype) · efficiency(rows)."""
+        return self.peak(dtype) * self.efficiency(rows)
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(α seconds per message, bandwidth bytes/s) of the intra- or inter-node link."""
