@@ -24,7 +24,7 @@ def table(doc: dict[str, Any]) -> str:
         f"calibrated: B = {cal['bandwidth_Bps'] / 1e6:.1f} MB/s per rank (all_to_all), "
         f"t = {cal['throughput_tokens_per_s']:.0f} tokens/s (expert forward); model mean "
         f"relative error {r['model_error']['mean_relative_error']:.1%} over "
-        f"{r['model_error']['count']} layers",
+        f"{r['model_error']['count']} layers" + _paper_error(r["model_error"]),
     ]
     for name, key, value in _configs(r):
         lines.append(f"{name} {key}:")
@@ -99,8 +99,18 @@ def headline(doc: dict[str, Any]) -> str:
             f"(target 5x), step {shown.get('speedup_vs_dropless', '-')} dropless (1.3x), "
             f"{shown.get('speedup_vs_shadow', '-')} shadow (1.1x){peer}"
         )
-    error = doc["result"]["model_error"]["mean_relative_error"]
-    return "; ".join(parts) + f"; performance model error {error:.0%}"
+    error = doc["result"]["model_error"]
+    return (
+        "; ".join(parts)
+        + f"; performance model error {error['mean_relative_error']:.0%}"
+        + _paper_error(error)
+    )
+
+
+def _paper_error(error: dict[str, Any]) -> str:
+    """' (Pro-Prophet's terms alone: x%)' when the result has it, else ''."""
+    paper = error.get("paper_mean_relative_error")
+    return "" if paper is None else f" (Pro-Prophet's terms alone: {paper:.0%})"
 
 
 def key_numbers(result: dict[str, Any]) -> dict[str, float]:
