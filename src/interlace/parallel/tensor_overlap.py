@@ -408,7 +408,8 @@ class _SubBatched:
             return _leave_tail(merged, parked, batch, k)
         run = _SubBatchRun(self, base_forward, args, kwargs, tail, may_park)  # type: ignore[arg-type]
         joined = _InterleavedBackward.apply(run, *run.inputs, *run.params)
-        return _leave_tail(_with_tensors(run.merged, iter(joined)), run.parked, batch, k)
+        parked, run.parked = run.parked, None
+        return _leave_tail(_with_tensors(run.merged, iter(joined)), parked, batch, k)
 
 
 _CLASSES: dict[type, type] = {}

@@ -239,7 +239,19 @@ def interleave(
                 _finish(seat)
         raise errors[0]
     parked = next((s for s in seats if s.parked), None)
-    return [s.result for s in seats], parked
+    results = [s.result for s in seats]
+    _release(ring)
+    return results, parked
+
+
+def _release(ring: _Ring) -> None:
+    """Drop what a finished run's seats hold (calls, results, the ring they share), so that
+    no reference cycle keeps a sub-batch's outputs, and their graph, alive until the
+    garbage collector runs. A parked seat keeps its call and gets a new ring when adopted."""
+    for seat in ring.seats:
+        if seat.finished:
+            seat.call = seat.result = seat.on_finish = None
+    ring.seats = [s for s in ring.seats if not s.finished]
 
 
 def run_interleaved(calls: list[Callable[[], Any]]) -> list[Any]:
@@ -265,7 +277,9 @@ def finish_seat(seat: Seat) -> Any:
     _finish(seat)
     if seat.error is not None:
         raise seat.error
-    return seat.result
+    result = seat.result
+    _release(seat.ring)
+    return result
 
 
 # ---- the pending tail
