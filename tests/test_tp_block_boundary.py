@@ -197,3 +197,23 @@ def test_the_plan_switches_the_block_boundary_step():
     assert run_ranks(2, _parked_through_parallelize, _model(), False) == [0, 0]
     with pytest.raises(PlanError, match="tp_block_boundary=false applies"):
         Plan.parse("tp=2,tp_block_boundary=false").validate(2)
+
+
+def _seat_threads() -> set[int]:
+    seen: set[int] = set()
+
+    def call() -> None:
+        seen.add(threading.get_ident())
+        tp_comm._yield_point.switch()
+
+    tp_interleave.run_interleaved([call, call])
+    return seen
+
+
+def test_seats_run_on_kept_threads_also_after_fork():
+    first = _seat_threads()
+    assert len(first) == 2 and threading.get_ident() not in first
+    assert _seat_threads() == first  # the same threads serve the next run
+    # a forked child has none of the parent's threads; its runs must not wait on them
+    (child,) = run_ranks(1, _seat_threads, timeout=20)
+    assert len(child) == 2
