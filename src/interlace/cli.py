@@ -469,6 +469,13 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="run it N times; the JSON keeps every run and their spread",
     )
+    p.add_argument(
+        "--cpu-per-rank",
+        type=float,
+        default=None,
+        help="cap each rank at this many cores' time (cgroups, root), so ranks sharing a CPU "
+        "do not lend each other idle time, as separate accelerators cannot; default: no cap",
+    )
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
@@ -496,6 +503,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         command="interlace bench " + shlex.join(argv),
         timeout_s=args.timeout,
         repeat=args.repeat,
+        cpu_per_rank=args.cpu_per_rank,
     )
     return 0
 

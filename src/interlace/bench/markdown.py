@@ -39,13 +39,20 @@ def render(results: Path, page: Path) -> str:
     return "\n".join(sections)
 
 
+def _cap(env: dict) -> str:
+    """ ", each rank capped at C cores" when the run had a CPU budget per rank."""
+    cores = env.get("cpu_per_rank")
+    return f", each rank capped at {cores:g} cores" if cores else ""
+
+
 def _section(doc: dict, bench: Benchmark, file: Path, page: Path) -> str:
     """One measurement: command, environment, headline, table, spread and picture."""
     env = doc["environment"]
     parts = [
         f"Command:\n\n```\n{doc['command']}\n```\n\n"
         f"Measured {env['started']} on {env['network']}, {env['ranks']} rank(s), "
-        f"{env['cpus']} CPU cores, torch {env['torch']}, interlace {env['interlace']}.\n"
+        f"{env['cpus']} CPU cores{_cap(env)}, torch {env['torch']}, interlace "
+        f"{env['interlace']}.\n"
     ]
     if bench.headline is not None:
         parts.append(f"**Result:** {bench.headline(doc)}.\n")

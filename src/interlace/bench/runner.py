@@ -6,6 +6,7 @@ the result of rank 0 and every rank's raw result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ from interlace import __version__
 from interlace.bench import get_benchmark
 from interlace.bench.base import Benchmark
 from interlace.bench.cluster import Cluster, parse_rate
+from interlace.bench.cpu_quota import CpuQuota
 from interlace.errors import ConfigError
 
 
@@ -78,11 +80,13 @@ def run_benchmark(
     command: str,
     timeout_s: float = 3600,
     repeat: int = 1,
+    cpu_per_rank: float | None = None,
 ) -> dict[str, Any]:
     """Run benchmark `name` `repeat` times on `ranks` ranks linked at `bandwidth` ('1gbit',
     ... or 'loopback'); write JSON + PNG into `out`, print the table; return the JSON document.
     `command` is recorded as the command line that made the figures. The document's `result`
-    is the first run's; `repeats` holds every run's and `spread` their relative spread."""
+    is the first run's; `repeats` holds every run's and `spread` their relative spread.
+    `cpu_per_rank`: each rank capped at that many cores' time (`bench.cpu_quota`)."""
     bench = get_benchmark(name)
     options = parse_options(bench, option_pairs)
     if bench.check is not None:
@@ -92,6 +96,8 @@ def run_benchmark(
         raise ConfigError(f"--ranks {ranks} must be between 1 and 8 (2-4 fit this machine)")
     if repeat < 1:
         raise ConfigError(f"--repeat {repeat} must be >= 1")
+    if cpu_per_rank is not None and not bench.distributed:
+        raise ConfigError(f"--cpu-per-rank applies to multi-rank benchmarks, not '{name}'")
     rate = None if bandwidth == "loopback" else parse_rate(bandwidth)
     started = time.time()
     environment: dict[str, Any] = {
@@ -106,12 +112,18 @@ def run_benchmark(
     runs: list[list[dict[str, Any]]] = []
     with _terminate_as_interrupt():
         if bench.distributed:
-            with Cluster(ranks, rate) as cluster:
+            with (
+                Cluster(ranks, rate) as cluster,
+                CpuQuota(ranks, cpu_per_rank)
+                if cpu_per_rank
+                else contextlib.nullcontext() as quota,
+            ):
                 environment.update(
                     network=cluster.network,
                     ranks=ranks,
                     link_rate_gbps=rate / 1e9 if cluster.shaped else None,
                     fallback_reason=cluster.fallback_reason,
+                    cpu_per_rank=cpu_per_rank,
                 )
                 if cluster.fallback_reason and rate is not None:
                     print(
@@ -121,7 +133,8 @@ def run_benchmark(
                     )
                 shaped_rate = rate if cluster.shaped else None
                 runs = [
-                    _launch(cluster, bench, options, timeout_s, shaped_rate) for _ in range(repeat)
+                    _launch(cluster, bench, options, timeout_s, shaped_rate, quota)
+                    for _ in range(repeat)
                 ]
         else:
             environment.update(network="single process", ranks=1)
@@ -165,6 +178,7 @@ def _launch(
     options: dict[str, Any],
     timeout_s: float,
     rate_bps: float | None,
+    quota: CpuQuota | None = None,
 ) -> list[dict[str, Any]]:
     port = 29531 if cluster.shaped else _free_port()
     threads = max(1, (os.cpu_count() or 1) // cluster.ranks)
@@ -195,17 +209,15 @@ def _launch(
             if rate_bps is not None:
                 argv += ["--rate-bps", str(rate_bps)]
             stderr = open(f"{tmp}/rank{rank}.err", "w")  # noqa: SIM115 (closed below)
-            procs.append(
-                (
-                    subprocess.Popen(
-                        cluster.rank_command(rank, argv),
-                        env=env,
-                        stderr=stderr,
-                        stdout=subprocess.DEVNULL,
-                    ),
-                    stderr,
-                )
+            proc = subprocess.Popen(
+                cluster.rank_command(rank, argv),
+                env=env,
+                stderr=stderr,
+                stdout=subprocess.DEVNULL,
             )
+            procs.append((proc, stderr))
+            if quota is not None:  # `ip netns exec` execs the worker: the same process
+                quota.attach(rank, proc.pid)
         try:
             _wait(procs, tmp, timeout_s)
         finally:
