@@ -14,13 +14,8 @@ from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Overlap, Plan
 from interlace.planner.cli import parse_model_spec, resolve_model, run_planner
-from interlace.planner.cost import (
-    bubble_fraction,
-    collective_seconds,
-    estimate,
-    group_inside_node,
-    ring_steps,
-)
+from interlace.planner.collective_cost import collective_seconds, group_inside_node, ring_steps
+from interlace.planner.cost import bubble_fraction, estimate
 from interlace.planner.hardware import PRESETS, Hardware, get_hardware, local
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 

@@ -33,7 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from interlace.models.config import GPTConfig
-from interlace.planner.cost import collective_seconds, exposed_after_overlap, group_inside_node
+from interlace.planner.collective_cost import (
+    collective_seconds,
+    exposed_after_overlap,
+    group_inside_node,
+)
 from interlace.planner.hardware import Hardware
 
 

@@ -51,12 +51,12 @@ from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.moe.balance import ExpertSize, LayerCost, Placement, layer_time, make_balancer
 from interlace.plan import Plan
-from interlace.planner.cost import (
-    GRAD_BYTES,
+from interlace.planner.collective_cost import (
     collective_seconds,
     exposed_after_overlap,
     group_inside_node,
 )
+from interlace.planner.cost import GRAD_BYTES
 from interlace.planner.hardware import Hardware
 
 MODELLED_BALANCES = ("shadow", "prophet")

@@ -1,0 +1,41 @@
+"""The time of one collective on a hardware description, and which groups stay inside a node:
+the ring algorithm's α·steps + wire bytes / bandwidth that every cost module of the planner
+(`cost`, `cost3d`, `cost_moe`) prices its collectives with."""
+
+from __future__ import annotations
+
+from interlace.comm import wire_bytes
+from interlace.planner.hardware import Hardware
+
+
+def ring_steps(op: str, group_size: int) -> int:
+    """Messages one rank sends, in sequence, for `op` under the ring algorithm."""
+    if group_size <= 1:
+        return 0
+    return 2 * (group_size - 1) if op == "all_reduce" else group_size - 1
+
+
+def collective_seconds(
+    op: str, payload: float, group_size: int, inside_node: bool, hardware: Hardware
+) -> float:
+    """Seconds of one `op` on `payload` bytes (the tensor handed to the collective, as the comm
+    meter counts it) over `group_size` ranks: α·ring_steps + wire_bytes / bandwidth, on the
+    intra-node link when `inside_node`, else the inter-node one (a reduce_scatter as an
+    all_reduce where the hardware's backend runs it so). 0 for a group of one."""
+    if group_size <= 1:
+        return 0.0
+    if op == "reduce_scatter" and hardware.reduce_scatter_as_all_reduce:
+        op = "all_reduce"
+    alpha, bandwidth = hardware.link(inside_node)
+    return alpha * ring_steps(op, group_size) + wire_bytes(op, payload, group_size) / bandwidth
+
+
+def exposed_after_overlap(total: float, ideal_exposed: float, hardware: Hardware) -> float:
+    """Seconds of a collective's `total` left on the critical path where a perfect overlap would
+    leave `ideal_exposed`: only `hardware.overlap_efficiency` of the hideable part hides."""
+    return total - hardware.overlap_efficiency * (total - ideal_exposed)
+
+
+def group_inside_node(size: int, stride: int, devices_per_node: int) -> bool:
+    """True when a group of `size` ranks `stride` apart (in rank order) fits in one node."""
+    return size <= 1 or size * stride <= devices_per_node
