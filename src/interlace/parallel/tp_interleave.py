@@ -24,6 +24,11 @@ that reads the tensor outside torch's Python API (a C++ collective on it) must l
 first. Only forward passes defer; the backward's last input-gradient all-reduce of each layer
 stays exposed, because the autograd engine may read (accumulate) a layer's gradient in C++.
 
+Seats run on kept threads (`_ThreadPool`) with the caller's grad mode, autocast, device,
+saved-tensor hooks and intra-op thread count, and each draws random numbers from a stream of
+its own (`_RandomState`), so a checkpointed sub-batch's recomputation draws what its forward
+drew.
+
 Written by hand rather than with async functional collectives: the layer's own forward code
 runs unchanged on each thread, so the hand-over points come from the collectives it calls,
 and a sub-batch can only be suspended mid-layer on a thread of its own.
@@ -48,7 +53,7 @@ _COND = threading.Condition()
 
 class _ThreadPool:
     """Threads kept for the seats, each serving one job at a time. A fresh thread per seat
-    would cost a layer about 40% more CPU time on this kind of machine: its first
+    would cost a layer about 40% more CPU time on a CPU: its first
     allocations come from a new malloc arena, page by page. (`concurrent.futures` pools
     hold a job's thread in their own bookkeeping and cannot hand a parked seat's thread
     over to the next layer's run, hence this small one.)"""
