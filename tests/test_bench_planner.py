@@ -87,3 +87,25 @@ def test_one_tiny_plan_runs_and_is_predicted():
     assert "1 plans" in bench.table({"result": result})
     with pytest.raises(ConfigError, match="steps=0"):
         bench.check({**options, "steps": 0})
+
+
+def _memory_rank(options, plans):
+    import interlace.bench.planner as bench_planner
+
+    bench_planner.DENSE_PLANS[2] = plans  # this forked rank's copy only
+    return _rank(options)
+
+
+def test_memory_model_within_20_percent_of_real_runs():
+    """Measured: parameters, gradients and AdamW state plus the peak of what autograd keeps
+    (every storage once). Plans without recomputation: the meter cannot see what a
+    checkpointed layer rebuilds inside its backward."""
+    bench = get_benchmark("planner")
+    options = {**bench.options, "moe_model": "", "global_batch": 8, "steps": 1}
+    plans = ["dp=2", "tp=2", "pp=2,micro_batches=2"]
+    result = run_ranks(2, _memory_rank, options, plans, timeout=180)[0]
+    errors = {
+        r["plan"]: r["predicted_memory_bytes"] / r["memory_bytes"] - 1 for r in result["runs"]
+    }
+    assert set(errors) == set(plans)
+    assert all(abs(e) < 0.2 for e in errors.values()), errors

@@ -183,8 +183,11 @@ def test_ep_all_to_all_bytes_and_expert_gradients():
 
 # ----------------------------------------------------------------- memory
 LAYER_PARAMS = 2 * 2 * D + (4 * D * D + 4 * D) + (8 * D * D + 5 * D)
-LAYER_SAVED = 4 * 2 * D + (D + 4 * D) + (4 * D + D) + 2 * D  # in+out of q,k,v,out,up,down; norms
-HEAD_SAVED = D + (D + V) + V  # final norm, LM head in+out, the loss's log-probabilities
+HEADS = 4
+# attention: the shared input of q, k, v, their outputs, its output and log-sum-exps, the out
+# projection's input; MLP: up's input and output, down's input; the two norms' inputs
+LAYER_SAVED = (D + 3 * D + D + HEADS + D) + (D + 4 * D + 4 * D) + 2 * D
+HEAD_SAVED = D + D + V  # final norm's input, the LM head's input, the loss's log-probabilities
 
 
 def test_memory_of_a_single_device():
@@ -193,6 +196,20 @@ def test_memory_of_a_single_device():
     expected = TINY.num_params() * 16 + tokens * (2 * LAYER_SAVED + HEAD_SAVED) * 2
     assert cost.memory_bytes_per_device == pytest.approx(expected)
     assert cost.memory["params_grads_optimizer"] == TINY.num_params() * 16
+
+
+def test_memory_under_tp_keeps_replicated_activations_whole():
+    """1D TP splits what its column- and row-parallel matrices keep; the norms' inputs and the
+    input shared by each block's producers (and the head's input) stay whole on every rank."""
+    cost = estimate(Plan(tp=2), TINY, hw(), global_batch=2)
+    tokens = 2 * T
+    layer_whole, head_whole = 2 * D + 2 * D, D + D
+    per_rank = 2 * (layer_whole + (LAYER_SAVED - layer_whole) / 2) + (
+        head_whole + (HEAD_SAVED - head_whole) / 2
+    )
+    assert cost.memory["activations"] == pytest.approx(tokens * per_rank * 2)
+    sp = estimate(Plan(tp=2, sequence_parallel=True), TINY, hw(), global_batch=2)
+    assert sp.memory["activations"] == pytest.approx(tokens * (2 * LAYER_SAVED + HEAD_SAVED))
 
 
 def test_memory_of_a_checkpointed_1f1b_pipeline():

@@ -58,8 +58,10 @@ devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep; pp: 
 
 **Memory** per device, the largest stage: parameters × 16 bytes (fp32 weight, gradient, two
 AdamW moments), non-expert parameters divided by tp, expert parameters by tp·ep; activations:
-the layers' saved elements per token (from the shards, divided by tp; a checkpointed layer
-keeps its d-wide input, divided by tp only with sequence parallel) × tokens per micro-batch ×
+the layers' saved elements per token (from the shards: under 1D TP the norms' inputs and each
+block's shared producer input stay whole, the rest is divided by tp; all of it with sequence
+parallel; a checkpointed layer keeps its d-wide input, divided by tp only with sequence
+parallel) × tokens per micro-batch ×
 micro-batches in flight (`micro_batches_in_flight`: all m under GPipe, ≤ p − s under 1F1B)
 in the compute dtype, plus one layer's full activations as the working set of a recomputation.
 

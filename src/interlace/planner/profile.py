@@ -159,6 +159,15 @@ def _stage(
     )
 
 
+def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
+    """Elements per token of `shard`'s saved activations on one of `tp` 1D tensor parallel
+    ranks: the replicated part whole (split over the sequence with sequence parallelism), the
+    rest split."""
+    if sequence_parallel:
+        return shard.activations / tp
+    return shard.replicated + (shard.activations - shard.replicated) / tp
+
+
 def stage_memory(
     stage: Stage,
     plan: Plan,
@@ -172,7 +181,7 @@ def stage_memory(
     params = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
     boundary = d / tp if plan.sequence_parallel else d
     saved = sum(
-        boundary if ckpt else shard.activations / tp
+        boundary if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
     if plan.tp3d is not None:  # layers split x·y·z (tokens over z), embedding and head only z
@@ -192,9 +201,11 @@ def stage_memory(
     working = 0.0
     if stage.n_checkpointed:
         widest = max(
-            sh.activations for sh, c in zip(stage.shards, stage.checkpointed, strict=True) if c
+            _per_rank(sh, tp, plan.sequence_parallel)
+            for sh, c in zip(stage.shards, stage.checkpointed, strict=True)
+            if c
         )
-        working = tokens * widest / tp * act_bytes
+        working = tokens * widest * act_bytes
     state = params * STATE_BYTES
     return {
         "total": state + activations + working,

@@ -25,8 +25,12 @@ token visits top_k of them).
 
 **Memory of a stage** (bytes): parameters × `state_bytes` (fp32 weight, gradient and two AdamW
 moments = 16 bytes) + activations × micro-batches in flight. A layer saves about
-Σ (in + out widths of its matrices) + (norm widths) elements per token for backward; a
-checkpointed layer keeps only its input (d per token). In flight: every micro-batch under
+Σ (in + out widths of its matrices) + (norm widths) elements per token for backward, corrected
+by what attention and feed-forward blocks are known to keep (`_block_saved_correction`: q, k
+and v read one input, the out and down outputs go to the residual sum unsaved, attention keeps
+its output and a log-sum-exp per head, a gated MLP its activated gate); the head keeps its
+input and the loss's V log-probabilities; a checkpointed layer keeps only its input (d per
+token). In flight: every micro-batch under
 GPipe, min(M, P − s) on stage s under 1F1B; interleaved 1F1B is estimated from its warm-up
 depth. These are estimates for planning, not measurements.
 
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from interlace.errors import PlanError
-from interlace.parallel.detect import find_structure
+from interlace.parallel.detect import Structure, find_structure
 
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_top_k")
 """Attributes of a Mixture-of-Experts block (or its direct children) that hold top_k."""
@@ -58,7 +62,9 @@ class Shard:
 
     flops: forward FLOPs per token; activations: elements saved per token for backward;
     boundary: elements per token of the shard's output (what crosses a stage boundary and what
-    a checkpointed layer keeps).
+    a checkpointed layer keeps); replicated: the part of `activations` that 1D tensor
+    parallelism leaves whole on every rank (norm inputs, and the input shared by the
+    column-parallel producers of each attention and feed-forward block and of the head).
     """
 
     name: str
@@ -68,6 +74,7 @@ class Shard:
     flops: float
     activations: float
     boundary: int
+    replicated: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -186,12 +193,44 @@ def model_shards(model: nn.Module, seq_len: int | None = None) -> tuple[Shard, .
         name = f"{structure.layers}.{index}"
         leaves = [f"{name}.{n}" if n else name for n, m in layer.named_modules() if _own(m)]
         attention = sum(4 * T * w for a, w in q_width.items() if _under(a, name))
-        shard = _shard(name, "layer", model, leaves, counted, structure.experts, attention, d)
+        kept = _block_saved_correction(structure, name)
+        blocks = [
+            b for b in (*structure.attentions, *structure.feed_forwards) if _under(b.name, name)
+        ]
+        shard = _shard(
+            name,
+            "layer",
+            model,
+            leaves,
+            counted,
+            structure.experts,
+            attention,
+            d,
+            kept,
+            len(blocks) * d,
+        )
         layers.append(shard)
     vocab = structure.vocab.vocab if structure.vocab is not None else d
-    # the loss keeps its log-probabilities: V more elements per token
-    head = _shard("head", "head", model, after, counted, structure.experts, 0.0, vocab, vocab)
+    # the head's V-wide output stands for the loss's log-probabilities (the logits themselves
+    # are not kept: log-softmax keeps its output)
+    head = _shard("head", "head", model, after, counted, structure.experts, 0.0, vocab, 0.0, d)
     return (embed, *layers, head)
+
+
+def _block_saved_correction(structure: Structure, layer: str) -> float:
+    """Elements per token that the attention and feed-forward blocks of `layer` keep beyond
+    (negative: below) the in + out widths of their matrices: producers reading one input keep
+    it once; the out and down projections' outputs go into the residual sum, kept by no one;
+    attention keeps its output (the projection's input is another tensor) and one log-sum-exp
+    per head; a gated feed-forward keeps the activated gate too."""
+    d, extra = structure.d_model, 0.0
+    for a in structure.attentions:
+        if _under(a.name, layer):
+            extra += -(len(a.producers) - 1) * d - d + a.n_heads * a.head_dim + a.n_heads
+    for f in structure.feed_forwards:
+        if _under(f.name, layer):
+            extra += -(len(f.producers) - 1) * d - d + (len(f.producers) - 1) * f.ffn_dim
+    return extra
 
 
 def _own(module: nn.Module) -> bool:
@@ -223,13 +262,17 @@ def _shard(
     attention_flops: float,
     boundary: int,
     extra_saved: float = 0.0,
+    shared_inputs: float = 0.0,
 ) -> Shard:
     """Sum parameters (each tensor once over the whole model), FLOPs and saved activations of
-    the leaf `modules`. `counted` holds ids of parameters already owned by an earlier shard: a
-    tied LM head costs FLOPs at the head but its parameters belong to the embedding."""
+    the leaf `modules` (`shared_inputs`: elements per token of the replicated inputs of
+    column-parallel producers, counted in `replicated` with the norms' inputs). `counted`
+    holds ids of parameters already owned by an earlier shard: a tied LM head costs FLOPs at
+    the head but its parameters belong to the embedding."""
     params = 0
     flops = float(attention_flops)
     saved = float(extra_saved)
+    replicated = float(shared_inputs)
     for module_name in modules:
         module = model.get_submodule(module_name)
         weight = _expert_weight(model, module_name, experts)
@@ -246,8 +289,10 @@ def _shard(
         if not isinstance(module, nn.Embedding) and all(
             p.dim() == 1 for p in module.parameters(recurse=False)
         ):
-            saved += next(module.parameters(recurse=False)).shape[0]  # a norm saves its input
-    return Shard(name, kind, tuple(modules), params, flops, saved, boundary)
+            width = next(module.parameters(recurse=False)).shape[0]  # a norm saves its input
+            saved += width
+            replicated += width
+    return Shard(name, kind, tuple(modules), params, flops, saved, boundary, replicated)
 
 
 def _expert_weight(model: nn.Module, name: str, experts: list[str]) -> float:
