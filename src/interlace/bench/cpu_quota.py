@@ -29,10 +29,10 @@ def _controller(roots: tuple[Path, ...]) -> tuple[Path, str] | None:
     for root in roots:
         if (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK):
             return root, "v1"
-        controllers = root / "cgroup.controllers"
+        delegated = root / "cgroup.subtree_control"  # what the groups below may use
         if (
-            controllers.exists()
-            and "cpu" in controllers.read_text().split()
+            delegated.exists()
+            and "cpu" in delegated.read_text().split()
             and os.access(root, os.W_OK)
         ):
             return root, "v2"
@@ -55,20 +55,28 @@ class CpuQuota:
             )
         root, self.version = found
         self.base = root / f"interlace-bench-{os.getpid()}"
+        self.groups: list[Path] = []
+        try:
+            self._create(ranks, max(1000, round(cores * PERIOD_US)))
+        except OSError as exc:
+            self.close()
+            raise ConfigError(
+                f"--cpu-per-rank: cannot set up cgroups under {root}: {exc}"
+            ) from None
+
+    def _create(self, ranks: int, quota: int) -> None:
         self.base.mkdir(exist_ok=True)
         if self.version == "v2":
             (self.base / "cgroup.subtree_control").write_text("+cpu")
-        quota = max(1000, round(cores * PERIOD_US))
-        self.groups = []
         for rank in range(ranks):
             group = self.base / f"rank{rank}"
             group.mkdir(exist_ok=True)
+            self.groups.append(group)
             if self.version == "v2":
                 (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
             else:
                 (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                 (group / "cpu.cfs_quota_us").write_text(str(quota))
-            self.groups.append(group)
 
     def attach(self, rank: int, pid: int) -> None:
         """Put process `pid` (and the threads it starts from now on) in rank `rank`'s group."""
