@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interlace.bench.moe_calibrate import fit_line, layer_cost
-from interlace.moe.balance import ExpertSize, LayerCost, Placement, layer_time
+from interlace.moe.balance import ExpertSize, LayerCost, Placement, Prophet, Shadow, layer_time
 from interlace.moe.balance.cost import DeviceLoads, exchange_time, shared_finish
 from interlace.moe.balance.search import _add
 
@@ -132,3 +132,16 @@ def test_layer_cost_takes_every_calibrated_term():
         3e-6,
     )
     assert cost.exchange and (cost.token_bytes, cost.expert_bytes) == (512, 4096)
+
+
+def test_a_strategy_searches_with_a_measured_model_when_given_one():
+    measured = LayerCost(
+        token_bytes=1, expert_bytes=1, bandwidth=7.0, throughput=3.0, latency=0.25, send_share=1.0
+    )
+    size = ExpertSize(token_bytes=16, expert_bytes=4096, flops_per_token=64)
+    cost = Prophet(measured=measured, overlap=True).cost(size)
+    assert (cost.token_bytes, cost.expert_bytes, cost.grad_bytes) == (16, 4096, None)
+    assert (cost.bandwidth, cost.throughput, cost.latency, cost.send_share) == (7, 3, 0.25, 1)
+    assert cost.overlap and not Shadow(measured=measured).cost(size).overlap
+    paper = Prophet(bandwidth=7.0, flops=3.0 * 64).cost(size)
+    assert (paper.latency, paper.send_share, paper.throughput) == (0.0, 0.0, 3.0)

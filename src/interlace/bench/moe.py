@@ -27,8 +27,10 @@ drops for `none`), max/mean device load, the fraction of assignments dropped, by
 and token dispatch/combine), the slowest rank's step time (median), and one MoE layer's forward
 + backward alone (median) next to Pro-Prophet's performance model T = 4·T_A2A + 3·T_FEC +
 T_Trans + T_Agg for the layer's count matrix and placement, with B̄ calibrated from a measured
-all_to_all on this cluster and t from a measured expert forward. The same B̄ and t drive the
-shadow and prophet searches. The non-MoE op's gradients are not all-reduced (the same cost for
+all_to_all on this cluster and t from a measured expert forward. `search_model` (default
+`measured`) makes the shadow and prophet searches price with the refined model and every
+calibrated term (`moe_calibrate.layer_cost`); `paper` gives them Pro-Prophet's terms from the
+same B̄ and t. The non-MoE op's gradients are not all-reduced (the same cost for
 every strategy). `trans_overlap` (default true) runs Trans/Agg overlapped with compute, each
 block issuing the next one's Trans after its dispatch (`interlace.parallel.expert`); false
 runs them synchronously, for comparison. Prophet's search prices Trans/Agg overlap-adjusted when
@@ -60,6 +62,7 @@ from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.models import get_preset
 from interlace.moe.balance import (
+    ExpertSize,
     LayerCost,
     Placement,
     balance_degree,
@@ -79,6 +82,7 @@ from interlace.parallel.expert import ExpertParallelMoE, schedule_transfers
 
 STRATEGIES = ("none", "dropless", "shadow", "prophet")
 WORKLOADS = ("skewed", "recorded")
+SEARCH_MODELS = ("measured", "paper")
 _METER = comm.CommMeter()  # the benchmark's own bookkeeping stays out of the default meter
 TARGETS = {"balance_vs_shadow": 5.0, "speedup_vs_dropless": 1.3, "speedup_vs_shadow": 1.1}
 
@@ -223,10 +227,13 @@ def _build(ctx: RankContext, experts: int, k: int, strategy: str, cal: dict) -> 
     for _ in range(o["layers"]):
         layer = _forced_layer(o, experts, k)
         size_flops = 2 * 2 * o["d_model"] * o["ffn"]
-        modelled = {
+        modelled: dict[str, Any] = {
             "bandwidth": cal["bandwidth_Bps"],
             "flops": cal["throughput_tokens_per_s"] * size_flops,
         }
+        if o["search_model"] == "measured":  # the sizes are the layer's, set by `cost`
+            template = ExpertSize(token_bytes=1, expert_bytes=1, flops_per_token=size_flops)
+            modelled["measured"] = layer_cost(cal, template, cal["route_time_s"])
         if strategy == "prophet":
             modelled |= {
                 "replan_every": o["prophet_replan"],
@@ -530,6 +537,10 @@ def check(options: dict[str, Any]) -> None:
     bad = [key for key in positive if options[key] < 1]
     if bad or options["warmup"] < 0 or options["capacity_factor"] <= 0:
         raise ConfigError(f"{bad or 'warmup/capacity_factor'} must be positive (warmup >= 0)")
+    if options["search_model"] not in SEARCH_MODELS:
+        raise ConfigError(
+            f"search_model={options['search_model']!r}: use one of {', '.join(SEARCH_MODELS)}"
+        )
     recorded = "recorded" in options["workloads"].split(",")
     if recorded and not get_preset(options["recorded_model"]).is_moe:
         raise ConfigError(f"recorded_model={options['recorded_model']} has no MoE layer")
@@ -572,6 +583,7 @@ BENCHMARK = Benchmark(
         "prophet_replan": 1,
         "alpha": 0.1,
         "trans_overlap": True,
+        "search_model": "measured",
         "peers": True,
         "steps": 8,
         "warmup": 2,

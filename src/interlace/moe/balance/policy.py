@@ -91,7 +91,10 @@ class _Modelled(Balancer):
     bandwidth: bytes/s per device (B̄); flops: expert FLOP/s per device; overlap: model Trans
     and Agg as hidden under compute (true only with an overlapping scheduler); None follows
     the layer (`for_layer`), and until then prices them as the layer's default scheduler,
-    which overlaps.
+    which overlaps. measured: a calibrated `LayerCost` (bandwidth, throughput and the
+    measured refinements of `moe.balance.cost`) to search with instead of Pro-Prophet's
+    terms from `bandwidth` and `flops`; the expert's sizes and `overlap` still come from the
+    layer.
     """
 
     dropless: ClassVar[bool | None] = True
@@ -99,6 +102,7 @@ class _Modelled(Balancer):
     bandwidth: float = DEFAULT_BANDWIDTH
     flops: float = DEFAULT_FLOPS
     overlap: bool | None = False
+    measured: LayerCost | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,12 +112,21 @@ class _Modelled(Balancer):
 
     def cost(self, size: ExpertSize) -> LayerCost:
         """The performance model's constants for experts of `size` on this hardware."""
+        overlap = self.overlap is not False
+        if self.measured is not None:
+            return replace(
+                self.measured,
+                token_bytes=size.token_bytes,
+                expert_bytes=size.expert_bytes,
+                grad_bytes=None,
+                overlap=overlap,
+            )
         return LayerCost(
             token_bytes=size.token_bytes,
             expert_bytes=size.expert_bytes,
             bandwidth=self.bandwidth,
             throughput=self.flops / size.flops_per_token,
-            overlap=self.overlap is not False,
+            overlap=overlap,
         )
 
     def for_layer(self, overlap: bool) -> _Modelled:
@@ -158,7 +171,7 @@ BALANCERS: dict[str, type[Balancer]] = {
 }
 
 
-def make_balancer(name: str, **options: float | int | bool | None) -> Balancer:
+def make_balancer(name: str, **options: float | int | bool | LayerCost | None) -> Balancer:
     """The strategy called `name` ('none', 'dropless', 'shadow', 'prophet') with `options`
     (its dataclass fields, e.g. replan_every=5). Raises ConfigError on an unknown name or
     option."""
