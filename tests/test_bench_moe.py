@@ -103,6 +103,8 @@ def test_moe_benchmark_loopback_smoke(tmp_path):
     result = saved["result"]
     assert set(result["workloads"]) == {"skewed", "recorded"}
     assert result["calibration"]["bandwidth_Bps"] > 0
+    assert 0 <= result["calibration"]["hidden_share"] <= 1
+    assert result["calibration"]["overlap_sync_s"] > 0
     assert result["model_error"]["count"] == 8
     peer = moe_deepspeed.unavailable() is None
     assert ("ran" if peer else "skipped") in result["peers"]["deepspeed_moe"]

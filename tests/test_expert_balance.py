@@ -106,22 +106,24 @@ def test_prophet_stops_once_the_devices_are_balanced_enough():
 
 
 # Two devices, experts 0 and 1 on device 0. The hottest expert 0 comes mostly from device 1,
-# so replicating it there overshoots (40, 80); the smaller expert 1 lands at (65, 55).
+# so replicating it there overshoots (40, 80); from no replicas the greedy takes the smaller
+# expert 1 instead (65, 55), and from shadowing's (40, 80) it hands expert 2 back to device 0.
 OVERSHOOT = torch.tensor([[10, 5, 20, 0], [50, 25, 0, 10]])
 
 
-def test_prophet_picks_the_replica_that_balances_best_not_the_hottest():
+def test_prophet_picks_the_replicas_that_balance_best_not_the_hottest():
     base = Placement.blocked(4, 2)
     placement = prophet_search(OVERSHOOT, base, COMPUTE_BOUND)
-    assert placement.replicas == ((), (1,), (), ())
-    assert device_loads(OVERSHOOT, placement)[0].tolist() == [65, 55]  # base (90, 30)
     shadow = shadow_search(OVERSHOOT, base, COMPUTE_BOUND)
     assert device_loads(OVERSHOOT, shadow)[0].tolist() == [40, 80]  # hottest first
-    assert balance_degree(OVERSHOOT, placement) == 5.0  # shadow: 20
-    assert balance_degree(OVERSHOOT, shadow) == 4 * balance_degree(OVERSHOOT, placement)
-    assert layer_time(OVERSHOOT, placement, COMPUTE_BOUND).total < (
-        layer_time(OVERSHOOT, shadow, COMPUTE_BOUND).total
-    )
+    assert placement.replicas == ((1,), (), (0,), ())  # from shadowing's start
+    assert device_loads(OVERSHOOT, placement)[0].tolist() == [60, 60]
+    from_nothing = prophet_search(OVERSHOOT, base, COMPUTE_BOUND, n_exclude=0)
+    assert from_nothing.replicas == ((), (1,), (), ())  # the greedy alone: (65, 55)
+    assert balance_degree(OVERSHOOT, from_nothing) == 5.0  # shadow: 20
+    assert balance_degree(OVERSHOOT, placement) == 0.0
+    modelled = [layer_time(OVERSHOOT, p, COMPUTE_BOUND).total for p in (placement, from_nothing)]
+    assert modelled[0] < modelled[1] < layer_time(OVERSHOOT, shadow, COMPUTE_BOUND).total
 
 
 # Four devices; the hot expert 0 is requested by devices 1 and 2 only, the rest evenly.

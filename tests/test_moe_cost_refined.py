@@ -3,12 +3,23 @@ Trans/Agg as an all-to-all, per-call expert latency, backward ratio, shared core
 cost), the search's incremental loads, and the calibration's line fit on synthetic timings."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from interlace.bench.moe_calibrate import fit_line, layer_cost
-from interlace.moe.balance import ExpertSize, LayerCost, Placement, Prophet, Shadow, layer_time
+from interlace.bench.moe_overlap import hidden_share, next_rank_replicas, probe_routing
+from interlace.moe.balance import (
+    ExpertSize,
+    LayerCost,
+    Placement,
+    Prophet,
+    Shadow,
+    layer_time,
+    prophet_search,
+    shadow_search,
+)
 from interlace.moe.balance.cost import DeviceLoads, exchange_time, shared_finish
 from interlace.moe.balance.search import _add
 
@@ -59,6 +70,76 @@ def test_refined_trans_and_agg_are_the_all_to_all_that_moves_the_replicas():
     assert hidden.agg == pytest.approx(max(0.0, 5.1 - 1.5 * 1.22))
 
 
+def test_overlap_hides_only_the_measured_share():
+    replicated = Placement.blocked(2, 2).with_replicas(0, [1])
+    overlapped = replace(REFINED, fnec=2.0, overlap=True)
+    quarter = layer_time(COUNTS_2, replicated, replace(overlapped, hidden_share=0.25))
+    # Trans 10.1 flies under FEC + FNEC = 1.22 + 2: what sticks out, plus 3/4 of the covered
+    # part; Agg 5.1 under BEC = 1.83 alike
+    assert quarter.trans == pytest.approx((10.1 - 3.22) + 0.75 * 3.22)
+    assert quarter.agg == pytest.approx((5.1 - 1.83) + 0.75 * 1.83)
+    nothing = layer_time(COUNTS_2, replicated, replace(overlapped, hidden_share=0.0))
+    assert (nothing.trans, nothing.agg) == pytest.approx((10.1, 5.1))  # as without overlap
+    long_cover = replace(overlapped, fnec=50.0, hidden_share=0.5)
+    assert layer_time(COUNTS_2, replicated, long_cover).trans == pytest.approx(0.5 * 10.1)
+
+
+def test_hidden_share_is_what_overlapping_removes_of_the_exposed_transfers():
+    # no replicas 1 s, replicas run synchronously 2 s: Trans + Agg cost 1 s exposed
+    assert hidden_share(1.0, 2.0, 1.0) == 1.0  # overlapped, they vanish
+    assert hidden_share(1.0, 2.0, 2.0) == 0.0  # overlapping hid nothing
+    assert hidden_share(1.0, 2.0, 1.5) == pytest.approx(0.5)
+    assert hidden_share(1.0, 2.0, 2.5) == 0.0  # overlapping cost more: clipped
+    assert hidden_share(1.0, 2.0, 0.9) == 1.0  # faster than no replicas: noise, clipped
+    assert hidden_share(1.0, 0.9, 1.2) == 1.0  # the replicas cost nothing to hide
+
+
+def test_the_overlap_probe_replicates_every_expert_on_the_next_rank():
+    placement = next_rank_replicas(Placement.blocked(4, 2))
+    assert placement.owner == (0, 0, 1, 1)
+    assert placement.replicas == ((1,), (1,), (0,), (0,))
+    assert next_rank_replicas(Placement.blocked(3, 3)).replicas == ((1,), (2,), (0,))
+    # rank 1 routes nothing to experts 0, 1 (rank 0's), which it replicates; evenly elsewhere
+    choices = probe_routing(12, Placement.blocked(8, 4), 1)
+    assert choices.shape == (12, 1)
+    assert torch.bincount(choices.flatten(), minlength=8).tolist() == [0, 0, 2, 2, 2, 2, 2, 2]
+
+
+def test_prophet_never_picks_worse_than_shadowing_under_its_own_model():
+    """Shadowing's placements (hottest experts on every device) lie in Pro-Prophet's search
+    space; its greedy path alone can miss a better one, so the search also starts from them."""
+    generator = torch.Generator().manual_seed(0)
+    for devices in (2, 4):
+        for share in (1.0, 0.0):
+            cost = LayerCost(
+                512,
+                5e5,
+                1.3e8,
+                7.5e4,
+                send_share=1.0,
+                exchange=True,
+                expert_latency=2e-4,
+                cores=2.0,
+                overlap=True,
+                hidden_share=share,
+            )
+            for _ in range(10):
+                popularity = torch.rand(8, generator=generator) ** 4 + 0.01
+                counts = torch.stack(
+                    [
+                        torch.bincount(
+                            torch.multinomial(popularity, 4096, True, generator=generator),
+                            minlength=8,
+                        )
+                        for _ in range(devices)
+                    ]
+                )
+                base = Placement.blocked(8, devices)
+                prophet = layer_time(counts, prophet_search(counts, base, cost), cost).total
+                shadow = layer_time(counts, shadow_search(counts, base, cost), cost).total
+                assert prophet <= shadow + 1e-12
+
+
 def test_exchange_time_and_defaults_reduce_to_max_received_over_bandwidth():
     cost = LayerCost(token_bytes=1, expert_bytes=1, bandwidth=4, throughput=1)
     assert exchange_time((3.0, 8.0), (9.0, 0.0), 2, cost) == pytest.approx(8 * 2 / 4)
@@ -84,6 +165,8 @@ def test_bad_refinements_are_refused():
         LayerCost(1, 1, 1, 1, latency=-1)
     with pytest.raises(ValueError, match="cores=0"):
         LayerCost(1, 1, 1, 1, cores=0)
+    with pytest.raises(ValueError, match=r"hidden_share=1\.2"):
+        LayerCost(1, 1, 1, 1, hidden_share=1.2)
 
 
 def test_search_updates_loads_as_recomputing_them():
@@ -123,7 +206,9 @@ def test_layer_cost_takes_every_calibrated_term():
         "backward_ratio": 1.7,
         "cores": 2.0,
     }
-    cost = layer_cost(cal, ExpertSize(512, 4096, 100), route_time=3e-6)
+    assert layer_cost(cal, ExpertSize(512, 4096, 100)).hidden_share == 1.0  # not measured
+    cost = layer_cost(cal | {"hidden_share": 0.3}, ExpertSize(512, 4096, 100), route_time=3e-6)
+    assert cost.hidden_share == 0.3
     assert (cost.bandwidth, cost.throughput, cost.latency, cost.send_share) == (1e8, 1e5, 1e-4, 0.9)
     assert (cost.expert_latency, cost.backward_ratio, cost.cores, cost.route_time) == (
         2e-4,

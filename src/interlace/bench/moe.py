@@ -57,7 +57,8 @@ from interlace import comm
 from interlace.bench import moe_deepspeed
 from interlace.bench.base import Benchmark, RankContext, check_names
 from interlace.bench.moe_calibrate import layer_cost, measure_expert, measure_link
-from interlace.bench.moe_report import headline, key_numbers, plot, table
+from interlace.bench.moe_overlap import measure_hidden_share, probe_routing
+from interlace.bench.moe_report import headline, key_numbers, plot, table, targets
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.models import get_preset
@@ -84,7 +85,6 @@ STRATEGIES = ("none", "dropless", "shadow", "prophet")
 WORKLOADS = ("skewed", "recorded")
 SEARCH_MODELS = ("measured", "paper")
 _METER = comm.CommMeter()  # the benchmark's own bookkeeping stays out of the default meter
-TARGETS = {"balance_vs_shadow": 5.0, "speedup_vs_dropless": 1.3, "speedup_vs_shadow": 1.1}
 
 
 class ForcedRouter(TopKRouter):
@@ -154,19 +154,35 @@ def _total(value: float, group: comm.Group) -> float:
 
 # ---------------------------------------------------------------------- calibration
 def _calibrate(ctx: RankContext) -> dict[str, Any]:
-    """The performance model's constants measured on the live group (`moe_calibrate`), and c
+    """The performance model's constants measured on the live group (`moe_calibrate`), c
     (`route_time_s`), the rest of the layer per routed assignment: what a dropless layer's
-    forward + backward on an even top-1 routing leaves after the other modelled terms."""
+    forward + backward on an even top-1 routing leaves after the other modelled terms, and h
+    (`hidden_share`, `moe_overlap`) on a stack of `layers` blocks on that routing."""
     o, group = ctx.options, ctx.group
     cal = measure_link(group, o["tokens"], o["d_model"])
     cal |= measure_expert(group, o["tokens"], o["d_model"], o["ffn"])
-    moe = ExpertParallelMoE(_forced_layer(o, o["experts"], 1), group, "dropless")
-    moe.router.choices = ((torch.arange(o["tokens"]) + group.rank) % o["experts"]).unsqueeze(1)
+    even = ((torch.arange(o["tokens"]) + group.rank) % o["experts"]).unsqueeze(1)
+
+    def forced(choices: torch.Tensor, overlap: bool = True) -> ExpertParallelMoE:
+        moe = ExpertParallelMoE(_forced_layer(o, o["experts"], 1), group, "dropless", 1, overlap)
+        moe.router.choices = choices
+        return moe
+
+    def stack(overlap: bool) -> nn.Module:
+        torch.manual_seed(o["seed"])
+        base = Placement.blocked(o["experts"], group.size)
+        probe = probe_routing(o["tokens"], base, group.rank)
+        blocks = [_Block(forced(probe, overlap), o["d_model"]) for _ in range(o["layers"])]
+        schedule_transfers([b.moe for b in blocks])
+        return nn.Sequential(*blocks)
+
+    moe = forced(even)
     seconds, kept = _layer_seconds(ctx, moe)
     rest = seconds - layer_time(kept, moe.placement, layer_cost(cal, moe.expert_size)).total
     cal["route_time_s"] = max(0.0, rest) / o["tokens"]
     cal["calibration_layer_s"] = seconds
-    return cal
+    x = torch.randn(1, o["tokens"], o["d_model"], generator=_generator(o["seed"], group.rank, 97))
+    return cal | measure_hidden_share(group, stack, x, o["layer_samples"])
 
 
 # ---------------------------------------------------------------------- workloads
@@ -451,29 +467,6 @@ def _time_layer(ctx: RankContext, block: _Block, work: Any, k: int, cal: dict) -
     }
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
-def _targets(strategies: dict[str, Any]) -> dict[str, Any]:
-    p = strategies.get("prophet")
-    out: dict[str, Any] = {}
-    if p is None:
-        return out
-    pairs = {
-        "balance_vs_shadow": ("shadow", "balance_degree"),
-        "speedup_vs_dropless": ("dropless", "step_median_s"),
-        "speedup_vs_shadow": ("shadow", "step_median_s"),
-    }
-    for name, (other, key) in pairs.items():
-        if other not in strategies:
-            continue
-        value = _ratio(strategies[other][key], p[key])
-        met = value is None or value >= TARGETS[name]  # None: prophet perfectly balanced
-        out[name] = {"value": value, "target": TARGETS[name], "met": met}
-    return out
-
-
 def _deepspeed_peer(wanted: bool) -> str | None:
     """None when DeepSpeed-MoE runs (initialised here), else why it is skipped (printed)."""
     reason = moe_deepspeed.unavailable() if wanted else "DeepSpeed-MoE not run: peers=false"
@@ -502,7 +495,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
             modelled = [v for v in strategies.values() if v["model_rel_error"] is not None]
             errors += [v["model_rel_error"] for v in modelled]
             paper_errors += [v["paper_model_rel_error"] for v in modelled]
-            entry[f"top{k}"] = {"strategies": strategies, "targets": _targets(strategies)}
+            entry[f"top{k}"] = {"strategies": strategies, "targets": targets(strategies)}
         workloads[name] = entry
     return {
         "calibration": cal,

@@ -11,6 +11,8 @@ a second each:
   fitted as a + n / t; forward + backward at the same counts gives ρ = backward / forward;
   the forward of one batch on every rank at once against rank 0 alone gives the compute units
   C the ranks share: C = D · alone / together (between 1 and D).
+- overlap: h, the share of an overlapped Trans/Agg that really hides, measured on the layer
+  itself (`moe_overlap`).
 
 The benchmark's original constants stay beside them (`bandwidth_Bps`: received bytes / s of
 the even all-to-all; `throughput_tokens_per_s`: tokens / s of the forward on every rank at
@@ -135,7 +137,8 @@ def measure_expert(group: comm.Group, tokens: int, d_model: int, ffn: int) -> di
 
 def layer_cost(cal: dict[str, Any], size: ExpertSize, route_time: float = 0.0) -> LayerCost:
     """The refined performance model (every measured term, Trans/Agg as an all-to-all) for
-    experts of `size` from a calibration `cal` (`measure_link` | `measure_expert`)."""
+    experts of `size` from a calibration `cal` (`measure_link` | `measure_expert` |
+    `measure_overlap`; without the last, overlapped transfers hide entirely)."""
     return LayerCost(
         token_bytes=size.token_bytes,
         expert_bytes=size.expert_bytes,
@@ -148,4 +151,5 @@ def layer_cost(cal: dict[str, Any], size: ExpertSize, route_time: float = 0.0) -
         backward_ratio=cal["backward_ratio"],
         cores=cal["cores"],
         route_time=route_time,
+        hidden_share=cal.get("hidden_share", 1.0),
     )

@@ -8,6 +8,8 @@ from typing import Any
 
 from interlace.plotting import new_figure, save_figure
 
+TARGETS = {"balance_vs_shadow": 5.0, "speedup_vs_dropless": 1.3, "speedup_vs_shadow": 1.1}
+
 
 def _configs(result: dict[str, Any]):
     for name, entry in result["workloads"].items():
@@ -120,3 +122,28 @@ def key_numbers(result: dict[str, Any]) -> dict[str, float]:
         for name, key, value in _configs(result)
         for s, m in value["strategies"].items()
     }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def targets(strategies: dict[str, Any]) -> dict[str, Any]:
+    """Prophet's three ratios against `TARGETS` from the strategies' figures: each
+    {value, target, met}; empty without prophet."""
+    p = strategies.get("prophet")
+    out: dict[str, Any] = {}
+    if p is None:
+        return out
+    pairs = {
+        "balance_vs_shadow": ("shadow", "balance_degree"),
+        "speedup_vs_dropless": ("dropless", "step_median_s"),
+        "speedup_vs_shadow": ("shadow", "step_median_s"),
+    }
+    for name, (other, key) in pairs.items():
+        if other not in strategies:
+            continue
+        value = _ratio(strategies[other][key], p[key])
+        met = value is None or value >= TARGETS[name]  # None: prophet perfectly balanced
+        out[name] = {"value": value, "target": TARGETS[name], "met": met}
+    return out

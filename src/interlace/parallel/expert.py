@@ -376,15 +376,20 @@ class ExpertParallelMoE(nn.Module):
         template = self._local_experts()[0]
         shapes = [p.shape for p in template.parameters()]
         sizes = [math.prod(shape) for shape in shapes]
-        for flat, e in zip(replicas.view(-1, self._numel), replicated_here, strict=True):
-            pieces = flat.split(sizes)
+        # one split per level (not a row per replica): their backwards each build one
+        # gradient buffer, where indexing rows would build a full-size one per replica
+        per_expert = replicas.split(self._numel) if replicated_here else ()
+        for flat, e in zip(per_expert, replicated_here, strict=True):
             params = {
                 name: piece.view(shape)
-                for name, piece, shape in zip(self._param_names, pieces, shapes, strict=True)
+                for name, piece, shape in zip(
+                    self._param_names, flat.split(sizes), shapes, strict=True
+                )
             }
-            mine = token[expert == e]
+            chosen = expert == e
+            mine = token[chosen]
             y = functional_call(template, params, (tokens[mine],))
-            weighted = y * gate[expert == e].unsqueeze(1).to(y.dtype)
+            weighted = y * gate[chosen].unsqueeze(1).to(y.dtype)
             out.index_add_(0, mine, weighted.to(out.dtype))
 
     # ------------------------------------------------------------------ metrics

@@ -44,6 +44,12 @@ None, False) the model is exactly the one above:
   T_FEC is the finish time of processor sharing: with the per-device times sorted,
   w_(1) ≤ … ≤ w_(D), T_FEC = Σ_k (w_(k) − w_(k−1)) · max(1, (D − k + 1) / C), which is
   max_i w_i when C ≥ D.
+- h (`hidden_share`): how much of a transfer that overlaps compute really hides under it.
+  The overlap-adjusted Trans becomes max(0, T_Trans − W) + (1 − h) · min(T_Trans, W) with
+  W = T_FEC + T_FNEC the compute it flies under (Agg alike with W = T_BEC + T_BNEC): h = 1
+  is the paper's form (a copy engine or spare link moves it for free); h = 0 where moving
+  bytes competes with the compute for the same processors or the link is busy anyway (gloo's
+  TCP sends on shared CPU cores), so overlapping hides nothing.
 - c (`route_time`): seconds per routed assignment for the rest of the layer on a device (the
   router, the count all-gather, sorting tokens by expert, the gate-weighted combine, forward
   and backward): T_LOC = c · max_i A_i with A_i the assignments device i routes. It does not
@@ -72,9 +78,9 @@ class LayerCost:
     throughput: t, tokens/s one device pushes through an expert's forward.
     fnec, bnec: seconds of the following non-MoE layer's forward / backward compute.
     overlap: use the overlap-adjusted Trans and Agg terms.
-    latency, send_share, exchange, expert_latency, backward_ratio, cores, route_time: the
-        measured refinements α, γ, Trans/Agg as an all-to-all, a, ρ, C and c (module
-        docstring); the defaults give Pro-Prophet's model.
+    latency, send_share, exchange, expert_latency, backward_ratio, cores, route_time,
+        hidden_share: the measured refinements α, γ, Trans/Agg as an all-to-all, a, ρ, C, c
+        and h (module docstring); the defaults give Pro-Prophet's model.
     """
 
     token_bytes: float
@@ -92,6 +98,7 @@ class LayerCost:
     backward_ratio: float = 2.0
     cores: float | None = None
     route_time: float = 0.0
+    hidden_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("token_bytes", "expert_bytes", "bandwidth", "throughput", "backward_ratio"):
@@ -104,6 +111,11 @@ class LayerCost:
             raise ValueError(
                 f"LayerCost.send_share={self.send_share} must be in [0, 1] (0: full-duplex "
                 "link, 1: sending and receiving share it)"
+            )
+        if not 0 <= self.hidden_share <= 1:
+            raise ValueError(
+                f"LayerCost.hidden_share={self.hidden_share} must be in [0, 1] (1: overlapped "
+                "transfers hide entirely, 0: overlapping hides nothing)"
             )
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"LayerCost.cores={self.cores} must be > 0, or None (one per device)")
@@ -193,10 +205,16 @@ def loads_time(loads: DeviceLoads, cost: LayerCost) -> LayerTime:
         spread = loads.holders / (len(loads.computed) * cost.bandwidth)
         trans, agg = spread * cost.expert_bytes, spread * grad_bytes
     if cost.overlap:
-        trans = max(0.0, trans - fec - cost.fnec)
-        agg = max(0.0, agg - bec - cost.bnec)
+        trans = _exposed(trans, fec + cost.fnec, cost.hidden_share)
+        agg = _exposed(agg, bec + cost.bnec, cost.hidden_share)
     local = cost.route_time * max(loads.routed)
     return LayerTime(a2a=a2a, fec=fec, bec=bec, trans=trans, agg=agg, local=local)
+
+
+def _exposed(transfer: float, cover: float, hidden_share: float) -> float:
+    """Seconds of a `transfer` left exposed when it flies under `cover` seconds of compute of
+    which it hides a share `hidden_share`: max(0, T − W) + (1 − h) · min(T, W)."""
+    return max(0.0, transfer - cover) + (1.0 - hidden_share) * min(transfer, cover)
 
 
 def exchange_time(
