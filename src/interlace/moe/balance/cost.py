@@ -222,7 +222,10 @@ def exchange_time(
 ) -> float:
     """Seconds of one all-to-all in which device i receives received[i] and sends sent[i]
     rows of `row_bytes`: α + max_i (received_i + γ · sent_i) · row_bytes / B̄."""
-    busiest = max(r + cost.send_share * s for r, s in zip(received, sent, strict=True))
+    if len(received) != len(sent):
+        raise ValueError(f"{len(received)} received counts but {len(sent)} sent ones")
+    share = cost.send_share
+    busiest = max(map(lambda r, s: r + share * s, received, sent))
     return cost.latency + busiest * row_bytes / cost.bandwidth
 
 

@@ -24,8 +24,7 @@ all-gathered counts reaches the same placement without talking to the others.
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import replace
+import math
 
 import torch
 
@@ -78,6 +77,7 @@ def _greedy(
 ) -> Placement:
     """Pro-Prophet's greedy steps from `start` (module docstring); the best prefix."""
     table = counts.to(torch.float64).tolist()
+    ranked = _by_tokens(table, start)
     threshold = alpha * float(counts.sum()) / start.num_experts
     placement, loads = start, DeviceLoads.of(counts, start)
     best, best_score, since_best = placement, _score(loads, cost), 0
@@ -85,18 +85,18 @@ def _greedy(
         max(loads.computed) - min(loads.computed) >= threshold
         and since_best < 2 * start.num_experts
     ):
-        moves = [
-            (_add(loads, table, placement, expert, devices), expert, devices)
-            for expert in range(start.num_experts)
-            for devices in _new_replicas(table, placement, expert, n_exclude)
-        ]
+        moves = []
+        for expert in range(start.num_experts):
+            for devices in _new_replicas(table, ranked[expert], placement, expert, n_exclude):
+                moved = _add(loads, table, placement, expert, devices)
+                moves.append((_score(moved, cost), moved, expert, devices))
         if not moves:
             break
-        loads, expert, devices = min(moves, key=lambda move: _score(move[0], cost))
+        score, loads, expert, devices = min(moves, key=lambda move: move[0])
         placement = placement.with_replicas(expert, placement.replicas[expert] + devices)
         since_best += 1
-        if _score(loads, cost) < best_score:
-            best, best_score, since_best = placement, _score(loads, cost), 0
+        if score < best_score:
+            best, best_score, since_best = placement, score, 0
     return best
 
 
@@ -122,14 +122,15 @@ def _add(
         sent[s] -= table[s][expert]
         replicas_in[s] += 1
     new_holders = len(devices) + (0 if placement.replicas[expert] else 1)
-    return replace(
-        loads,
+    return DeviceLoads(
         computed=tuple(computed),
         received=tuple(received),
         sent=tuple(sent),
+        routed=loads.routed,
         replicas_in=tuple(replicas_in),
         replicas_out=tuple(replicas_out),
         holders=loads.holders + new_holders,
+        local_experts=loads.local_experts,
     )
 
 
@@ -137,17 +138,35 @@ def _score(loads: DeviceLoads, cost: LayerCost) -> tuple[float, float, int]:
     """What the search minimises: the modelled layer time, then the balance degree (so a move
     that spreads the load without relieving the busiest device still counts), then the
     devices holding replicas."""
-    return loads_time(loads, cost).total, statistics.pstdev(loads.computed), loads.holders
+    computed = loads.computed
+    mean = sum(computed) / len(computed)
+    spread = math.sqrt(sum((h - mean) ** 2 for h in computed) / len(computed))
+    return loads_time(loads, cost).total, spread, loads.holders
+
+
+def _by_tokens(table: list[list[float]], placement: Placement) -> list[list[int]]:
+    """Per expert, the devices other than its owner, most of its tokens first (ties: lower
+    index)."""
+    return [
+        sorted(
+            (s for s in range(placement.num_devices) if s != placement.owner[e]),
+            key=lambda s, e=e: (-table[s][e], s),
+        )
+        for e in range(placement.num_experts)
+    ]
 
 
 def _new_replicas(
-    table: list[list[float]], placement: Placement, expert: int, n_exclude: int | None
+    table: list[list[float]],
+    others: list[int],
+    placement: Placement,
+    expert: int,
+    n_exclude: int | None,
 ) -> list[tuple[int, ...]]:
     """For each allowed n, the devices that replicating `expert` on all devices but the n
     holding the fewest of its tokens adds to its current holders (non-empty sets only; a
-    device that routed none of its tokens would only pay Trans and is never added)."""
-    others = [s for s in range(placement.num_devices) if s != placement.owner[expert]]
-    others.sort(key=lambda s: (-table[s][expert], s))
+    device that routed none of its tokens would only pay Trans and is never added). `others`:
+    the devices but its owner, most of its tokens first (`_by_tokens`)."""
     held = set(placement.replicas[expert])
     choices = range(len(others)) if n_exclude is None else [n_exclude]
     added = {
