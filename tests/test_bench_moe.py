@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interlace.bench import get_benchmark, moe_deepspeed
-from interlace.bench.moe import ForcedRouter
+from interlace.bench.moe_forced import ForcedRouter
 from interlace.bench.runner import parse_options, run_benchmark
 from interlace.errors import ConfigError
 from interlace.moe.routing_workloads import (
@@ -126,6 +126,8 @@ def test_moe_benchmark_loopback_smoke(tmp_path):
     for s in ("dropless", "shadow", "prophet"):
         assert strategies[s]["dropped_fraction"] == 0
     assert strategies["dropless"]["trans_bytes"] == 0
+    assert strategies["dropless"]["plan_s_per_step"] == 0  # never searches
+    assert strategies["prophet"]["plan_s_per_step"] > 0
     assert set(skewed["targets"]) == {
         "balance_vs_shadow",
         "speedup_vs_dropless",

@@ -8,6 +8,7 @@ from interlace.comm import Group
 from interlace.errors import ConfigError, PlanError
 from interlace.moe import MoELayer
 from interlace.moe.balance import (
+    ExpertSize,
     LayerCost,
     Placement,
     Prophet,
@@ -219,3 +220,41 @@ def test_layer_keeps_its_experts_under_their_global_index():
 def test_layer_rejects_experts_not_divisible_by_the_group():
     with pytest.raises(PlanError, match=r"3 experts cannot be split over ep=2"):
         ExpertParallelMoE(MoELayer(8, 16, n_experts=3), _fake_group(2, 0))
+
+
+def test_prophet_replans_early_once_the_routing_drifts_from_its_placement():
+    size = ExpertSize(token_bytes=1, expert_bytes=10, flops_per_token=1)
+    prophet = Prophet(bandwidth=1000, flops=1, overlap=False)  # COMPUTE_BOUND's model
+    base = Placement.blocked(4, 4)
+    placed = prophet.search(SKEWED, base, size)
+    assert placed.replicas[0]  # the hot expert 0 is replicated
+    assert not prophet.stale(SKEWED, placed, base, size)
+    drifted = SKEWED[:, [1, 0, 2, 3]]  # expert 1 (device 1's) is now the hot one
+    assert prophet.stale(drifted, placed, base, size)
+    assert not prophet.stale(drifted, prophet.search(drifted, base, size), base, size)
+    tolerant = Prophet(bandwidth=1000, flops=1, overlap=False, drift=10.0)
+    assert not tolerant.stale(drifted, placed, base, size)
+    never = Prophet(bandwidth=1000, flops=1, overlap=False, drift=None)
+    assert not never.stale(drifted, placed, base, size)
+    assert not Shadow().stale(drifted, base, base, size)
+    with pytest.raises(ConfigError, match=r"drift=-0\.1"):
+        Prophet(drift=-0.1)
+
+
+def test_the_layer_starts_a_search_when_due_or_stale_only():
+    layer = MoELayer(8, 16, n_experts=4, top_k=1)
+    prophet = Prophet(bandwidth=1e12, flops=1e6, overlap=False, replan_every=100)
+    parallel = ExpertParallelMoE(layer, _fake_group(4, 0), balance=prophet)
+    parallel.iteration = 1  # due
+    parallel._start_plan(SKEWED)
+    assert parallel._planning is not None
+    parallel._replan()
+    assert parallel.placement.replicas[0]
+    parallel.iteration = 2  # not due, and the placement still fits the counts
+    parallel._start_plan(SKEWED)
+    assert parallel._planning is None
+    parallel._start_plan(SKEWED[:, [1, 0, 2, 3]])  # drifted: stale
+    assert parallel._planning is not None
+    before = parallel.placement
+    parallel._replan()
+    assert parallel.placement.replicas[1] and parallel.placement != before

@@ -23,18 +23,19 @@ The strategies take turns step by step, so a shared machine's changing load hits
 
 Per strategy, workload and top-k: balance degree (std over devices of tokens computed, after
 drops for `none`), max/mean device load, the fraction of assignments dropped, bytes moved
-(every all_to_all the comm meter counted on all ranks, split into parameter Trans, gradient Agg
-and token dispatch/combine), the slowest rank's step time (median), and one MoE layer's forward
-+ backward alone (median) next to Pro-Prophet's performance model T = 4·T_A2A + 3·T_FEC +
-T_Trans + T_Agg for the layer's count matrix and placement, with B̄ calibrated from a measured
-all_to_all on this cluster and t from a measured expert forward. `search_model` (default
-`measured`) makes the shadow and prophet searches price with the refined model and every
-calibrated term (`moe_calibrate.layer_cost`); `paper` gives them Pro-Prophet's terms from the
-same B̄ and t. The non-MoE op's gradients are not all-reduced (the same cost for
-every strategy). `trans_overlap` (default true) runs Trans/Agg overlapped with compute, each
-block issuing the next one's Trans after its dispatch (`interlace.parallel.expert`); false
-runs them synchronously, for comparison. Prophet's search prices Trans/Agg overlap-adjusted when
-they overlap (Pro-Prophet's scheduler); shadow's prices them in full (FasterMoE's broadcasts).
+(every all_to_all the comm meter counted on all ranks: parameter Trans, gradient Agg, token
+dispatch/combine), the seconds of placement search per step (on the layers' background
+threads; prophet replans every `prophet_replan` steps, shadow every step), the slowest rank's
+step time (median), and one MoE layer's forward + backward alone (median) next to Pro-Prophet's
+performance model T = 4·T_A2A + 3·T_FEC + T_Trans + T_Agg for its count matrix and placement,
+B̄ and t calibrated on this cluster. `search_model` (default `measured`) makes the shadow and
+prophet searches price with the refined model and every calibrated term
+(`moe_calibrate.layer_cost`, the hidden share h from `moe_overlap`); `paper` gives them
+Pro-Prophet's terms from the same B̄ and t. The non-MoE op's gradients are not all-reduced (the
+same cost for every strategy). `trans_overlap` (default true) runs Trans/Agg overlapped with
+compute, each block issuing the next one's Trans after its dispatch; false runs them
+synchronously. Prophet's search prices Trans/Agg overlap-adjusted when they overlap
+(Pro-Prophet's scheduler); shadow's prices them in full (FasterMoE's broadcasts).
 
 **Peer.** With the `peers` extra installed and `peers=true`, DeepSpeed-MoE's layer runs in
 the same blocks on the same routing, with token drops (`deepspeed_drop`, capacity_factor as
@@ -57,6 +58,7 @@ from interlace import comm
 from interlace.bench import moe_deepspeed
 from interlace.bench.base import Benchmark, RankContext, check_names
 from interlace.bench.moe_calibrate import layer_cost, measure_expert, measure_link
+from interlace.bench.moe_forced import forced_layer
 from interlace.bench.moe_overlap import measure_hidden_share, probe_routing
 from interlace.bench.moe_report import headline, key_numbers, plot, table, targets
 from interlace.bench.timing import median, sample, slowest
@@ -71,8 +73,6 @@ from interlace.moe.balance import (
     layer_time,
     make_balancer,
 )
-from interlace.moe.gating import Routing, TopKRouter, _slot_in_expert
-from interlace.moe.layer import MoELayer
 from interlace.moe.routing_workloads import (
     RecordedRouting,
     SkewedRouting,
@@ -85,36 +85,6 @@ STRATEGIES = ("none", "dropless", "shadow", "prophet")
 WORKLOADS = ("skewed", "recorded")
 SEARCH_MODELS = ("measured", "paper")
 _METER = comm.CommMeter()  # the benchmark's own bookkeeping stays out of the default meter
-
-
-class ForcedRouter(TopKRouter):
-    """A `TopKRouter` that routes each token to `choices` [N, k] (set before each forward; None =
-    its own top-k), with gates from its own softmax at those experts. Keeps the kept counts [E]
-    of its last forward."""
-
-    choices: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route x [N, d_model] to `choices`, with the library's gates, capacity and aux loss."""
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.proj.weight.float())
-        probs = logits.softmax(dim=-1)
-        if self.choices is None:
-            expert_index = probs.topk(self.top_k, dim=-1).indices
-        else:
-            expert_index = self.choices.to(x.device)
-        top_probs = probs.gather(1, expert_index)
-        gate = top_probs if self.top_k == 1 else top_probs / top_probs.sum(-1, keepdim=True)
-        first = torch.bincount(expert_index[:, 0], minlength=self.n_experts).float() / len(x)
-        aux_loss = self.n_experts * (first * probs.mean(dim=0)).sum()
-        routed = torch.bincount(expert_index.flatten(), minlength=self.n_experts)
-        capacity = self.capacity(x.shape[0])
-        if capacity is None:
-            keep = torch.ones_like(expert_index, dtype=torch.bool)
-        else:
-            keep = _slot_in_expert(expert_index, routed) < capacity
-        self.last_kept = torch.bincount(expert_index[keep], minlength=self.n_experts)
-        return Routing(expert_index, gate, keep, aux_loss, routed, capacity)
 
 
 class _Block(nn.Module):
@@ -164,7 +134,7 @@ def _calibrate(ctx: RankContext) -> dict[str, Any]:
     even = ((torch.arange(o["tokens"]) + group.rank) % o["experts"]).unsqueeze(1)
 
     def forced(choices: torch.Tensor, overlap: bool = True) -> ExpertParallelMoE:
-        moe = ExpertParallelMoE(_forced_layer(o, o["experts"], 1), group, "dropless", 1, overlap)
+        moe = ExpertParallelMoE(forced_layer(o, o["experts"], 1), group, "dropless", 1, overlap)
         moe.router.choices = choices
         return moe
 
@@ -226,22 +196,12 @@ def _set_routing(blocks: list[_Block], work: Any, step: int, rank: int, o: dict,
 
 
 # ---------------------------------------------------------------------- one configuration
-def _forced_layer(o: dict[str, Any], experts: int, k: int) -> MoELayer:
-    """A full `MoELayer` of the options' sizes whose router is a `ForcedRouter` (sharing the
-    layer's projection)."""
-    layer = MoELayer(o["d_model"], o["ffn"], experts, k, o["capacity_factor"])
-    forced = ForcedRouter(o["d_model"], experts, k, o["capacity_factor"])
-    forced.proj = layer.router.proj
-    layer.router = forced
-    return layer
-
-
 def _build(ctx: RankContext, experts: int, k: int, strategy: str, cal: dict) -> list[_Block]:
     o, group = ctx.options, ctx.group
     torch.manual_seed(o["seed"])  # the same full model on every rank
     blocks = []
     for _ in range(o["layers"]):
-        layer = _forced_layer(o, experts, k)
+        layer = forced_layer(o, experts, k)
         size_flops = 2 * 2 * o["d_model"] * o["ffn"]
         modelled: dict[str, Any] = {
             "bandwidth": cal["bandwidth_Bps"],
@@ -297,6 +257,8 @@ class _Run:
         self.balance: list[float] = []
         self.load: list[float] = []
         self.dropped = self.assigned = 0
+        self.plan_s = 0.0  # background search seconds applied during the measured steps
+        self._timings: list[Any] = [None] * len(blocks)
 
     def step(self, work: Any, step: int) -> None:
         """One training iteration on the workload's routing of `step`; measured after warm-up."""
@@ -314,8 +276,10 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
         sent = comm.meter.snapshot().get(group.name, {}).get("all_to_all", {}).get("bytes", 0)
+        searched = self._new_searches()
         if step < o["warmup"]:
             return
+        self.plan_s += searched
         self.step_s.append(slowest(elapsed, group))
         stats = [self._stats(b) for b in self.blocks]
         self.a2a.append(self._all_to_all_bytes(sent, stats))
@@ -327,6 +291,16 @@ class _Run:
 
     def _stats(self, block: _Block) -> dict[str, Any]:
         return _layer_stats(block, self.ctx.group)
+
+    def _new_searches(self) -> float:
+        """Seconds of the placement searches applied since the last call (on their thread)."""
+        seconds = 0.0
+        for i, block in enumerate(self.blocks):
+            timing = getattr(block.moe, "plan_timing", None)
+            if timing is not None and timing is not self._timings[i]:
+                seconds += timing.search_s
+            self._timings[i] = timing
+        return seconds
 
     def _all_to_all_bytes(self, sent: float, stats: list[dict[str, Any]]) -> float:
         """This step's all_to_all bytes over every rank (as the comm meter counted them)."""
@@ -349,6 +323,7 @@ class _Run:
             "trans_bytes": trans_bytes,
             "agg_bytes": trans_bytes,
             "token_bytes": median(self.a2a) - 2 * trans_bytes,
+            "plan_s_per_step": slowest(self.plan_s, self.ctx.group) / len(self.step_s),
             **layer,
         }
 

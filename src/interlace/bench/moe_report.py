@@ -32,14 +32,16 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"{name} {key}:")
         lines.append(
             f"  {'strategy':18s} {'balance':>8s} {'max/mean':>8s} {'dropped':>8s} "
-            f"{'a2a MB':>7s} {'Trans MB':>8s} {'step s':>7s} {'layer s':>8s} {'model s':>8s}"
+            f"{'a2a MB':>7s} {'Trans MB':>8s} {'plan ms':>7s} {'step s':>7s} {'layer s':>8s} "
+            f"{'model s':>8s}"
         )
         for s, m in value["strategies"].items():
             modelled = "-" if m["model_layer_s"] is None else f"{m['model_layer_s']:.4f}"
             lines.append(
                 f"  {s:18s} {m['balance_degree']:8.1f} {m['max_mean_load']:8.2f} "
                 f"{m['dropped_fraction']:8.1%} {m['all_to_all_bytes'] / 1e6:7.2f} "
-                f"{m['trans_bytes'] / 1e6:8.2f} {m['step_median_s']:7.3f} "
+                f"{m['trans_bytes'] / 1e6:8.2f} {m.get('plan_s_per_step', 0.0) * 1e3:7.1f} "
+                f"{m['step_median_s']:7.3f} "
                 f"{m['layer_s']:8.4f} {modelled:>8s}"
             )
         for t, v in value["targets"].items():

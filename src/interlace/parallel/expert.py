@@ -312,9 +312,9 @@ class ExpertParallelMoE(nn.Module):
         """If the next training iteration replans, start its search from this iteration's count
         matrix `counts` [D, E] (CPU, never modified) on a background thread; `_replan` applies
         it. A search started earlier and never applied is superseded."""
-        if not self.balancer.due(self.iteration):
-            return
         balancer, base, size = self.balancer, self.base_placement, self.expert_size
+        if not (balancer.due(self.iteration) or balancer.stale(counts, self.placement, base, size)):
+            return
         self._planning = BackgroundSearch(
             lambda: balancer.search(counts, base, size), name=f"interlace-plan-{id(self):x}"
         )
