@@ -14,7 +14,7 @@ all-gathered counts reaches the same placement without talking to the others.
   expert's holders, so an expert may come back to grow its replicas over a larger subset of
   devices, and a move may relieve the busiest device or the busiest link. Keep the best
   prefix of steps; stop when max(H) − min(H) < α · tokens / E, when no expert can gain a
-  holder, or after 2·E steps without a better prefix. With the overlap-adjusted Trans/Agg
+  holder, or after 4 steps without a better prefix. With the overlap-adjusted Trans/Agg
   (`LayerCost.overlap`) replicas are free while they hide under compute, so the search
   replicates more experts, over subsets of devices, than shadowing's all-or-nothing.
   With n free, shadowing's placement lies in the search space but the greedy path from no
@@ -72,6 +72,12 @@ def prophet_search(
     return min(found, key=lambda placement: _score(DeviceLoads.of(counts, placement), cost))
 
 
+_PATIENCE = 4
+"""Greedy steps without a better prefix before the search gives up. On random skewed counts,
+2 · E steps (E experts) took 18× as long at E = 64, D = 8 (2.9 s a search) and found no
+better placement; 1 step found placements ~0.1% slower by the model."""
+
+
 def _greedy(
     counts: torch.Tensor, start: Placement, cost: LayerCost, alpha: float, n_exclude: int | None
 ) -> Placement:
@@ -83,7 +89,7 @@ def _greedy(
     best, best_score, since_best = placement, _score(loads, cost), 0
     while (
         max(loads.computed) - min(loads.computed) >= threshold
-        and since_best < 2 * start.num_experts
+        and since_best < _PATIENCE
     ):
         moves = []
         for expert in range(start.num_experts):
@@ -183,3 +189,4 @@ def _check_counts(counts: torch.Tensor, base: Placement) -> None:
             f"count matrix has shape {tuple(counts.shape)} but the placement has "
             f"{expected[0]} devices and {expected[1]} experts; pass counts of shape {expected}"
         )
+
