@@ -548,7 +548,7 @@ BENCHMARK = Benchmark(
         "recorded_model": "moe-demo",
         "recorded_steps": 12,
         "recorded_batch": 8,
-        "prophet_replan": 1,
+        "prophet_replan": 4,
         "alpha": 0.1,
         "trans_overlap": True,
         "search_model": "measured",
