@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from interlace.bench.moe_calibrate import fit_line, layer_cost
-from interlace.bench.moe_overlap import hidden_share, next_rank_replicas, probe_routing
+from interlace.bench.moe_overlap import hidden_share, probe_routing, replicated_everywhere
 from interlace.moe.balance import (
     ExpertSize,
     LayerCost,
@@ -91,18 +91,17 @@ def test_hidden_share_is_what_overlapping_removes_of_the_exposed_transfers():
     assert hidden_share(1.0, 2.0, 1.5) == pytest.approx(0.5)
     assert hidden_share(1.0, 2.0, 2.5) == 0.0  # overlapping cost more: clipped
     assert hidden_share(1.0, 2.0, 0.9) == 1.0  # faster than no replicas: noise, clipped
-    assert hidden_share(1.0, 0.9, 1.2) == 1.0  # the replicas cost nothing to hide
+    assert hidden_share(1.0, 0.9, 1.2) == 0.0  # no visible cost: nothing shown to hide
 
 
-def test_the_overlap_probe_replicates_every_expert_on_the_next_rank():
-    placement = next_rank_replicas(Placement.blocked(4, 2))
-    assert placement.owner == (0, 0, 1, 1)
-    assert placement.replicas == ((1,), (1,), (0,), (0,))
-    assert next_rank_replicas(Placement.blocked(3, 3)).replicas == ((1,), (2,), (0,))
-    # rank 1 routes nothing to experts 0, 1 (rank 0's), which it replicates; evenly elsewhere
-    choices = probe_routing(12, Placement.blocked(8, 4), 1)
+def test_the_overlap_probe_keeps_tokens_home_and_replicates_every_expert_everywhere():
+    base = Placement.blocked(8, 4)
+    placement = replicated_everywhere(base)
+    assert placement.owner == base.owner
+    assert placement.replicas[0] == (1, 2, 3) and placement.replicas[7] == (0, 1, 2)
+    choices = probe_routing(12, base, 1)
     assert choices.shape == (12, 1)
-    assert torch.bincount(choices.flatten(), minlength=8).tolist() == [0, 0, 2, 2, 2, 2, 2, 2]
+    assert torch.bincount(choices.flatten(), minlength=8).tolist() == [0, 0, 6, 6, 0, 0, 0, 0]
 
 
 def test_prophet_never_picks_worse_than_shadowing_under_its_own_model():

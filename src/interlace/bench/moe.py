@@ -152,7 +152,7 @@ def _calibrate(ctx: RankContext) -> dict[str, Any]:
     cal["route_time_s"] = max(0.0, rest) / o["tokens"]
     cal["calibration_layer_s"] = seconds
     x = torch.randn(1, o["tokens"], o["d_model"], generator=_generator(o["seed"], group.rank, 97))
-    return cal | measure_hidden_share(group, stack, x, o["layer_samples"])
+    return cal | measure_hidden_share(group, stack, x, max(5, o["layer_samples"]))
 
 
 # ---------------------------------------------------------------------- workloads

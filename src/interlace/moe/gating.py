@@ -79,7 +79,8 @@ class TopKRouter(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.proj.weight.float())
         probs = logits.softmax(dim=-1)
-        top_probs, expert_index = probs.topk(self.top_k, dim=-1)
+        expert_index = self.choose(probs)
+        top_probs = probs.gather(1, expert_index)
         gate_weight = top_probs if self.top_k == 1 else top_probs / top_probs.sum(-1, keepdim=True)
 
         first_choice_share = torch.bincount(expert_index[:, 0], minlength=self.n_experts)
@@ -93,6 +94,10 @@ class TopKRouter(nn.Module):
         else:
             keep = _slot_in_expert(expert_index, tokens_per_expert) < capacity
         return Routing(expert_index, gate_weight, keep, aux_loss, tokens_per_expert, capacity)
+
+    def choose(self, probs: torch.Tensor) -> torch.Tensor:
+        """The experts of each token, [N, k], from the router's probabilities [N, E]: top k."""
+        return probs.topk(self.top_k, dim=-1).indices
 
 
 def _slot_in_expert(expert_index: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
