@@ -87,10 +87,7 @@ def _greedy(
     threshold = alpha * float(counts.sum()) / start.num_experts
     placement, loads = start, DeviceLoads.of(counts, start)
     best, best_score, since_best = placement, _score(loads, cost), 0
-    while (
-        max(loads.computed) - min(loads.computed) >= threshold
-        and since_best < _PATIENCE
-    ):
+    while max(loads.computed) - min(loads.computed) >= threshold and since_best < _PATIENCE:
         moves = []
         for expert in range(start.num_experts):
             for devices in _new_replicas(table, ranked[expert], placement, expert, n_exclude):
@@ -189,4 +186,3 @@ def _check_counts(counts: torch.Tensor, base: Placement) -> None:
             f"count matrix has shape {tuple(counts.shape)} but the placement has "
             f"{expected[0]} devices and {expected[1]} experts; pass counts of shape {expected}"
         )
-
