@@ -309,9 +309,10 @@ class ExpertParallelMoE(nn.Module):
 
     # ------------------------------------------------------------------ replicas
     def _start_plan(self, counts: torch.Tensor) -> None:
-        """If the next training iteration replans, start its search from this iteration's count
-        matrix `counts` [D, E] (CPU, never modified) on a background thread; `_replan` applies
-        it. A search started earlier and never applied is superseded."""
+        """If the next training iteration replans (it is due, or the strategy finds the placement
+        in use stale for these counts), start its search from this iteration's count matrix
+        `counts` [D, E] (CPU, never modified) on a background thread; `_replan` applies it. A
+        search started earlier and never applied is superseded."""
         balancer, base, size = self.balancer, self.base_placement, self.expert_size
         if not (balancer.due(self.iteration) or balancer.stale(counts, self.placement, base, size)):
             return
@@ -376,8 +377,8 @@ class ExpertParallelMoE(nn.Module):
         template = self._local_experts()[0]
         shapes = [p.shape for p in template.parameters()]
         sizes = [math.prod(shape) for shape in shapes]
-        # one split per level (not a row per replica): their backwards each build one
-        # gradient buffer, where indexing rows would build a full-size one per replica
+        # split (one gradient buffer in backward), rather than index each replica's row (whose
+        # backward builds a zero-filled buffer of all replicas' size, one per replica)
         per_expert = replicas.split(self._numel) if replicated_here else ()
         for flat, e in zip(per_expert, replicated_here, strict=True):
             params = {
