@@ -40,7 +40,7 @@ def table(doc: dict[str, Any]) -> str:
             lines.append(
                 f"  {s:18s} {m['balance_degree']:8.1f} {m['max_mean_load']:8.2f} "
                 f"{m['dropped_fraction']:8.1%} {m['all_to_all_bytes'] / 1e6:7.2f} "
-                f"{m['trans_bytes'] / 1e6:8.2f} {m.get('plan_s_per_step', 0.0) * 1e3:7.1f} "
+                f"{m['trans_bytes'] / 1e6:8.2f} {m['plan_s_per_step'] * 1e3:7.1f} "
                 f"{m['step_median_s']:7.3f} "
                 f"{m['layer_s']:8.4f} {modelled:>8s}"
             )
