@@ -3,8 +3,9 @@ Trans/Agg as an all-to-all, per-call expert latency, backward ratio, shared core
 cost), the search's incremental loads, and the calibration's line fit on synthetic timings."""
 
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,8 +21,14 @@ from interlace.moe.balance import (
     prophet_search,
     shadow_search,
 )
-from interlace.moe.balance.cost import DeviceLoads, exchange_time, shared_finish
-from interlace.moe.balance.search import _add
+from interlace.moe.balance.cost import (
+    DeviceLoads,
+    LayerTime,
+    exchange_time,
+    loads_time,
+    shared_finish,
+)
+from interlace.moe.balance.search import _candidate_moves, _moved
 
 # Two devices, expert e on device e. Device 0 routes 6 tokens to expert 0 and 2 to expert 1;
 # device 1 routes 4 to expert 0 and none to expert 1.
@@ -168,16 +175,60 @@ def test_bad_refinements_are_refused():
         LayerCost(1, 1, 1, 1, hidden_share=1.2)
 
 
+def _same_loads(a: DeviceLoads, b: DeviceLoads) -> bool:
+    return all(np.array_equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(DeviceLoads))
+
+
 def test_search_updates_loads_as_recomputing_them():
     rng = random.Random(3)
     counts = torch.tensor([[rng.randrange(50) for _ in range(8)] for _ in range(4)])
-    table = counts.to(torch.float64).tolist()
+    table = counts.to(torch.float64).numpy()
     placement = Placement.blocked(8, 4)
     loads = DeviceLoads.of(counts, placement)
     for expert, devices in ((0, (1, 2)), (5, (0,)), (0, (3,)), (7, (0, 1, 2))):
-        loads = _add(loads, table, placement, expert, devices)
+        added = np.zeros((1, 4))
+        added[0, list(devices)] = 1.0
+        loads = _moved(loads, table, placement, np.array([expert]), added).at(0)
         placement = placement.with_replicas(expert, placement.replicas[expert] + devices)
-        assert loads == DeviceLoads.of(counts, placement)
+        assert _same_loads(loads, DeviceLoads.of(counts, placement))
+
+
+def test_a_batch_of_moves_is_modelled_as_each_move_alone():
+    rng = random.Random(5)
+    counts = torch.tensor([[rng.randrange(60) for _ in range(8)] for _ in range(4)])
+    table = counts.to(torch.float64).numpy()
+    placement = Placement.blocked(8, 4).with_replicas(2, (0, 3))
+    cost = LayerCost(
+        64, 4096, 1e6, 1e4, fnec=0.01, overlap=True, latency=1e-3, send_share=0.5,
+        exchange=True, expert_latency=1e-4, cores=2.0, route_time=1e-7, hidden_share=0.3,
+    )  # fmt: skip
+    moves = [(0, (2,)), (0, (2, 3)), (2, (2,)), (7, (0, 1, 2)), (5, (3,))]  # fresh holders
+    added = np.zeros((len(moves), 4))
+    for m, (_, devices) in enumerate(moves):
+        added[m, list(devices)] = 1.0
+    loads = DeviceLoads.of(counts, placement)
+    batch = _moved(loads, table, placement, np.array([e for e, _ in moves]), added)
+    batched = loads_time(batch, cost)
+    for m, (expert, devices) in enumerate(moves):
+        alone = placement.with_replicas(expert, placement.replicas[expert] + devices)
+        assert _same_loads(batch.at(m), DeviceLoads.of(counts, alone))
+        modelled = layer_time(counts, alone, cost)
+        for term in fields(LayerTime):
+            assert getattr(batched, term.name)[m] == pytest.approx(getattr(modelled, term.name))
+
+
+def test_candidate_moves_are_the_fresh_devices_of_every_cut():
+    order = np.array([[2, 0, 3], [3, 1, 0]])  # [E = 2, D − 1 = 3], most tokens first
+    fresh = np.array([[True, False, True], [False, True, True]])
+    experts, added = _candidate_moves(order, fresh, None)
+    as_sets = [(int(e), tuple(np.flatnonzero(row))) for e, row in zip(experts, added, strict=True)]
+    # expert 0: cuts after device 2, then 2 (0 is held), then 2 and 3; expert 1 alike
+    assert as_sets == [(0, (2,)), (0, (2, 3)), (1, (1,)), (1, (0, 1))]
+    experts, added = _candidate_moves(order, fresh, 1)  # all devices but the one with fewest
+    as_sets = [(int(e), tuple(np.flatnonzero(row))) for e, row in zip(experts, added, strict=True)]
+    assert as_sets == [(0, (2,)), (1, (1,))]
+    experts, _ = _candidate_moves(order, np.zeros_like(fresh), None)
+    assert len(experts) == 0
 
 
 def test_fit_line_recovers_synthetic_timings():

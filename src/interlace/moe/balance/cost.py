@@ -60,11 +60,15 @@ With them T = 4 · T_A2A + T_FEC + T_BEC + T_Trans + T_Agg + T_LOC (overlap form
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
-from interlace.moe.balance.placement import Placement, device_loads
+from interlace.moe.balance.placement import Placement, table_loads
+
+FloatOrArray = float | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -123,119 +127,144 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class LayerTime:
-    """Modelled seconds of one MoE layer (forward + backward); see the module docstring."""
+    """Modelled seconds of one MoE layer (forward + backward); see the module docstring.
 
-    a2a: float
-    fec: float
-    bec: float
-    trans: float
-    agg: float
-    local: float = 0.0
+    Each term is a float for one placement, or an array [M] for a batch of M placements
+    (`loads_time` on batched loads)."""
+
+    a2a: FloatOrArray
+    fec: FloatOrArray
+    bec: FloatOrArray
+    trans: FloatOrArray
+    agg: FloatOrArray
+    local: FloatOrArray = 0.0
 
     @property
-    def total(self) -> float:
+    def total(self) -> FloatOrArray:
         """T = 4 · T_A2A + T_FEC + T_BEC + T_Trans + T_Agg + T_LOC (Trans, Agg as adjusted)."""
         return 4 * self.a2a + self.fec + self.bec + self.trans + self.agg + self.local
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DeviceLoads:
-    """What the model reads of a count matrix under a placement, per device i (each [D]).
+    """What the model reads of a count matrix under a placement, per device i: arrays
+    [..., D] (a leading batch axis holds several placements at once, as the search scores its
+    candidate moves).
 
     computed: H_i tokens computed; received: R_i tokens received from other devices;
     sent: S_i of its own tokens sent to other devices; routed: A_i assignments it routed;
-    replicas_in / replicas_out: replicas it receives / sends (experts); holders: devices
+    replicas_in / replicas_out: replicas it receives / sends (experts); holders [...]: devices
     holding replicated experts, owners included (Σ_e (D − n_e)); local_experts: E / D.
     """
 
-    computed: tuple[float, ...]
-    received: tuple[float, ...]
-    sent: tuple[float, ...]
-    routed: tuple[float, ...]
-    replicas_in: tuple[int, ...]
-    replicas_out: tuple[int, ...]
-    holders: int
+    computed: np.ndarray
+    received: np.ndarray
+    sent: np.ndarray
+    routed: np.ndarray
+    replicas_in: np.ndarray
+    replicas_out: np.ndarray
+    holders: np.ndarray
     local_experts: int
 
     @classmethod
     def of(cls, counts: torch.Tensor, placement: Placement) -> DeviceLoads:
         """The loads of `placement` for counts [D, E] (tokens device s routed to expert e)."""
-        computed, received = device_loads(counts, placement)
-        counts = counts.to(torch.float64)
-        travels = ~placement.computed_at_source()
-        replicas_in, replicas_out = [0] * placement.num_devices, [0] * placement.num_devices
-        for e in placement.replicated:
-            replicas_out[placement.owner[e]] += len(placement.replicas[e])
-            for s in placement.replicas[e]:
-                replicas_in[s] += 1
+        table = counts.to(torch.float64).numpy()
+        at_source = placement.at_source_array()
+        computed, received = table_loads(table, placement, at_source)
+        replicas = at_source.astype(np.float64)
+        replicas[list(placement.owner), range(placement.num_experts)] = 0.0  # [D, E]
+        per_expert = replicas.sum(axis=0)
         return cls(
-            computed=tuple(computed.tolist()),
-            received=tuple(received.tolist()),
-            sent=tuple(torch.where(travels, counts, 0.0).sum(dim=1).tolist()),
-            routed=tuple(counts.sum(dim=1).tolist()),
-            replicas_in=tuple(replicas_in),
-            replicas_out=tuple(replicas_out),
-            holders=sum(replicas_in) + len(placement.replicated),
+            computed=computed,
+            received=received,
+            sent=np.where(at_source, 0.0, table).sum(axis=1),
+            routed=table.sum(axis=1),
+            replicas_in=replicas.sum(axis=1),
+            replicas_out=np.bincount(
+                placement.owner, weights=per_expert, minlength=placement.num_devices
+            ),
+            holders=np.asarray(per_expert.sum() + np.count_nonzero(per_expert)),
             local_experts=placement.num_experts // placement.num_devices,
         )
+
+    def at(self, index: int) -> DeviceLoads:
+        """The loads of placement `index` of a batch [M, D]."""
+        return DeviceLoads(
+            computed=self.computed[index],
+            received=self.received[index],
+            sent=self.sent[index],
+            routed=self.routed,
+            replicas_in=self.replicas_in[index],
+            replicas_out=self.replicas_out[index],
+            holders=self.holders[index],
+            local_experts=self.local_experts,
+        )
+
+    def spread(self) -> np.ndarray:
+        """[...] the balance degree: population standard deviation of `computed`."""
+        return self.computed.std(axis=-1)
 
 
 def layer_time(counts: torch.Tensor, placement: Placement, cost: LayerCost) -> LayerTime:
     """Model the layer for routing counts [D, E] (tokens from device s to expert e) under
     `placement`; Trans and Agg are overlap-adjusted when `cost.overlap`."""
-    return loads_time(DeviceLoads.of(counts, placement), cost)
+    modelled = loads_time(DeviceLoads.of(counts, placement), cost)
+    return LayerTime(*(float(getattr(modelled, f.name)) for f in fields(LayerTime)))
 
 
 def loads_time(loads: DeviceLoads, cost: LayerCost) -> LayerTime:
-    """Model the layer from its per-device loads (module docstring)."""
+    """Model the layer from its per-device loads [..., D] (module docstring); each term [...]."""
     a2a = exchange_time(loads.received, loads.sent, cost.token_bytes, cost)
-    work = [
-        h / cost.throughput + cost.expert_latency * (loads.local_experts + held)
-        for h, held in zip(loads.computed, loads.replicas_in, strict=True)
-    ]
+    work = loads.computed / cost.throughput + cost.expert_latency * (
+        loads.local_experts + loads.replicas_in
+    )
     fec = shared_finish(work, cost.cores)
     bec = cost.backward_ratio * fec
     grad_bytes = cost.expert_bytes if cost.grad_bytes is None else cost.grad_bytes
-    if not loads.holders:
-        trans = agg = 0.0
-    elif cost.exchange:
+    if cost.exchange:
         trans = exchange_time(loads.replicas_in, loads.replicas_out, cost.expert_bytes, cost)
         agg = exchange_time(loads.replicas_out, loads.replicas_in, grad_bytes, cost)
     else:
-        spread = loads.holders / (len(loads.computed) * cost.bandwidth)
+        spread = loads.holders / (loads.computed.shape[-1] * cost.bandwidth)
         trans, agg = spread * cost.expert_bytes, spread * grad_bytes
+    moved = loads.holders > 0
+    trans, agg = np.where(moved, trans, 0.0), np.where(moved, agg, 0.0)
     if cost.overlap:
         trans = _exposed(trans, fec + cost.fnec, cost.hidden_share)
         agg = _exposed(agg, bec + cost.bnec, cost.hidden_share)
-    local = cost.route_time * max(loads.routed)
+    local = np.broadcast_to(cost.route_time * loads.routed.max(axis=-1), np.shape(fec))
     return LayerTime(a2a=a2a, fec=fec, bec=bec, trans=trans, agg=agg, local=local)
 
 
-def _exposed(transfer: float, cover: float, hidden_share: float) -> float:
+def _exposed(transfer: np.ndarray, cover: np.ndarray, hidden_share: float) -> np.ndarray:
     """Seconds of a `transfer` left exposed when it flies under `cover` seconds of compute of
     which it hides a share `hidden_share`: max(0, T − W) + (1 − h) · min(T, W)."""
-    return max(0.0, transfer - cover) + (1.0 - hidden_share) * min(transfer, cover)
+    return np.maximum(0.0, transfer - cover) + (1.0 - hidden_share) * np.minimum(transfer, cover)
 
 
 def exchange_time(
-    received: tuple[float, ...], sent: tuple[float, ...], row_bytes: float, cost: LayerCost
-) -> float:
-    """Seconds of one all-to-all in which device i receives received[i] and sends sent[i]
-    rows of `row_bytes`: α + max_i (received_i + γ · sent_i) · row_bytes / B̄."""
-    if len(received) != len(sent):
-        raise ValueError(f"{len(received)} received counts but {len(sent)} sent ones")
-    share = cost.send_share
-    busiest = max(map(lambda r, s: r + share * s, received, sent))
+    received: ArrayLike, sent: ArrayLike, row_bytes: float, cost: LayerCost
+) -> np.ndarray:
+    """Seconds of one all-to-all in which device i receives received[..., i] and sends
+    sent[..., i] rows of `row_bytes`: α + max_i (received_i + γ · sent_i) · row_bytes / B̄;
+    shape [...]."""
+    received, sent = np.asarray(received, dtype=np.float64), np.asarray(sent, dtype=np.float64)
+    if received.shape != sent.shape:
+        raise ValueError(f"received counts of shape {received.shape} but sent {sent.shape}")
+    busiest = (received + cost.send_share * sent).max(axis=-1)
     return cost.latency + busiest * row_bytes / cost.bandwidth
 
 
-def shared_finish(work: list[float], cores: float | None) -> float:
-    """When the last device finishes, each with `work` [D] seconds of compute alone, if the D
-    devices share `cores` compute units evenly (processor sharing; None: one each)."""
-    if cores is None or cores >= len(work):
-        return max(work)
-    elapsed = done = 0.0
-    for k, w in enumerate(sorted(work)):
-        elapsed += (w - done) * max(1.0, (len(work) - k) / cores)
-        done = w
-    return elapsed
+def shared_finish(work: ArrayLike, cores: float | None) -> np.ndarray:
+    """When the last device finishes, each with `work` [..., D] seconds of compute alone, if
+    the D devices share `cores` compute units evenly (processor sharing; None: one each):
+    with w sorted, Σ_k (w_(k) − w_(k−1)) · max(1, (D − k + 1) / C); shape [...]."""
+    work = np.asarray(work, dtype=np.float64)
+    devices = work.shape[-1]
+    if cores is None or cores >= devices:
+        return work.max(axis=-1)
+    ordered = np.sort(work, axis=-1)
+    steps = np.diff(ordered, axis=-1, prepend=0.0)
+    sharing = np.maximum(1.0, (devices - np.arange(devices)) / cores)
+    return (steps * sharing).sum(axis=-1)

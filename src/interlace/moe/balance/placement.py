@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -67,27 +68,41 @@ class Placement:
 
     def replica_mask(self) -> torch.Tensor:
         """[D, E] bool: device s holds a replica of expert e (owners excluded)."""
-        mask = torch.zeros(self.num_devices, self.num_experts, dtype=torch.bool)
+        return torch.from_numpy(self._replica_array())
+
+    def computed_at_source(self) -> torch.Tensor:
+        """[D, E] bool: tokens device s routes to expert e are computed on s (owner or replica)."""
+        return torch.from_numpy(self.at_source_array())
+
+    def _replica_array(self) -> np.ndarray:
+        mask = np.zeros((self.num_devices, self.num_experts), dtype=bool)
         for e, devices in enumerate(self.replicas):
             mask[list(devices), e] = True
         return mask
 
-    def computed_at_source(self) -> torch.Tensor:
-        """[D, E] bool: tokens device s routes to expert e are computed on s (owner or replica)."""
-        mask = self.replica_mask()
-        mask[list(self.owner), list(range(self.num_experts))] = True
+    def at_source_array(self) -> np.ndarray:
+        """`computed_at_source` as a NumPy array [D, E] (for the model's arithmetic)."""
+        mask = self._replica_array()
+        mask[list(self.owner), range(self.num_experts)] = True
         return mask
 
 
 def device_loads(counts: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, R): tokens each device computes and receives from others, both [D] float64, for the
     count matrix `counts` [D, E] under `placement` (see the module docstring)."""
-    counts = counts.to(torch.float64)
-    at_source = placement.computed_at_source()
-    sent = torch.where(at_source, torch.zeros_like(counts), counts).sum(dim=0)  # [E]
-    owner = torch.tensor(placement.owner)
-    received = torch.zeros(placement.num_devices, dtype=torch.float64).index_add_(0, owner, sent)
-    computed = torch.where(at_source, counts, torch.zeros_like(counts)).sum(dim=1) + received
+    table = counts.to(torch.float64).numpy()
+    computed, received = table_loads(table, placement, placement.at_source_array())
+    return torch.from_numpy(computed), torch.from_numpy(received)
+
+
+def table_loads(
+    table: np.ndarray, placement: Placement, at_source: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`device_loads` on NumPy: counts `table` [D, E] (float64) and its `at_source` mask
+    (`Placement.at_source_array`) → (H, R), each [D]."""
+    sent = np.where(at_source, 0.0, table).sum(axis=0)  # [E] tokens reaching each owner
+    received = np.bincount(placement.owner, weights=sent, minlength=placement.num_devices)
+    computed = np.where(at_source, table, 0.0).sum(axis=1) + received
     return computed, received
 
 
