@@ -90,6 +90,8 @@ def headline(doc: dict[str, Any]) -> str:
         if not t:
             continue
         shown = {n: "perfect" if v["value"] is None else f"{v['value']:.2f}x" for n, v in t.items()}
+        balance = shown.get("balance_vs_shadow", "-")
+        balance = "perfect (std 0)" if balance == "perfect" else f"{balance} shadow's"
         strategies = value["strategies"]
         peer = ""
         if "deepspeed_drop" in strategies and "prophet" in strategies:
@@ -99,8 +101,8 @@ def headline(doc: dict[str, Any]) -> str:
                 strategies["deepspeed_dropless"]["step_median_s"] / mine,
             )
         parts.append(
-            f"{name} {key}: prophet balance {shown.get('balance_vs_shadow', '-')} shadow's "
-            f"(target 5x), step {shown.get('speedup_vs_dropless', '-')} dropless (1.3x), "
+            f"{name} {key}: prophet balance {balance} (target 5x shadow's), "
+            f"step {shown.get('speedup_vs_dropless', '-')} dropless (1.3x), "
             f"{shown.get('speedup_vs_shadow', '-')} shadow (1.1x){peer}"
         )
     error = doc["result"]["model_error"]
