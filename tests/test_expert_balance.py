@@ -1,6 +1,8 @@
 """MoE balancing on count matrices: placements, the performance model worked out by hand, the
 greedy searches, the strategies' replanning; and the expert-parallel layer's construction."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -172,6 +174,23 @@ def test_shadow_broadcasts_hottest_experts_while_the_modelled_time_falls():
         layer_time(SKEWED, base, COMPUTE_BOUND).total
     )
     assert shadow_search(SKEWED, base, LINK_BOUND) == base
+
+
+def test_shadow_matches_broadcasting_one_expert_at_a_time_on_random_counts():
+    generator = torch.Generator().manual_seed(11)
+    cost = replace(COMPUTE_BOUND, exchange=True, send_share=0.5, latency=1e-4, cores=2.0)
+    for devices, experts in ((2, 4), (4, 8), (4, 4), (8, 16)):
+        base = Placement.blocked(experts, devices)
+        for _ in range(5):
+            weights = torch.rand(experts, generator=generator) ** 3
+            counts = torch.poisson(weights.expand(devices, experts) * 400, generator=generator)
+            expected, current = base, layer_time(counts, base, cost).total
+            for expert in sorted(range(experts), key=lambda e: (-counts[:, e].sum(), e)):
+                trial = expected.with_replicas(expert, range(devices))
+                if layer_time(counts, trial, cost).total >= current:
+                    break
+                expected, current = trial, layer_time(counts, trial, cost).total
+            assert shadow_search(counts, base, cost) == expected
 
 
 def test_searches_reject_a_count_matrix_of_the_wrong_shape():

@@ -265,6 +265,7 @@ def shared_finish(work: ArrayLike, cores: float | None) -> np.ndarray:
     if cores is None or cores >= devices:
         return work.max(axis=-1)
     ordered = np.sort(work, axis=-1)
-    steps = np.diff(ordered, axis=-1, prepend=0.0)
+    steps = ordered.copy()
+    steps[..., 1:] -= ordered[..., :-1]
     sharing = np.maximum(1.0, (devices - np.arange(devices)) / cores)
     return (steps * sharing).sum(axis=-1)

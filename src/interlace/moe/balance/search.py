@@ -24,6 +24,8 @@ all-gathered counts reaches the same placement without talking to the others.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -32,21 +34,25 @@ from interlace.moe.balance.placement import Placement
 
 
 def shadow_search(counts: torch.Tensor, base: Placement, cost: LayerCost) -> Placement:
-    """FasterMoE-style shadowing of the hottest experts on all devices (see module docstring)."""
+    """FasterMoE-style shadowing of the hottest experts on all devices (see module docstring).
+
+    `base` has no replicas, so replicating the k hottest experts adds up k single moves: all
+    E prefixes are modelled in one batch."""
     _check_counts(counts, base)
     table = counts.to(torch.float64).numpy()
-    placement, loads = base, DeviceLoads.of(counts, base)
-    current = float(loads_time(loads, cost).total)
+    loads = DeviceLoads.of(counts, base)
     totals = counts.sum(dim=0).tolist()
-    for expert in sorted(range(base.num_experts), key=lambda e: (-totals[e], e)):
-        everywhere = np.ones((1, base.num_devices))
-        everywhere[0, base.owner[expert]] = 0.0
-        trial = _moved(loads, table, placement, np.array([expert]), everywhere)
-        modelled = float(loads_time(trial, cost).total[0])
-        if modelled >= current:
-            break
-        placement = placement.with_replicas(expert, range(base.num_devices))
-        loads, current = trial.at(0), modelled
+    hottest = np.array(sorted(range(base.num_experts), key=lambda e: (-totals[e], e)))
+    everywhere = np.ones((base.num_experts, base.num_devices))
+    everywhere[np.arange(base.num_experts), np.asarray(base.owner)[hottest]] = 0.0
+    alone = _moved(loads, table, base, hottest, everywhere)
+    prefixes = loads_time(_accumulated(loads, alone), cost).total  # [E]
+    current, taken = float(loads_time(loads, cost).total), 0
+    while taken < base.num_experts and prefixes[taken] < current:
+        current, taken = prefixes[taken], taken + 1
+    placement = base
+    for expert in hottest[:taken]:
+        placement = placement.with_replicas(int(expert), range(base.num_devices))
     return placement
 
 
@@ -72,7 +78,7 @@ def prophet_search(
         )
     starts = [base] if n_exclude is not None else [base, shadow_search(counts, base, cost)]
     found = [_greedy(counts, start, cost, alpha, n_exclude) for start in starts]
-    return min(found, key=lambda placement: _score(DeviceLoads.of(counts, placement), cost, 0))
+    return min(found, key=lambda placement: _score(DeviceLoads.of(counts, placement), cost))
 
 
 _PATIENCE = 4
@@ -100,12 +106,12 @@ def _greedy(
         if not len(moved):
             break
         batch = _moved(loads, table, placement, moved, added)
-        total, spread, holders = _columns(batch, cost)
-        chosen = int(np.lexsort((holders, spread, total))[0])  # stable: ties keep move order
+        columns = _columns(batch, cost)
+        chosen = int(np.lexsort(columns[::-1])[0])  # stable: ties keep the moves' order
         expert, devices = int(moved[chosen]), np.flatnonzero(added[chosen])
         placement = placement.with_replicas(expert, (*placement.replicas[expert], *devices))
-        held[expert] |= np.isin(order[expert], devices)
-        loads, score = batch.at(chosen), _score(batch, cost, chosen)
+        held[expert] |= added[chosen, order[expert]] > 0
+        loads, score = batch.at(chosen), tuple(float(column[chosen]) for column in columns)
         since_best += 1
         if score < best_score:
             best, best_score, since_best = placement, score, 0
@@ -168,6 +174,20 @@ def _moved(
     )
 
 
+def _accumulated(loads: DeviceLoads, moves: DeviceLoads) -> DeviceLoads:
+    """The loads [M, D] after the first 1, 2, …, M of `moves` (each the loads after one move
+    from `loads`, of distinct experts that had no replicas) one after the other."""
+
+    changed = ("computed", "received", "sent", "replicas_in", "replicas_out", "holders")
+    return replace(
+        moves,
+        **{
+            name: getattr(loads, name) + np.cumsum(getattr(moves, name) - getattr(loads, name), 0)
+            for name in changed
+        },
+    )
+
+
 def _columns(loads: DeviceLoads, cost: LayerCost) -> tuple[np.ndarray, ...]:
     """What the search minimises, lexicographically, per placement of a batch [M, D]: the
     modelled layer time, then the balance degree (so a move that spreads the load without
@@ -175,9 +195,9 @@ def _columns(loads: DeviceLoads, cost: LayerCost) -> tuple[np.ndarray, ...]:
     return loads_time(loads, cost).total, loads.spread(), loads.holders
 
 
-def _score(loads: DeviceLoads, cost: LayerCost, index: int = 0) -> tuple[float, ...]:
-    """`_columns` of placement `index` of a batch (any index for unbatched loads [D])."""
-    return tuple(float(np.atleast_1d(column)[index]) for column in _columns(loads, cost))
+def _score(loads: DeviceLoads, cost: LayerCost) -> tuple[float, ...]:
+    """`_columns` of one placement's loads [D]."""
+    return tuple(float(column) for column in _columns(loads, cost))
 
 
 def _by_tokens(table: np.ndarray, placement: Placement) -> np.ndarray:
