@@ -60,7 +60,8 @@ With them T = 4 · T_A2A + T_FEC + T_BEC + T_Trans + T_Agg + T_LOC (overlap form
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -166,14 +167,24 @@ class DeviceLoads:
     holders: np.ndarray
     local_experts: int
 
+    PER_PLACEMENT: ClassVar[tuple[str, ...]] = (
+        "computed",
+        "received",
+        "sent",
+        "replicas_in",
+        "replicas_out",
+        "holders",
+    )
+    """The fields that differ between placements (a batch's leading axis); the others are
+    the count matrix's."""
+
     @classmethod
     def of(cls, counts: torch.Tensor, placement: Placement) -> DeviceLoads:
         """The loads of `placement` for counts [D, E] (tokens device s routed to expert e)."""
         table = counts.to(torch.float64).numpy()
         at_source = placement.at_source_array()
         computed, received = table_loads(table, placement, at_source)
-        replicas = at_source.astype(np.float64)
-        replicas[list(placement.owner), range(placement.num_experts)] = 0.0  # [D, E]
+        replicas = placement.replica_array().astype(np.float64)  # [D, E]
         per_expert = replicas.sum(axis=0)
         return cls(
             computed=computed,
@@ -190,16 +201,7 @@ class DeviceLoads:
 
     def at(self, index: int) -> DeviceLoads:
         """The loads of placement `index` of a batch [M, D]."""
-        return DeviceLoads(
-            computed=self.computed[index],
-            received=self.received[index],
-            sent=self.sent[index],
-            routed=self.routed,
-            replicas_in=self.replicas_in[index],
-            replicas_out=self.replicas_out[index],
-            holders=self.holders[index],
-            local_experts=self.local_experts,
-        )
+        return replace(self, **{name: getattr(self, name)[index] for name in self.PER_PLACEMENT})
 
     def spread(self) -> np.ndarray:
         """[...] the balance degree: population standard deviation of `computed`."""

@@ -68,13 +68,14 @@ class Placement:
 
     def replica_mask(self) -> torch.Tensor:
         """[D, E] bool: device s holds a replica of expert e (owners excluded)."""
-        return torch.from_numpy(self._replica_array())
+        return torch.from_numpy(self.replica_array())
 
     def computed_at_source(self) -> torch.Tensor:
         """[D, E] bool: tokens device s routes to expert e are computed on s (owner or replica)."""
         return torch.from_numpy(self.at_source_array())
 
-    def _replica_array(self) -> np.ndarray:
+    def replica_array(self) -> np.ndarray:
+        """`replica_mask` as a NumPy array [D, E] (for the model's arithmetic)."""
         mask = np.zeros((self.num_devices, self.num_experts), dtype=bool)
         for e, devices in enumerate(self.replicas):
             mask[list(devices), e] = True
@@ -82,7 +83,7 @@ class Placement:
 
     def at_source_array(self) -> np.ndarray:
         """`computed_at_source` as a NumPy array [D, E] (for the model's arithmetic)."""
-        mask = self._replica_array()
+        mask = self.replica_array()
         mask[list(self.owner), range(self.num_experts)] = True
         return mask
 

@@ -177,13 +177,11 @@ def _moved(
 def _accumulated(loads: DeviceLoads, moves: DeviceLoads) -> DeviceLoads:
     """The loads [M, D] after the first 1, 2, …, M of `moves` (each the loads after one move
     from `loads`, of distinct experts that had no replicas) one after the other."""
-
-    changed = ("computed", "received", "sent", "replicas_in", "replicas_out", "holders")
     return replace(
         moves,
         **{
             name: getattr(loads, name) + np.cumsum(getattr(moves, name) - getattr(loads, name), 0)
-            for name in changed
+            for name in DeviceLoads.PER_PLACEMENT
         },
     )
 
