@@ -10,10 +10,11 @@ import torch.distributed as dist
 
 from interlace.bench import get_benchmark
 from interlace.bench.base import RankContext
-from interlace.bench.planner import _hardware, _predict, run_rank, spearman, summarize
+from interlace.bench.planner import run_rank, spearman, summarize
 from interlace.comm import Group
 from interlace.errors import ConfigError
-from interlace.models import get_preset
+from interlace.models.presets import get_preset
+from interlace.planner.profile import model_profile
 from interlace.testing import run_ranks
 
 
@@ -81,12 +82,33 @@ def test_one_tiny_plan_runs_and_is_predicted():
     assert result["calibration"]["link_bandwidth_Bps"] > 0
     # predicted at the matmul rate measured just before the plan ran
     assert run["matmul_flops"] > 0
-    hardware = _hardware(result["calibration"], 2, run["matmul_flops"])
-    again = _predict({**run, "model_config": config}, hardware, options)
-    assert again["predicted_s"] == pytest.approx(run["predicted_s"], rel=1e-12)
+    assert run["predicted_s"] == pytest.approx(
+        dp2_step_by_hand(
+            config, options["global_batch"], run["matmul_flops"], result["calibration"]
+        ),
+        rel=1e-9,
+    )
     assert "1 plans" in bench.table({"result": result})
     with pytest.raises(ConfigError, match="steps=0"):
         bench.check({**options, "steps": 0})
+
+
+def dp2_step_by_hand(config, global_batch: int, matmul_flops: float, calibration) -> float:
+    """dp=2 on 2 ranks of one node, fp32, as calibrated: 3F FLOPs per token over each rank's
+    tokens at matmul_flops · E · t / (t + h); the gradient all-reduce, 2 ring steps and as
+    many wire bytes as its 4 bytes per parameter, stays exposed (the whole gradient is DDP's
+    one bucket, the last); AdamW with clipping streams 32 bytes per parameter."""
+    tokens = global_batch // 2 * config.seq_len
+    efficiency = (
+        calibration["matmul_efficiency"] * tokens / (tokens + calibration["matmul_half_rows"])
+    )
+    params = config.num_params()
+    assert 4 * params <= 25 * 2**20  # one DDP bucket
+    compute = (
+        3 * model_profile(config).forward_flops_per_token * tokens / (matmul_flops * efficiency)
+    )
+    all_reduce = 2 * calibration["link_latency_s"] + 4 * params / calibration["link_bandwidth_Bps"]
+    return compute + all_reduce + 32 * params / calibration["memory_bandwidth_Bps"]
 
 
 def _memory_rank(options, plans):

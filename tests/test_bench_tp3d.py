@@ -9,7 +9,7 @@ from interlace.bench import get_benchmark
 from interlace.bench.runner import parse_options, run_benchmark
 from interlace.bench.tp3d import layouts, predicted_1d
 from interlace.errors import ConfigError
-from interlace.models import GPTConfig
+from interlace.models.config import GPTConfig
 
 
 def test_layouts_are_1d_then_every_grid_of_the_ranks():

@@ -17,7 +17,7 @@ import pytest
 
 import interlace
 from interlace.cli import main
-from interlace.models import PRESETS
+from interlace.models.presets import PRESETS
 
 # The smallest run that exercises everything: tiny model, 4 sequences a step, one eval batch.
 FAST = ["--model", "tiny", "--global-batch", "4", "--eval-batches", "1", "--no-progress"]

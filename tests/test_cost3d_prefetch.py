@@ -4,7 +4,7 @@ out here by hand for a z-only grid."""
 
 import pytest
 
-from interlace.models import GPTConfig
+from interlace.models.config import GPTConfig
 from interlace.plan import Overlap, Plan
 from interlace.planner.cost import estimate
 from interlace.planner.hardware import local

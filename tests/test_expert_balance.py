@@ -22,7 +22,8 @@ from interlace.moe.balance import (
     prophet_search,
     shadow_search,
 )
-from interlace.parallel.expert import ExpertParallelMoE, expert_parameter_names
+from interlace.parallel.expert.grads import expert_parameter_names
+from interlace.parallel.expert.layer import ExpertParallelMoE
 
 # Two devices, expert e on device e. Device 0 routes 6 tokens to expert 0 and 2 to expert 1;
 # device 1 routes 4 to expert 0 and none to expert 1.

@@ -8,9 +8,11 @@ import torch.distributed as dist
 
 from interlace import comm
 from interlace.comm import CommMeter, Group
-from interlace.models import GPTConfig, build_model
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
 from interlace.moe.balance import Prophet
-from interlace.parallel.expert import ExpertParallelMoE, parallelize_experts
+from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.testing import run_ranks
 
 GPT = GPTConfig(

@@ -17,17 +17,18 @@ from interlace import comm
 from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from interlace.comm import Group
 from interlace.mesh import build_mesh
-from interlace.models import GPTConfig, build_model
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
 from interlace.moe import MoELayer
 from interlace.moe.balance import Prophet, Shadow
-from interlace.parallel.expert import (
-    ExpertParallelMoE,
+from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.grads import (
     clip_grad_norm_,
     expert_parameter_names,
-    parallelize_experts,
     reduce_expert_gradients,
 )
-from interlace.parallel.expert_groups import build_expert_groups
+from interlace.parallel.expert.groups import build_expert_groups
+from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

@@ -20,14 +20,11 @@ from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.moe.balance import Prophet
-from interlace.parallel.expert import (
-    ExpertParallelMoE,
-    expert_parameter_names,
-    parallelize_experts,
-    reduce_expert_gradients,
-)
-from interlace.parallel.expert_groups import build_expert_groups
-from interlace.parallelize import parallelize
+from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.grads import expert_parameter_names, reduce_expert_gradients
+from interlace.parallel.expert.groups import build_expert_groups
+from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

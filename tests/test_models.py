@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from interlace.errors import ConfigError
-from interlace.models import PRESETS, GPTConfig, build_model, get_preset
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
 from interlace.models.mlp import MLP
+from interlace.models.presets import PRESETS, get_preset
 from interlace.moe import MoELayer
 
 TINY = GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from interlace.mesh import build_mesh
-from interlace.models import get_preset
-from interlace.parallel.expert import ExpertParallelMoE
+from interlace.models.presets import get_preset
+from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.plan import Plan
 from interlace.report import read_metrics
 from interlace.testing import run_ranks

@@ -12,23 +12,26 @@ import torch
 
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models import build_model, get_preset
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer
-from interlace.parallel.pipeline import (
-    PipelineRunner,
+from interlace.parallel.pipeline.layout import pipeline_layout
+from interlace.parallel.pipeline.partition import (
     balance,
-    check_schedule,
-    checkpointed_layers,
     describe_stages,
     micro_batches_in_flight,
     model_shards,
     partition,
-    pipeline_layout,
+)
+from interlace.parallel.pipeline.recompute import (
+    checkpointed_layers,
     ratio_for_budget,
     recompute_ratios,
-    shifted_order,
     stage_aware_ratios,
 )
+from interlace.parallel.pipeline.runner import PipelineRunner
+from interlace.parallel.pipeline.schedule import check_schedule
+from interlace.parallel.pipeline.shifted import shifted_order
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

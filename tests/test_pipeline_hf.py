@@ -11,8 +11,8 @@ from torch import nn
 from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.parallel.pipeline import PipelineRunner
 from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage
+from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

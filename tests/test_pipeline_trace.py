@@ -11,8 +11,9 @@ import torch
 
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
-from interlace.models import build_model, get_preset
-from interlace.parallel.pipeline import PipelineRunner
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
+from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.parallel.pipeline.trace import (
     StepRecorder,
     bubble_fraction,

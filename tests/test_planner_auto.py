@@ -8,10 +8,11 @@ import pytest
 
 from interlace.cli import _choose_plan, build_parser, main
 from interlace.errors import ConfigError
+from interlace.models.presets import get_preset
 from interlace.planner import calibrate as cal
 from interlace.planner.auto import choose_plan, describe_choice
-from interlace.planner.cost import estimate
 from interlace.planner.hardware import local
+from interlace.planner.profile import model_profile
 from interlace.train import prepare_run
 from interlace.train_config import TrainConfig
 
@@ -40,18 +41,22 @@ def test_choose_plan_is_the_fastest_runnable_plan_the_run_accepts():
     assert chosen.step_seconds == min(c.step_seconds for c in ranked)
     assert {str(c.plan) for c in ranked} >= {"dp=2", "tp=2"}
     prepare_run(config, chosen.plan, 2)  # runnable as the run is configured
-    again = estimate(chosen.plan, chosen_spec(config), hardware, 8, dtype="fp32")
-    assert again.step_seconds == pytest.approx(chosen.step_seconds)
+    # priced in fp32 at the run's batch: dp=2 by hand, 4 sequences of 128 tokens per rank at
+    # 5e10 FLOP/s, then the fp32 gradients' all-reduce (2 ring steps of α, as many wire bytes
+    # as the gradient; one DDP bucket, so it stays exposed); no optimizer term (memory
+    # bandwidth unmeasured)
+    dp2 = next(c for c in ranked if str(c.plan) == "dp=2")
+    spec = get_preset("demo")
+    compute = 3 * model_profile(spec).forward_flops_per_token * 4 * 128 / 5e10
+    all_reduce = 2 * 1e-4 + 4 * spec.num_params() / 1e8
+    assert dp2.breakdown == pytest.approx(
+        {"compute": compute, "recompute": 0.0, "dp.all_reduce": all_reduce}, rel=1e-12
+    )
+    assert dp2.step_seconds == pytest.approx(compute + all_reduce, rel=1e-12)
     text = describe_choice(chosen, ranked)
     assert f"chose {chosen.plan}" in text and "next best" in text
     with pytest.raises(ConfigError, match="none of the"):
         choose_plan(TrainConfig(model="demo", global_batch=4, micro_batch=3, out=None), 2, hardware)
-
-
-def chosen_spec(config: TrainConfig):
-    from interlace.models import get_preset
-
-    return get_preset(config.model)
 
 
 def test_choose_plan_replaces_auto_in_the_ranks_argv(cached_calibration, capsys):

@@ -86,13 +86,15 @@ def test_cache_reused_until_fingerprint_changes_or_recalibrate(cache, monkeypatc
     assert len(calls) == 4
 
 
-def test_get_hardware_local_reads_the_cache(cache):
+def test_local_hardware_reads_the_cache(cache):
     cache.write_text(json.dumps(_calibration().to_dict()))
-    hw = get_hardware("local", ranks=2)
+    hw = cal.local_hardware(2)
     assert hw.name == "local"
     assert hw.matmul_flops("fp32") == _calibration().flops_for_threads(cal.threads_per_rank(2))
     with pytest.raises(ConfigError, match="local"):
         get_hardware("nope")
+    with pytest.raises(ConfigError, match="local_hardware"):
+        get_hardware("local")  # measured, not a preset
 
 
 def test_plan_cli_on_local_hardware(cache, capsys):
@@ -117,7 +119,7 @@ def test_real_short_calibration():
 
 
 def test_model_efficiency_is_the_step_rate_over_the_matmul_rate(monkeypatch):
-    from interlace.models import get_preset
+    from interlace.models.presets import get_preset
 
     tiny = get_preset("tiny")
     efficiency = cal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)

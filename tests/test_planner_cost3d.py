@@ -2,8 +2,8 @@
 
 import pytest
 
-from interlace.models import GPTConfig
-from interlace.parallel.tensor3d import layer_wire_bytes
+from interlace.models.config import GPTConfig
+from interlace.parallel.tensor3d.layers import layer_wire_bytes
 from interlace.plan import Plan
 from interlace.planner.cost import estimate
 from interlace.planner.cost3d import block_linears, layer_cost

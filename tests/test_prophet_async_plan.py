@@ -16,7 +16,8 @@ from interlace import comm
 from interlace.comm import CommMeter, Group
 from interlace.moe import MoELayer
 from interlace.moe.balance import BackgroundSearch, ExpertSize, Placement, Prophet, Shadow
-from interlace.parallel.expert import ExpertParallelMoE, parallelize_experts
+from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.testing import run_ranks
 from test_expert_balance import OVERSHOOT, _fake_group
 from test_expert_parallel import FAST_LINK, _balanced_steps, _moe, _rank_inputs, _world_group

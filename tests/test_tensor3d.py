@@ -21,10 +21,13 @@ from interlace.checkpoint import checkpoint_name
 from interlace.cli import main
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models import build_model, get_preset
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
-from interlace.parallel.tensor3d import Grid, check_tensor3d, grad_norm3d, layer_wire_bytes
-from interlace.parallelize import parallelize
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor3d.apply import check_tensor3d
+from interlace.parallel.tensor3d.layers import layer_wire_bytes
+from interlace.parallel.tensor3d.shard import Grid, grad_norm3d
 from interlace.plan import Overlap, Plan
 from interlace.report import read_metrics
 from interlace.testing import run_ranks
@@ -233,7 +236,7 @@ def _wire(snapshot: dict, group: str, *ops: str) -> float:
 
 
 def _measure_bytes(tp3d: tuple[int, int, int], model: nn.Module) -> dict:
-    from interlace.parallel.tensor3d import Linear3D
+    from interlace.parallel.tensor3d.layers import Linear3D
 
     plan = Plan(tp3d=tp3d)
     grid = Grid.from_mesh(build_mesh(plan))

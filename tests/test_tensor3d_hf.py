@@ -15,14 +15,9 @@ from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.parallel.detect import find_structure
-from interlace.parallel.tensor3d import (
-    Grid,
-    check_tensor3d,
-    grad_norm3d,
-    shard3d_of,
-    shard3d_spec,
-)
-from interlace.parallelize import parallelize
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor3d.apply import check_tensor3d
+from interlace.parallel.tensor3d.shard import Grid, grad_norm3d, shard3d_of, shard3d_spec
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models import get_preset
-from interlace.parallel.tensor3d import Linear3D, layer_wire_bytes
-from interlace.parallel.tensor3d_prefetch import in_backward
-from interlace.parallelize import parallelize
+from interlace.models.presets import get_preset
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor3d.layers import Linear3D, layer_wire_bytes
+from interlace.parallel.tensor3d.prefetch import in_backward
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
 from test_tensor3d import ATOL, B, T, _assert_equal_to_serial, _batch, _expected_piece, _serial_run

@@ -19,11 +19,14 @@ from hf_models import needs_hf, tiny_hf_model
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models import build_model, get_preset
-from interlace.parallel import find_structure, shard_of, shard_spec, tp_comm
-from interlace.parallel.tensor_overlap import apply_tp_overlap
-from interlace.parallel.tp_interleave import run_interleaved
-from interlace.parallelize import parallelize
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
+from interlace.parallel.detect import find_structure
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor import comm as tp_comm
+from interlace.parallel.tensor.interleave import run_interleaved
+from interlace.parallel.tensor.overlap import apply_tp_overlap
+from interlace.parallel.tensor.shard import shard_of, shard_spec
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
 

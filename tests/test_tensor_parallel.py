@@ -19,18 +19,14 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models import GPTConfig, build_model, get_preset
-from interlace.models.gpt import CausalSelfAttention
-from interlace.parallel import (
-    apply_tensor_parallel,
-    check_divisible,
-    find_structure,
-    gather_full,
-    grad_norm,
-    shard_of,
-    shard_spec,
-)
-from interlace.parallelize import parallelize
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import CausalSelfAttention, build_model
+from interlace.models.presets import get_preset
+from interlace.parallel.detect import find_structure
+from interlace.parallel.grad_norm import grad_norm
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor.shard import gather_full, shard_of, shard_spec
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

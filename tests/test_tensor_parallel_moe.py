@@ -9,10 +9,10 @@ from torch import nn
 from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.parallel import find_structure, shard_spec
-from interlace.parallel.detect import find_expert_blocks
-from interlace.parallel.tensor_moe import check_expert_blocks
-from interlace.parallelize import parallelize
+from interlace.parallel.detect import find_expert_blocks, find_structure
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor.moe import check_expert_blocks
+from interlace.parallel.tensor.shard import shard_spec
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 

@@ -16,10 +16,14 @@ from torch import nn
 
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models import build_model, get_preset
-from interlace.parallel import find_structure, shard_of, shard_spec, tp_comm, tp_interleave
-from interlace.parallel import tensor_overlap as overlap
-from interlace.parallelize import parallelize
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
+from interlace.parallel.detect import find_structure
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor import comm as tp_comm
+from interlace.parallel.tensor import interleave as tp_interleave
+from interlace.parallel.tensor import overlap
+from interlace.parallel.tensor.shard import shard_of, shard_spec
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
 

@@ -156,7 +156,7 @@ def test_meter_counts_gradient_bytes_per_step(plan_text):
 
 def _model_file(tmp_path, **changes):
     """A JSON model config: the tiny preset with `changes`."""
-    from interlace.models import get_preset
+    from interlace.models.presets import get_preset
 
     config = dataclasses.replace(get_preset("tiny"), **changes)
     path = tmp_path / "tiny-changed.json"
@@ -230,7 +230,7 @@ def test_held_out_loss_does_not_depend_on_the_rank_count():
 
 
 def _tensor_parallel_run(config: TrainConfig, plan_text: str, world_size: int):
-    from interlace.parallel import gather_full, sharded_parameter_names
+    from interlace.parallel.tensor.shard import gather_full, sharded_parameter_names
 
     plan = Plan.parse(plan_text)
     mesh = build_mesh(plan)
@@ -292,7 +292,7 @@ def _dropless_moe_file(tmp_path):
     """moe-tiny without token dropping (so per-rank routing equals serial routing) and without
     the auxiliary loss, which every rank computes from its own tokens' statistics: its mean
     over ranks differs from the serial value by design (as in DeepSpeed and Megatron)."""
-    from interlace.models import get_preset
+    from interlace.models.presets import get_preset
 
     config = dataclasses.replace(get_preset("moe-tiny"), dropless=True, aux_loss_coef=0.0)
     path = tmp_path / "moe-dropless.json"

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from interlace import __version__
 from interlace.errors import ConfigError, InterlaceError
-from interlace.models import PRESETS, GPTConfig, get_preset
+from interlace.models.config import GPTConfig
+from interlace.models.presets import PRESETS, get_preset
 from interlace.plan import Plan
 from interlace.report import LOAD_PLOT, LOSS_PLOT, METRICS, REPORT
 from interlace.train_config import TrainConfig
@@ -420,8 +421,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _show_stages(model_config: GPTConfig, plan: Plan, rows: int) -> None:
     """Print the partitioner's split of `model_config` (built on the meta device) for `plan`."""
-    from interlace.models import build_model
-    from interlace.parallel.pipeline import pipeline_layout
+    from interlace.models.gpt import build_model
+    from interlace.parallel.pipeline.layout import pipeline_layout
 
     if plan.pp == 1:
         raise ConfigError(

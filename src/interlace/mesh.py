@@ -6,7 +6,7 @@ groups, so consecutive ranks (one node) share a tensor parallel group. Global ra
     r = ((pp_i · dp + dp_i) · tp_size) + tp_i           (1D)
     r = (((pp_i · dp + dp_i) · z + z_i) · y + y_i) · x + x_i   (3D)
 Expert parallel groups (`ep`, and `ep_dp` for the replicas of the same experts) are carved
-from `dp` with ep innermost by `interlace.parallel.expert_groups.build_expert_groups`.
+from `dp` with ep innermost by `interlace.parallel.expert.groups.build_expert_groups`.
 
 The backend follows the device: gloo on CPU, NCCL on CUDA.
 """

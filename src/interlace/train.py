@@ -34,14 +34,19 @@ from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batche
 from interlace.data import load_corpus as read_corpus
 from interlace.errors import ConfigError, PlanError
 from interlace.mesh import Mesh, default_device
-from interlace.models import GPTConfig, build_model, get_preset
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer, lr_at
-from interlace.parallel import clip_grad_norm_, sharded_parameter_names
-from interlace.parallel import expert as expert_parallel
-from interlace.parallel.pipeline import PipelineRunner, pipeline_layout
+from interlace.parallel.expert import grads as expert_parallel
+from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.grad_norm import clip_grad_norm_
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.pipeline.layout import pipeline_layout
+from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
-from interlace.parallel.tensor3d import Grid, clip_grad_norm3d_, shard3d_keys
-from interlace.parallelize import parallelize
+from interlace.parallel.tensor.shard import sharded_parameter_names
+from interlace.parallel.tensor3d.shard import Grid, clip_grad_norm3d_, shard3d_keys
 from interlace.plan import Plan
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.train_config import TrainConfig
@@ -260,7 +265,7 @@ class Trainer:
             row["moe"] = [
                 m.balance_summary()
                 for m in self.model.modules()
-                if isinstance(m, expert_parallel.ExpertParallelMoE)
+                if isinstance(m, ExpertParallelMoE)
             ]
         return row
 

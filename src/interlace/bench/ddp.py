@@ -26,7 +26,7 @@ from interlace.bench.base import (
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
-from interlace.models import get_preset
+from interlace.models.presets import get_preset
 from interlace.plan import Overlap, Plan
 from interlace.planner.calibrate import hidden_fraction
 from interlace.train import Trainer, prepare_run

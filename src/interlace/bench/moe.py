@@ -63,7 +63,7 @@ from interlace.bench.moe_overlap import measure_hidden_share, probe_routing
 from interlace.bench.moe_report import headline, key_numbers, plot, table, targets
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
-from interlace.models import get_preset
+from interlace.models.presets import get_preset
 from interlace.moe.balance import (
     ExpertSize,
     LayerCost,
@@ -79,7 +79,7 @@ from interlace.moe.routing_workloads import (
     record_routing,
     sample_assignments,
 )
-from interlace.parallel.expert import ExpertParallelMoE, schedule_transfers
+from interlace.parallel.expert.layer import ExpertParallelMoE, schedule_transfers
 
 STRATEGIES = ("none", "dropless", "shadow", "prophet")
 WORKLOADS = ("skewed", "recorded")

@@ -33,7 +33,7 @@ from torch import nn
 from interlace.bench.timing import median, sample
 from interlace.comm import Group
 from interlace.moe.balance import Placement
-from interlace.parallel.expert import ExpertParallelMoE
+from interlace.parallel.expert.layer import ExpertParallelMoE
 
 
 def hidden_share(plain_s: float, sync_s: float, overlapped_s: float) -> float:

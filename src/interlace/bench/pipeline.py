@@ -33,9 +33,9 @@ from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import median, slowest
 from interlace.errors import ConfigError
 from interlace.mesh import Mesh, build_mesh
-from interlace.models import build_model
-from interlace.parallel.pipeline import PipelineRunner
+from interlace.models.gpt import build_model
 from interlace.parallel.pipeline.partition import micro_batches_in_flight
+from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.parallel.pipeline.trace import (
     StepRecorder,
     bubble_fraction,

@@ -43,8 +43,8 @@ from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
-from interlace.models import get_preset
 from interlace.models.config import GPTConfig
+from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner.calibrate import (
     fit_half_rows,

@@ -28,7 +28,8 @@ from typing import Any
 
 from interlace.bench.base import Benchmark
 from interlace.errors import ConfigError, PlanError
-from interlace.models import GPTConfig, get_preset
+from interlace.models.config import GPTConfig
+from interlace.models.presets import get_preset
 from interlace.planner.cost import PlanCost
 from interlace.planner.hardware import get_hardware
 from interlace.planner.search import check_plan, pad_vocab, search

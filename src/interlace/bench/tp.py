@@ -37,9 +37,10 @@ from interlace.bench.timing import median, sample, slowest
 from interlace.bench.tp_megatron import megatron_tp, unavailable
 from interlace.comm import Group
 from interlace.errors import ConfigError
-from interlace.models import build_model
-from interlace.parallel import apply_tensor_parallel, check_divisible, find_structure
-from interlace.parallel.tensor_overlap import apply_tp_overlap
+from interlace.models.gpt import build_model
+from interlace.parallel.detect import find_structure
+from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.planner.calibrate import hidden_fraction
 
 _METER = comm.CommMeter()

@@ -25,9 +25,11 @@ from interlace.bench.base import Benchmark, RankContext, gpt_config
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
-from interlace.models import GPTConfig, build_model
-from interlace.parallel.tensor3d import layer_wire_bytes, shard3d_spec
-from interlace.parallelize import parallelize
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.tensor3d.layers import layer_wire_bytes
+from interlace.parallel.tensor3d.shard import shard3d_spec
 from interlace.plan import Overlap, Plan
 
 _GROUPS = ("tp", "tp_x", "tp_y", "tp_z")

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from interlace.models import GPTConfig, build_model
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,7 +1,3 @@
-"""Reference models: a GPT-2 style decoder, dense or Mixture-of-Experts, and named presets."""
-
-from interlace.models.config import GPTConfig
-from interlace.models.gpt import GPT, build_model
-from interlace.models.presets import PRESETS, get_preset
-
-__all__ = ["GPT", "PRESETS", "GPTConfig", "build_model", "get_preset"]
+"""Reference models: a GPT-2 style decoder, dense or Mixture-of-Experts (`gpt`), its config
+(`config`), feed-forward (`mlp`) and named presets (`presets`). Import from the modules
+themselves; `interlace` re-exports `GPT`, `GPTConfig`, `build_model` and `get_preset`."""

@@ -146,7 +146,7 @@ def record_routing(
     (`last_tokens_per_expert`, summed over the step's micro-batches). `warmup_steps` is the
     learning-rate warm-up (the training default); with none, a fresh router collapses and
     jumps between experts from one step to the next."""
-    from interlace.models import get_preset
+    from interlace.models.presets import get_preset
     from interlace.moe.layer import MoELayer
     from interlace.plan import Plan
     from interlace.train import Trainer, prepare_run

@@ -8,7 +8,7 @@ norm by its number of holders and summing over the groups counts every piece exa
     ‖g‖² = Σ_groups Σ_p ‖g_p‖² / holders(p)
 
 `grad_norm` and `clip_grad_norm_` are the 1D tensor-parallel case; expert parallelism
-(`interlace.parallel.expert`) and 3D tensor parallelism (`interlace.parallel.tensor3d`) pass
+(`interlace.parallel.expert.layer`) and 3D tensor parallelism (`interlace.parallel.tensor3d`) pass
 their own `holders`.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from interlace import comm
 from interlace.comm import Group
-from interlace.parallel.tensor import shard_spec
+from interlace.parallel.tensor.shard import shard_spec
 
 
 def split_grad_norm(

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from interlace.errors import ConfigError, InterlaceError
-from interlace.models import get_preset
+from interlace.models.presets import get_preset
+from interlace.planner.calibrate import local_hardware
 from interlace.planner.cost import PlanCost
 from interlace.planner.hardware import Hardware
 from interlace.planner.search import explain, search
@@ -28,8 +29,6 @@ def choose_plan(
     `world_size` ranks of `hardware` (default: this machine, calibrated). ConfigError when no
     runnable plan fits the run's batch."""
     if hardware is None:
-        from interlace.planner.calibrate import local_hardware
-
         hardware = local_hardware(world_size)
     spec = get_preset(config.model)
     if config.seq_len:

@@ -4,7 +4,7 @@
 $INTERLACE_HARDWARE_CACHE, else ~/.cache/interlace/hardware-local.json) together with the
 machine's fingerprint (CPU count, torch version, architecture); a cached result is reused until
 the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it into a
-`Hardware` for `ranks` ranks on this machine (what `get_hardware("local")` returns).
+`Hardware` for `ranks` ranks on this machine (the hardware named `local`, `--hardware local`).
 
 - **Compute**: fp32 matmuls of a transformer layer's shape, timed with the thread count one
   rank of an N-rank run uses (`interlace train` and `interlace bench` give each rank
@@ -37,13 +37,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from interlace import comm
 from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
+from interlace.planner.bytes import OPTIMIZER_BYTES_PER_PARAM
 from interlace.planner.hardware import Hardware, local
 from interlace.planner.profile import model_profile
+from interlace.testing import run_ranks
 
 CACHE_ENV = "INTERLACE_HARDWARE_CACHE"
 """Environment variable naming the calibration cache file."""
@@ -142,10 +146,8 @@ def measure_optimizer_bandwidth(
     threads: int, params: int = 2**20, min_seconds: float = 0.3
 ) -> float:
     """Bytes/s an AdamW step with gradient-norm clipping streams on `threads` threads:
-    `cost.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
+    `bytes.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
     parameter tensors of `params` / 8 elements, with gradients)."""
-    from interlace.planner.cost import OPTIMIZER_BYTES_PER_PARAM
-
     weights = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
     for w in weights:
         w.grad = torch.randn_like(w)
@@ -242,10 +244,6 @@ def measure_overlap(group: Group, seconds: float = 0.05, repeats: int = 5) -> fl
     """The hidden fraction of an async all_reduce over `group` under a matmul loop of about the
     same length (`seconds`), both timed alone and together (medians of `repeats`); every rank
     must call it. Uses its own comm meter."""
-    import torch.distributed as dist
-
-    from interlace import comm
-
     meter = comm.CommMeter()
     compute = _compute_loop(seconds, group)
 
@@ -275,8 +273,6 @@ def measure_overlap(group: Group, seconds: float = 0.05, repeats: int = 5) -> fl
 
 def _agreed(value: torch.Tensor, group: Group) -> torch.Tensor:
     """The largest of every rank's `value` (so all ranks run the same sizes)."""
-    import torch.distributed as dist
-
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.pg)
     return value
 
@@ -296,10 +292,6 @@ def link_sweep(
     a training step:
     the ranks then arrive as unevenly as they do there, and the time includes waiting for the
     slower one. Uses its own comm meter (nothing is counted elsewhere)."""
-    import torch.distributed as dist
-
-    from interlace import comm
-
     meter = comm.CommMeter()
     compute = _compute_loop(compute_between, group) if compute_between > 0 else None
     out = []
@@ -360,16 +352,12 @@ def fit_link(samples: list[tuple[int, float]], group_size: int = 2) -> tuple[flo
 def _sweep_rank(
     sizes: tuple[int, ...], repeats: int, overlap: bool
 ) -> tuple[list[tuple[int, float]], float | None]:
-    import torch.distributed as dist
-
     world = Group("world", dist.group.WORLD, 2, dist.get_rank())
     samples = link_sweep(world, sizes, repeats, compute_between=LINK_COMPUTE_BETWEEN)
     return samples, measure_overlap(world) if overlap else None
 
 
 def _loopback(sizes: tuple[int, ...], repeats: int, overlap: bool):
-    from interlace.testing import run_ranks
-
     saved = torch.get_num_threads()
     try:
         return run_ranks(2, _sweep_rank, sizes, repeats, overlap, timeout=60.0)[0]

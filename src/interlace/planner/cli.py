@@ -15,15 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
 
+from interlace.bench.cluster import parse_rate
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
+from interlace.planner.calibrate import local_hardware
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
 from interlace.planner.search import check_plan, explain, pad_vocab, search
+from interlace.planner.simulate import simulate
+from interlace.timeline import plot_timeline, write_chrome_trace
 
 SPEC_KEYS = {
     "layers": "n_layers",
@@ -246,20 +251,12 @@ def resolve_hardware(args: argparse.Namespace, n: int) -> Hardware:
                 f"--recalibrate and --bandwidth apply to --hardware {LOCAL} only, not {name!r}"
             )
         return get_hardware(name)
-    from interlace.bench.cluster import parse_rate
-    from interlace.planner.calibrate import local_hardware
-
     rate = parse_rate(args.bandwidth) / 8 if args.bandwidth else None
     return local_hardware(n, bandwidth=rate, recalibrate=args.recalibrate)
 
 
 def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argparse.Namespace):
     """Simulate `cost`'s plan and write the Chrome trace to --trace and a PNG beside it."""
-    from pathlib import Path
-
-    from interlace.planner.simulate import simulate
-    from interlace.timeline import plot_timeline, write_chrome_trace
-
     sim = simulate(
         cost.plan, spec, hardware, args.global_batch, dtype=args.dtype, expert_skew=args.expert_skew
     )

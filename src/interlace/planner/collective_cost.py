@@ -1,11 +1,29 @@
-"""The time of one collective on a hardware description, and which groups stay inside a node:
-the ring algorithm's α·steps + wire bytes / bandwidth that every cost module of the planner
-(`cost`, `cost3d`, `cost_moe`) prices its collectives with."""
+"""The time of one collective on a hardware description, which groups stay inside a node, and
+`CommTerms`, what one parallel dimension's collectives add to a micro-batch: the ring
+algorithm's α·steps + wire bytes / bandwidth that every cost module of the planner
+(`cost_tensor`, `cost3d`, `cost_moe`, `cost_pipeline`, `cost_data`) prices its collectives
+with."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from interlace.comm import wire_bytes
 from interlace.planner.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class CommTerms:
+    """One parallel dimension's collectives per micro-batch on a stage: seconds on the critical
+    path (`exposed`) and hidden under compute (`hidden`) per comm-meter term, and the calls
+    issued in the forward (`forward_calls`) out of all (`calls`), which places them on a
+    timeline. A dimension that does not count calls gives the forward's share of its exposed
+    seconds as `forward_calls` with `calls` = 1. Empty: the dimension is not used."""
+
+    exposed: dict[str, float] = field(default_factory=dict)
+    hidden: dict[str, float] = field(default_factory=dict)
+    forward_calls: float = 0
+    calls: float = 0
 
 
 def ring_steps(op: str, group_size: int) -> int:

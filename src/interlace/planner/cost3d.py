@@ -1,5 +1,5 @@
-"""Cost terms of 3D tensor parallelism (`tp3d = (x, y, z)`), as `interlace.parallel.tensor3d`
-runs it, for `planner.cost.step_terms`.
+"""Cost terms of 3D tensor parallelism (`tp3d = (x, y, z)`), as `interlace.parallel.tensor3d.layers`
+runs it, for `planner.step.step_terms` (`tensor3d_terms`).
 
 Per transformer layer and micro-batch, with T = tokens / z on each rank and b bytes per element,
 for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection, down — the
@@ -33,12 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from interlace.models.config import GPTConfig
+from interlace.plan import Plan
 from interlace.planner.collective_cost import (
+    CommTerms,
     collective_seconds,
     exposed_after_overlap,
     group_inside_node,
 )
 from interlace.planner.hardware import Hardware
+from interlace.planner.profile import Stage
 
 
 @dataclass(frozen=True)
@@ -196,3 +199,52 @@ def ends_seconds(
     shard = tokens / z * config.d_model / x * act_bytes
     inside = group_inside_node(x, 1, hardware.devices_per_node)
     return collective_seconds("all_gather", shard, x, inside, hardware)
+
+
+def tensor3d_terms(
+    plan: Plan,
+    stage: Stage,
+    config: GPTConfig,
+    tokens: int,
+    act_bytes: int,
+    rate: float,
+    hardware: Hardware,
+) -> CommTerms:
+    """The 3D tensor parallel collectives of `stage` per micro-batch of `tokens` tokens (before
+    the split over z) at `act_bytes` bytes per element and `rate` FLOP/s per device: its
+    layers' `layer_cost` (checkpointed layers replaying their forward's), the first gather of
+    each pass under prefetch, and the gathers before the replicated head. `forward_calls` is
+    the exposed seconds' forward share (`calls` 1); empty without 3D tensor parallelism."""
+    if plan.tp3d is None:
+        return CommTerms()
+    exposed: dict[str, float] = {}
+    hidden: dict[str, float] = {}
+    prefetch = plan.overlap.tp3d_prefetch
+    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch)
+    forward = 0.0
+    for key, seconds in layer.exposed.items():
+        exposed[key] = exposed.get(key, 0.0) + stage.n_layers * seconds
+    for key, seconds in layer.forward.items():
+        exposed[key] = exposed.get(key, 0.0) + stage.n_checkpointed * seconds
+        forward += (stage.n_layers + stage.n_checkpointed) * seconds
+    for key, seconds in layer.hidden.items():
+        hidden[key] = hidden.get(key, 0.0) + stage.n_layers * seconds
+    if prefetch and stage.n_layers:
+        # the first gather of the forward and of the backward pass has nothing to hide under;
+        # a checkpointed stage's backward starts with the recomputed first linear
+        gather = "tp_z.all_gather"
+        replayed = stage.n_checkpointed * layer.replay_hidden
+        start = layer.first_forward
+        start += layer.first_forward if stage.n_checkpointed else layer.first_backward
+        if replayed + start:
+            exposed[gather] = exposed.get(gather, 0.0) + start
+            hidden[gather] = hidden.get(gather, 0.0) + replayed - start
+            forward += layer.first_forward
+    ends = (int(stage.has_embed) + int(stage.has_head)) * ends_seconds(
+        config, plan.tp3d, tokens, act_bytes, hardware
+    )
+    if ends:
+        exposed["tp_x.all_gather"] = exposed.get("tp_x.all_gather", 0.0) + ends
+        forward += int(stage.has_head) * ends / (int(stage.has_embed) + int(stage.has_head))
+    total = sum(exposed.values())
+    return CommTerms(exposed, hidden, forward / total if total else 0.0, 1.0)

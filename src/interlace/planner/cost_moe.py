@@ -1,5 +1,5 @@
-"""Expert parallel cost terms of one MoE layer under skewed expert popularity, for
-`planner.cost.step_terms`.
+"""Expert parallel cost terms under skewed expert popularity, for `planner.step.step_terms`:
+one MoE layer's (`moe_layer_terms`) and a stage's (`expert_terms`).
 
 **Popularity.** `expert_skew` s is a Zipf exponent: the expert of popularity rank r (0 =
 hottest) receives a share (r + 1)^−s / Σ_j (j + 1)^−s of the assignments; s = 0 is the
@@ -38,12 +38,17 @@ T_BNEC), with T_FNEC the block's non-MoE forward compute (T_BNEC twice it), and 
 Expert compute: the balanced forward N · k · F_e / (tp · rate) is already in the layer's FLOPs
 (F_e = 2 · the expert's matmul weights per token); the hottest device adds (max_i H_i − N · k) ·
 F_e / (tp · rate) forward, twice that backward (negative when capacity drops tokens).
+
+**Per stage** and micro-batch, each MoE layer runs a dispatch and a combine all_to_all forward
+and both again backward (+2 when recomputed), plus the replicas' Trans and Agg, and one
+all_gather of the [E] routing counts. The ep group holds ranks tp apart: inside a node iff
+ep · tp ≤ devices_per_node.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,13 +56,16 @@ from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.moe.balance import ExpertSize, LayerCost, Placement, layer_time, make_balancer
 from interlace.plan import Plan
+from interlace.planner.bytes import GRAD_BYTES
 from interlace.planner.collective_cost import (
+    CommTerms,
     collective_seconds,
     exposed_after_overlap,
     group_inside_node,
 )
-from interlace.planner.cost import GRAD_BYTES
+from interlace.planner.cost_work import StageWork
 from interlace.planner.hardware import Hardware
+from interlace.planner.profile import Stage
 
 MODELLED_BALANCES = ("shadow", "prophet")
 """Strategies whose placements come from a search driven by the performance model."""
@@ -168,3 +176,71 @@ def moe_layer_terms(
         replicated=len(placement.replicated),
         hottest=full.fec * throughput / assignments,
     )
+
+
+@dataclass(frozen=True)
+class ExpertTerms:
+    """The expert parallel terms of a stage per micro-batch: its collectives (`comm`), the
+    expert compute beyond the balanced load added to its forward and backward (`compute`) and
+    to its recomputation (`recompute`), and per step what the terms assumed and found
+    (`summary`, see `StepTerms.moe`). Empty: no expert parallelism on the stage."""
+
+    comm: CommTerms = field(default_factory=CommTerms)
+    compute: float = 0.0
+    recompute: float = 0.0
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+def expert_terms(
+    plan: Plan,
+    config: GPTConfig,
+    stage: Stage,
+    tokens: int,
+    act_bytes: int,
+    work: StageWork,
+    hardware: Hardware,
+    skew: float,
+) -> ExpertTerms:
+    """The expert parallel terms of `stage` per micro-batch of `tokens` tokens at `act_bytes`
+    bytes per element, popularity skew `skew`, the block's non-MoE forward taken from `work`
+    (see the module docstring); empty without ep > 1 or MoE layers on the stage."""
+    n_moe, n_ckpt = stage.n_moe, stage.n_moe_checkpointed
+    if plan.ep == 1 or not n_moe:
+        return ExpertTerms()
+    tp, m = plan.tp_size, plan.micro_batches
+    inside = group_inside_node(plan.ep, tp, hardware.devices_per_node)
+    expert_forward = (
+        tokens * config.top_k * 4 * config.d_model * config.ffn_dim / (tp * work.expert_rate)
+    )
+    layer = moe_layer_terms(
+        plan,
+        config,
+        hardware,
+        tokens,
+        act_bytes,
+        work.expert_rate,
+        expert_params=stage.expert_params / (n_moe * config.n_experts),
+        block_forward=(work.compute / 3 - n_moe * expert_forward) / n_moe,
+        skew=skew,
+    )
+    a2a_count = n_moe * 4 + 2 * n_ckpt
+    exposed = {
+        "ep.all_to_all": a2a_count * layer.all_to_all + n_moe * (layer.trans + layer.agg),
+        "ep.all_gather": n_moe
+        * collective_seconds("all_gather", 8 * config.n_experts, plan.ep, inside, hardware),
+    }
+    hidden = {}
+    if layer.trans_hidden + layer.agg_hidden:
+        hidden["ep.all_to_all"] = n_moe * (layer.trans_hidden + layer.agg_hidden)
+    replicated = 2 * n_moe if layer.replicated else 0  # Trans forward, Agg backward
+    comm = CommTerms(exposed, hidden, 3 * n_moe + replicated // 2, a2a_count + n_moe + replicated)
+    summary = {
+        "expert_skew": skew,
+        "hottest_device_load": layer.hottest,
+        "replicated_experts": float(layer.replicated),
+        "dispatch_combine": m * a2a_count * layer.all_to_all,
+        "trans": m * n_moe * layer.trans,
+        "agg": m * n_moe * layer.agg,
+        "imbalance_compute": m * (3 * n_moe + n_ckpt) * layer.extra_forward,
+    }
+    return ExpertTerms(comm, 3 * n_moe * layer.extra_forward, n_ckpt * layer.extra_forward, summary)

@@ -9,7 +9,8 @@ node's network (a node with 8 × 200 Gb/s NICs and 8 GPUs gives each 25 GB/s).
 The presets hold nominal datasheet numbers (dense tensor-core peaks, link rates) and a single
 `matmul_efficiency`, the fraction of peak a large GEMM reaches. They are starting points for
 planning, not measurements: `local(...)` builds a Hardware from numbers measured on the machine
-at hand, and `get_hardware("local")` measures this machine (`interlace.planner.calibrate`).
+at hand, and `interlace.planner.calibrate.local_hardware(ranks)` measures this machine (the
+hardware named `local`).
 
 **Efficiency by shape.** A matmul on few rows m (tokens of a micro-batch, a sub-batch or one
 expert) reaches less of the peak than a large one: each call pays a fixed overhead (kernel
@@ -256,13 +257,14 @@ LOCAL = "local"
 """The hardware name that means this machine, measured (`interlace.planner.calibrate`)."""
 
 
-def get_hardware(name: str, ranks: int = 2) -> Hardware:
-    """The preset named `name`, or for "local" this machine calibrated for `ranks` ranks
-    (cached measurements, `calibrate.local_hardware`); ConfigError listing the names otherwise."""
+def get_hardware(name: str) -> Hardware:
+    """The preset named `name`; ConfigError listing the names otherwise, and for "local" (this
+    machine is measured, not a preset) naming `calibrate.local_hardware`."""
     if name == LOCAL:
-        from interlace.planner.calibrate import local_hardware
-
-        return local_hardware(ranks)
+        raise ConfigError(
+            f"hardware {LOCAL!r} is this machine, measured: build it with "
+            "interlace.planner.calibrate.local_hardware(ranks), not as a preset"
+        )
     if name not in PRESETS:
         raise ConfigError(
             f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}, {LOCAL} "

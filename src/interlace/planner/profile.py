@@ -3,7 +3,7 @@ one pipeline stage holds, runs and keeps in memory (`Stage`, `stages_of`, `stage
 
 A profile cuts a GPTConfig's GPT (built on the `meta` device) into the pipeline partitioner's
 shards (`interlace.parallel.pipeline.partition.model_shards`); stages are the partitioner's
-balanced split of its layers. `interlace.planner.cost` prices them.
+balanced split of its layers. The cost modules (`interlace.planner.step`) price them.
 """
 
 from __future__ import annotations
@@ -11,17 +11,19 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
+
 from interlace.models.config import GPTConfig
+from interlace.models.gpt import GPT
 from interlace.parallel.pipeline.partition import (
     Shard,
     balance,
     checkpointed_count,
     micro_batches_in_flight,
+    model_shards,
 )
 from interlace.plan import Plan
-
-STATE_BYTES = 16
-"""Bytes per parameter of fp32 weight, fp32 gradient and two fp32 AdamW moments."""
+from interlace.planner.bytes import STATE_BYTES
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,11 +53,6 @@ class ModelProfile:
 @functools.lru_cache(maxsize=32)
 def model_profile(config: GPTConfig) -> ModelProfile:
     """Build `config`'s GPT on the `meta` device (no memory) and cut it into shards."""
-    import torch
-
-    from interlace.models.gpt import GPT
-    from interlace.parallel.pipeline.partition import model_shards
-
     with torch.device("meta"):
         model = GPT(config)
     shards = model_shards(model, config.seq_len)
@@ -99,30 +96,37 @@ class Stage:
 
     @functools.cached_property
     def flops(self) -> float:
+        """Forward FLOPs per token of all the stage's shards."""
         return sum(s.flops for s in self.shards)
 
     @functools.cached_property
     def layer_flops(self) -> float:
+        """Forward FLOPs per token of the stage's transformer layers."""
         return sum(s.flops for s in self.shards if s.kind == "layer")
 
     @functools.cached_property
     def layer_params(self) -> int:
+        """Parameters of the stage's transformer layers."""
         return sum(s.params for s in self.shards if s.kind == "layer")
 
     @functools.cached_property
     def recompute_flops(self) -> float:
+        """Forward FLOPs per token a recomputation replays (the checkpointed layers')."""
         return sum(s.flops for s, c in zip(self.shards, self.checkpointed, strict=True) if c)
 
     @functools.cached_property
     def params(self) -> int:
+        """Parameters of all the stage's shards (expert parameters included)."""
         return sum(s.params for s in self.shards)
 
     @functools.cached_property
     def n_layers(self) -> int:
+        """Transformer layers on the stage."""
         return sum(s.kind == "layer" for s in self.shards)
 
     @functools.cached_property
     def n_checkpointed(self) -> int:
+        """Checkpointed layers on the stage."""
         return sum(self.checkpointed)
 
 
@@ -168,6 +172,16 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
     return shard.replicated + (shard.activations - shard.replicated) / tp
 
 
+def device_params(stage: Stage, plan: Plan) -> float:
+    """Parameters one device of `stage` holds: non-expert parameters split by tp, expert
+    parameters by tp·ep; under 3D tensor parallelism the layers' split by x·y·z and the
+    embedding and head replicated."""
+    tp = plan.tp_size
+    if plan.tp3d is not None:
+        return stage.layer_params / tp + (stage.params - stage.layer_params)
+    return (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
+
+
 def stage_memory(
     stage: Stage,
     plan: Plan,
@@ -177,8 +191,11 @@ def stage_memory(
     s: int,
     v: int,
 ) -> dict[str, float]:
+    """Bytes one device of pipeline stage `s` (of `v` virtual stages per rank) holds at its peak
+    for micro-batches of `tokens` tokens, activations of `act_bytes` bytes and width `d`: by
+    part (parameters with gradients and optimizer state, saved activations of the micro-batches
+    in flight, a recomputation's working set) and their `total`."""
     tp = plan.tp_size
-    params = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
     boundary = d / tp if plan.sequence_parallel else d
     saved = sum(
         boundary if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
@@ -186,7 +203,6 @@ def stage_memory(
     )
     if plan.tp3d is not None:  # layers split x·y·z (tokens over z), embedding and head only z
         x, y, z = plan.tp3d
-        params = stage.layer_params / tp + (stage.params - stage.layer_params)
         saved = sum(
             (d / x if ckpt else shard.activations / (x * y)) / z
             if shard.kind == "layer"
@@ -206,7 +222,7 @@ def stage_memory(
             if c
         )
         working = tokens * widest * act_bytes
-    state = params * STATE_BYTES
+    state = device_params(stage, plan) * STATE_BYTES
     return {
         "total": state + activations + working,
         "params_grads_optimizer": state,

@@ -21,8 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
+from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
+from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
 from interlace.plan import Overlap, Plan
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
@@ -45,6 +47,11 @@ def powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def power_of_two_divisors(n: int, limit: int) -> list[int]:
+    """The powers of two up to `limit` that divide `n` (n >= 1), ascending."""
+    return [d for d in divisors(n) if d <= limit and d & (d - 1) == 0]
+
+
 def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool = False) -> None:
     """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
     `runnable_only` this is `Plan.validate`; otherwise plans the runtime cannot run yet but
@@ -64,8 +71,6 @@ def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool 
         if NOT_IMPLEMENTED not in str(exc):
             raise
         # pp with a MoE model: the pipeline check stops early; check the schedule itself.
-        from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
-
         check_schedule(
             plan.schedule,
             plan.pp,
@@ -93,8 +98,8 @@ def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Itera
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
-            eps = [e for e in powers_of_two(dp) if spec.n_experts and spec.n_experts % e == 0]
-            for ep in eps or [1]:
+            eps = power_of_two_divisors(spec.n_experts, dp) if spec.n_experts else [1]
+            for ep in eps:
                 for pipeline in _pipeline_options(pp, per_dp):
                     for subbatches in (1, 2) if tp > 1 else (1,):
                         rows = per_dp // pipeline["micro_batches"]
@@ -133,7 +138,7 @@ def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
     if pp == 1:
         yield {"micro_batches": 1}
         return
-    counts = sorted({m for m in powers_of_two(per_dp) if per_dp % m == 0} | {per_dp})
+    counts = sorted({*power_of_two_divisors(per_dp, per_dp), per_dp})
     for m in counts:
         for schedule in SEARCH_SCHEDULES:
             for recompute in SEARCH_RECOMPUTE:

@@ -1,6 +1,6 @@
 """Simulate one training step of a plan as per-rank timelines (`interlace.timeline.Span`s).
 
-The durations are the cost model's own terms (`cost.step_terms`), so the simulation and
+The durations are the cost model's own terms (`step.step_terms`), so the simulation and
 `cost.estimate` never disagree about how long anything takes; they differ only in how the
 pieces are put together. The simulator replays the pipeline schedule op by op:
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
-from interlace.planner.cost import StepTerms, step_terms
 from interlace.planner.hardware import Hardware
+from interlace.planner.step import StepTerms, step_terms
 from interlace.timeline import Span
 
 Op = tuple[str, int, int]

@@ -7,7 +7,7 @@
               devices that send them the most tokens; replanned every k iterations, and
               sooner once the routing drifts away from the placement (`Prophet.stale`)
 
-A strategy only decides placements; the expert-parallel layer (`interlace.parallel.expert`)
+A strategy only decides placements; the expert-parallel layer (`interlace.parallel.expert.layer`)
 carries them out. Replicas never change the math: a token meets the same expert parameters
 wherever it is computed, and replica gradients are summed back into the owner's.
 

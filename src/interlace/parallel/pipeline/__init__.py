@@ -15,63 +15,8 @@
   shared by the runner and `interlace plan --show-stages`.
 - `runner`: `PipelineRunner`, one training step on every pipeline rank.
 - `trace`: `StepRecorder`, a timeline span per stage forward, backward and recomputation of
-  every micro-batch, gathered to one rank and written as a Chrome trace + PNG (imported from
-  `interlace.parallel.pipeline.trace`, not re-exported here: it imports the runner).
+  every micro-batch, gathered to one rank and written as a Chrome trace + PNG.
+
+Import from the modules themselves (`interlace.parallel.pipeline.runner`): the package re-exports
+nothing, so importing one module never imports the rest.
 """
-
-from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage, hf_local_module
-from interlace.parallel.pipeline.layout import PipelineLayout, pipeline_layout
-from interlace.parallel.pipeline.partition import (
-    Partition,
-    Shard,
-    balance,
-    describe_stages,
-    micro_batches_in_flight,
-    model_shards,
-    partition,
-)
-from interlace.parallel.pipeline.recompute import (
-    checkpointed_layers,
-    ratio_for_budget,
-    recompute_ratios,
-    stage_aware_ratios,
-)
-from interlace.parallel.pipeline.runner import PipelineRunner, cross_entropy_loss
-from interlace.parallel.pipeline.schedule import (
-    PIPELINE_SCHEDULES,
-    build_schedule,
-    check_schedule,
-    virtual_stages_for,
-)
-from interlace.parallel.pipeline.shifted import ShiftedSchedule, shifted_order
-from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
-
-__all__ = [
-    "PIPELINE_SCHEDULES",
-    "DecoderParts",
-    "GPTStage",
-    "HFStage",
-    "Partition",
-    "PipelineLayout",
-    "PipelineRunner",
-    "Shard",
-    "ShiftedSchedule",
-    "TiedEmbedding",
-    "balance",
-    "build_schedule",
-    "check_schedule",
-    "checkpointed_layers",
-    "cross_entropy_loss",
-    "describe_stages",
-    "hf_local_module",
-    "local_module",
-    "micro_batches_in_flight",
-    "model_shards",
-    "partition",
-    "pipeline_layout",
-    "ratio_for_budget",
-    "recompute_ratios",
-    "shifted_order",
-    "stage_aware_ratios",
-    "virtual_stages_for",
-]

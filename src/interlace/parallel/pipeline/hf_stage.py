@@ -42,7 +42,7 @@ from interlace.errors import PlanError
 from interlace.parallel.detect import find_structure
 from interlace.parallel.pipeline.partition import seq_len_of
 from interlace.parallel.pipeline.stage import copy_head
-from interlace.parallel.tp_interleave import deferral_scope
+from interlace.parallel.tensor.interleave import deferral_scope
 
 Piece = Callable[[torch.Tensor], torch.Tensor]
 

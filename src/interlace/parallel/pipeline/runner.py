@@ -36,7 +36,8 @@ from torch.distributed.pipelining import PipelineStage
 from interlace import comm
 from interlace.errors import ConfigError, PlanError
 from interlace.mesh import Mesh
-from interlace.models import GPT, GPTConfig, build_model
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import GPT, build_model
 from interlace.parallel.grad_norm import grad_norm as tensor_grad_norm
 from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage, hf_local_module
 from interlace.parallel.pipeline.layout import pipeline_layout
@@ -45,7 +46,7 @@ from interlace.parallel.pipeline.recompute import checkpointed_layers
 from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
-from interlace.parallel.tensor import VocabParallelHead, vocab_parallel_cross_entropy
+from interlace.parallel.tensor.layers import VocabParallelHead, vocab_parallel_cross_entropy
 from interlace.plan import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -33,9 +33,10 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
-from interlace.parallel.tensor import VocabParallelHead, copy_shard_spec
-from interlace.parallel.tp_comm import ReductionReplay
-from interlace.parallel.tp_interleave import deferral_scope
+from interlace.parallel.tensor.comm import ReductionReplay
+from interlace.parallel.tensor.interleave import deferral_scope
+from interlace.parallel.tensor.layers import VocabParallelHead
+from interlace.parallel.tensor.shard import copy_shard_spec
 
 TIED_GROUP_NAME = "pp_ends"
 """Comm-meter name of the {first, last} pipeline rank group that sums the tied embedding."""

@@ -36,12 +36,13 @@ from torch import nn
 from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.parallel.detect import ExpertBlock, Structure
-from interlace.parallel.tensor import ShardSpec, enter_block, shard_column, shard_parameter
-from interlace.parallel.tp_comm import (
+from interlace.parallel.tensor.comm import (
     all_reduce_grad_hook,
     reduce_from_tp,
     reduce_scatter_sequence,
 )
+from interlace.parallel.tensor.layers import enter_block
+from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter
 
 FFN_WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "ffn_dim")
 """Attributes of an experts module or feed-forward holding its full width (by convention)."""

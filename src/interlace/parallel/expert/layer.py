@@ -81,7 +81,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -103,47 +102,8 @@ from interlace.moe.balance import (
     make_balancer,
 )
 from interlace.moe.layer import MoELayer
-from interlace.parallel.detect import find_expert_blocks
-from interlace.parallel.expert_trans import _InFlight, _Trans, _TransRoute
-from interlace.parallel.grad_norm import clip_to_norm_, split_grad_norm
-
-
-def _exchange(
-    x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]
-) -> torch.Tensor:
-    """all_to_all_single of the rows of x [Σ input_splits, ...] → [Σ output_splits, ...]."""
-    x = x.contiguous()
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    comm.all_to_all(out, x, group, output_splits, input_splits)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Forward: rows to ranks by `input_splits`; backward: gradients back by the reverse."""
-
-    @staticmethod
-    def forward(ctx, x, group: Group, output_splits: list[int], input_splits: list[int]):
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
-        return _exchange(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return _exchange(grad, ctx.group, input_splits, output_splits), None, None, None
-
-
-class _KeepInGraph(torch.autograd.Function):
-    """Identity on `out` that also consumes `replicas` (gradient zero), so that Trans's backward
-    (a collective) runs on every rank, even one that received no replica or used none."""
-
-    @staticmethod
-    def forward(ctx, out, replicas):
-        ctx.replica_shape = replicas.shape
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_zeros(ctx.replica_shape)
+from interlace.parallel.expert.comm import all_to_all_rows, keep_in_graph
+from interlace.parallel.expert.trans import InFlight, Trans, TransRoute
 
 
 class ExpertParallelMoE(nn.Module):
@@ -207,7 +167,7 @@ class ExpertParallelMoE(nn.Module):
         self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
         self.overlap = overlap
         self._next: tuple[ExpertParallelMoE, ...] = ()  # a tuple: not registered as a child
-        self._inflight: _InFlight | None = None  # this layer's Trans, issued ahead of it
+        self._inflight: InFlight | None = None  # this layer's Trans, issued ahead of it
         self._planning: BackgroundSearch | None = None  # the next replan's search, running
         self.plan_timing: PlanTiming | None = None  # of the newest search applied
 
@@ -253,7 +213,7 @@ class ExpertParallelMoE(nn.Module):
             replicas = trans.wait()
             assignments = expert[here], token[here], gate[here]
             self._compute_replicas(out, tokens, replicas, trans.experts, *assignments)
-            out = _KeepInGraph.apply(out, replicas)
+            out = keep_in_graph(out, replicas)
         return out.view_as(x)
 
     def _gather_counts(self, routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,10 +248,10 @@ class ExpertParallelMoE(nn.Module):
 
         order = torch.argsort(expert, stable=True)
         token, gate = token[order], gate[order]
-        inbox = _AllToAll.apply(tokens[token], self.group, output_splits, input_splits)
+        inbox = all_to_all_rows(tokens[token], self.group, output_splits, input_splits)
         self._issue_next_trans()  # flies during these experts and the non-MoE compute after
         results = self._run_local_experts(inbox, received)
-        back = _AllToAll.apply(results, self.group, input_splits, output_splits)
+        back = all_to_all_rows(results, self.group, input_splits, output_splits)
         out = torch.zeros_like(tokens)
         out.index_add_(0, token, (back * gate.unsqueeze(1).to(back.dtype)).to(out.dtype))
         return out
@@ -328,7 +288,7 @@ class ExpertParallelMoE(nn.Module):
             planning, self._planning = self._planning, None
             self.placement, self.plan_timing = planning.result(self.iteration)
 
-    def _issue_trans(self) -> _InFlight:
+    def _issue_trans(self) -> InFlight:
         """Apply the planned placement (at a planning iteration, in training) and issue this
         layer's Trans (autograd: Agg): asynchronous with `overlap`, else complete on return."""
         if self.training:
@@ -337,11 +297,11 @@ class ExpertParallelMoE(nn.Module):
         versions = tuple(p._version for p in params)
         placement = self.placement
         if not placement.replicated:
-            return _InFlight(placement, None, (), None, versions)
-        route = _TransRoute.build(placement, self.group.rank, self._numel)
+            return InFlight(placement, None, (), None, versions)
+        route = TransRoute.build(placement, self.group.rank, self._numel)
         works: list[dist.Work | None] = []
-        replicas = _Trans.apply(route, self.group, self.overlap, works, *params)
-        return _InFlight(placement, replicas, route.recv_experts, works[0], versions)
+        replicas = Trans.apply(route, self.group, self.overlap, works, *params)
+        return InFlight(placement, replicas, route.recv_experts, works[0], versions)
 
     def _issue_next_trans(self) -> None:
         """With `overlap`, issue the next layer's Trans now (every rank at the same point)."""
@@ -352,7 +312,7 @@ class ExpertParallelMoE(nn.Module):
             following._inflight.wait()
         following._inflight = following._issue_trans()
 
-    def _take_inflight(self) -> _InFlight:
+    def _take_inflight(self) -> InFlight:
         """This layer's Trans: the one issued ahead of it if its parameters have not changed
         since (an optimizer step in between makes it stale), else one issued now."""
         trans, self._inflight = self._inflight, None
@@ -429,47 +389,6 @@ class ExpertParallelMoE(nn.Module):
         return summary
 
 
-def parallelize_experts(
-    model: nn.Module,
-    group: Group,
-    balance: str | Balancer = "none",
-    history: int = 16,
-    overlap: bool = True,
-) -> list[str]:
-    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group`, and the
-    fused experts module of every block with fused experts (HF Mixtral, Qwen2-MoE; found by
-    `detect.find_expert_blocks`) by a `FusedExpertParallel` (in place), linked in module order
-    by `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
-
-    Every rank must pass the same full model. The built-in GPT keeps summing each layer's
-    `aux_loss`. Returns one report line per replaced layer.
-    """
-    from interlace.parallel.expert_fused import parallelize_fused_experts  # builds on this
-
-    balancer = make_balancer(balance) if isinstance(balance, str) else balance
-    report = []
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
-    replaced: list[tuple[str, ExpertParallelMoE]] = []
-    for name, layer in targets:
-        parent_name, _, child = name.rpartition(".")
-        parallel = ExpertParallelMoE(layer, group, balancer, history, overlap)
-        setattr(model.get_submodule(parent_name), child, parallel)
-        replaced.append((name, parallel))
-    blocks = find_expert_blocks(model)
-    replaced += parallelize_fused_experts(model, blocks, group, balancer, history, overlap)
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    replaced.sort(key=lambda item: order[item[0]])
-    layers = [parallel for _, parallel in replaced]
-    for name, parallel in replaced:
-        last = parallel.first_expert + parallel.num_local - 1
-        report.append(
-            f"{name}: experts {parallel.first_expert}-{last} of {parallel.num_experts} on this "
-            f"rank (ep={group.size}, {group.name} group), balance={balancer.name}"
-        )
-    schedule_transfers(layers)
-    return report
-
-
 def schedule_transfers(layers: list[ExpertParallelMoE]) -> None:
     """Link `layers`, given in forward order, so that each issues the next one's Trans right
     after its own dispatch (when the layers overlap); the last issues none (so one layer
@@ -481,54 +400,3 @@ def schedule_transfers(layers: list[ExpertParallelMoE]) -> None:
 
 
 # ---------------------------------------------------------------------- gradients
-def expert_parameter_names(model: nn.Module) -> list[str]:
-    """Qualified names of the expert parameters of every `ExpertParallelMoE` in `model` (to
-    leave out of the data parallel all-reduce, e.g. with DDP's
-    `_set_params_and_buffers_to_ignore_for_model`)."""
-    return [
-        f"{name}.experts.{pname}"
-        for name, module in model.named_modules()
-        if isinstance(module, ExpertParallelMoE)
-        for pname, _ in module.experts.named_parameters()
-    ]
-
-
-def _expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [
-        p
-        for module in model.modules()
-        if isinstance(module, ExpertParallelMoE)
-        for p in module.experts.parameters()
-    ]
-
-
-def reduce_expert_gradients(model: nn.Module, ep_dp: Group, dp_size: int) -> None:
-    """Turn each local expert's gradient (the sum over its expert group's tokens) into data
-    parallelism's average: sum over `ep_dp` (ranks holding the same experts), divide by
-    `dp_size` (the whole data parallel degree). One flat all-reduce; collective over ep_dp."""
-    grads = [p.grad for p in _expert_params(model) if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if ep_dp.size > 1:
-        comm.all_reduce(flat, ep_dp)
-    flat.div_(dp_size)
-    for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(piece.view_as(g))
-
-
-def grad_norm(parameters: Iterable[nn.Parameter], model: nn.Module, ep: Group) -> torch.Tensor:
-    """Global L2 norm of the gradients of `parameters` when `model`'s experts are split over
-    `ep`: expert squares summed over the group, the rest (replicated) counted once.
-    Collective over `ep`."""
-    experts = {id(p) for p in _expert_params(model)}
-    return split_grad_norm(parameters, lambda p: 1 if id(p) in experts else ep.size, [ep])
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, ep: Group) -> torch.Tensor:
-    """Scale `model`'s gradients in place so their global norm (`grad_norm`) is at most
-    `max_norm`, as `torch.nn.utils.clip_grad_norm_` does for one process; returns the norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = grad_norm(params, model, ep)
-    clip_to_norm_(params, norm, max_norm)
-    return norm

@@ -65,10 +65,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from interlace.errors import PlanError
-from interlace.parallel import tp_interleave
 from interlace.parallel.detect import Structure
-from interlace.parallel.tp_comm import ReductionReplay
-from interlace.parallel.tp_interleave import interleave, run_interleaved, saved_tensor_hooks
+from interlace.parallel.tensor import interleave as tp_interleave
+from interlace.parallel.tensor.comm import ReductionReplay
+from interlace.parallel.tensor.interleave import interleave, run_interleaved, saved_tensor_hooks
 
 _PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
 

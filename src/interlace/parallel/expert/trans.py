@@ -1,8 +1,8 @@
 """Trans and Agg of the expert-parallel layer: replicas of busy experts broadcast from their
 owners (Trans, an autograd function), and their gradients reduced back to the owners (Agg,
-its backward); `_InFlight` holds a Trans issued ahead of the layer that needs it.
+its backward); `InFlight` holds a Trans issued ahead of the layer that needs it.
 
-Split out of `interlace.parallel.expert`, whose module docstring describes the scheme."""
+Split out of `interlace.parallel.expert.layer`, whose module docstring describes the scheme."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from interlace.moe.balance import Placement
 
 
 @dataclass(frozen=True)
-class _TransRoute:
+class TransRoute:
     """Who sends which replicated expert to whom, for one placement, seen from one rank.
 
     local: experts this rank owns; numel: parameters per expert (flattened);
@@ -35,7 +35,7 @@ class _TransRoute:
     recv_experts: tuple[int, ...]
 
     @classmethod
-    def build(cls, placement: Placement, rank: int, numel: int) -> _TransRoute:
+    def build(cls, placement: Placement, rank: int, numel: int) -> TransRoute:
         """The route of `placement`'s replicas for `rank` (experts of `numel` parameters)."""
         d = placement.num_devices
         local = placement.num_experts // d
@@ -54,7 +54,7 @@ class _TransRoute:
         return cls(local, numel, tuple(send_rows), send_numel, recv_numel, tuple(recv_experts))
 
 
-class _Trans(torch.autograd.Function):
+class Trans(torch.autograd.Function):
     """Forward (Trans): owners send replicated experts' flat parameters to the replica ranks.
     Backward (Agg): replicas send their gradients back; owners sum them into their own.
 
@@ -68,7 +68,7 @@ class _Trans(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, route: _TransRoute, group: Group, overlap: bool, works: list, *params):
+    def forward(ctx, route: TransRoute, group: Group, overlap: bool, works: list, *params):
         ctx.route, ctx.group, ctx.overlap = route, group, overlap
         ctx.shapes = [p.shape for p in params]
         ctx.params = params if overlap else ()
@@ -103,7 +103,7 @@ class _Trans(torch.autograd.Function):
 
 
 def _owner_grads(
-    back: torch.Tensor, route: _TransRoute, shapes: list[torch.Size]
+    back: torch.Tensor, route: TransRoute, shapes: list[torch.Size]
 ) -> list[torch.Tensor | None]:
     """The replicas' gradients `back` [len(send_rows) · numel], summed per local expert and
     cut into its parameters' shapes; None for the parameters of experts not replicated."""
@@ -121,7 +121,7 @@ def _owner_grads(
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     """A layer's Trans, issued (maybe ahead of the layer): its placement, the replicas' flat
     parameters [experts · numel] (None when nothing is replicated) and their global indices,
     the pending work handle (None once complete) and the versions of the parameters sent."""

@@ -93,7 +93,7 @@ def set_reduce_yield(switch: Callable[[], None] | None) -> None:
     """Install (None: remove) this thread's yield point for the all-reduces of 1D TP — the
     forward one of `reduce_from_tp` and the backward one of `copy_to_tp`: while one is set,
     the all-reduce is issued asynchronously, `switch()` runs (other sub-batches compute
-    meanwhile; see `interlace.parallel.tensor_overlap`), and only then is the result waited on."""
+    meanwhile; see `interlace.parallel.tensor.overlap`), and only then is the result waited on."""
     _yield_point.switch = switch
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from interlace.comm import Group
-from interlace.parallel.tensor3d_comm import gather_weight, start_gather
+from interlace.parallel.tensor3d.comm import gather_weight, start_gather
 
 
 @dataclass(frozen=True)

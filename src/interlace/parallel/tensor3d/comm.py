@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from interlace import comm
 from interlace.comm import Group
-from interlace.parallel.tp_comm import gather_last_dim
+from interlace.parallel.tensor.comm import gather_last_dim
 
 _pending: list[tuple[dist.Work, torch.Tensor, torch.nn.Parameter]] = []
 """Weight gradients being reduce-scattered over Z: (work, output buffer, parameter)."""

@@ -34,7 +34,7 @@ from interlace.errors import PlanError
 from interlace.moe.balance import Balancer
 from interlace.moe.gating import Routing
 from interlace.parallel.detect import ExpertBlock
-from interlace.parallel.expert import ExpertParallelMoE
+from interlace.parallel.expert.layer import ExpertParallelMoE
 
 
 class FusedExpert(nn.Module):

@@ -1,6 +1,6 @@
 """Threads that take turns, handing over at tensor parallel all-reduces, and the tail a layer
 leaves running for the next one: the scheduling under overlapped tensor parallelism
-(`interlace.parallel.tensor_overlap`).
+(`interlace.parallel.tensor.overlap`).
 
 `interleave(calls)` runs each call on its own thread, one at a time. A baton passes
 round-robin among the unfinished threads, and the only place it is handed over is a 1D TP
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from interlace.parallel.tp_comm import set_reduce_yield
+from interlace.parallel.tensor.comm import set_reduce_yield
 
 _COND = threading.Condition()
 

@@ -27,12 +27,13 @@ from torch import nn
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
 from interlace.parallel.detect import find_structure
-from interlace.parallel.expert import parallelize_experts
-from interlace.parallel.expert_groups import build_expert_groups
-from interlace.parallel.tensor import apply_tensor_parallel, check_divisible
-from interlace.parallel.tensor3d import Grid, apply_tensor3d, check_tensor3d
-from interlace.parallel.tensor_moe import check_expert_blocks
-from interlace.parallel.tensor_overlap import apply_tp_overlap, check_tp_overlap
+from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.groups import build_expert_groups
+from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor.moe import check_expert_blocks
+from interlace.parallel.tensor.overlap import apply_tp_overlap, check_tp_overlap
+from interlace.parallel.tensor3d.apply import apply_tensor3d, check_tensor3d
+from interlace.parallel.tensor3d.shard import Grid
 from interlace.plan import Plan
 
 logger = logging.getLogger("interlace.parallel")
@@ -45,7 +46,7 @@ def parallelize(
 
     With `plan.tp > 1`, attention and feed-forward blocks become column → row parallel, the
     token embedding and LM head vocab-parallel, over the mesh's "tp" group (see
-    `interlace.parallel.tensor`); `sequence_parallel` (default: `plan.sequence_parallel`)
+    `interlace.parallel.tensor.layers`); `sequence_parallel` (default: `plan.sequence_parallel`)
     also splits the activations between blocks along the sequence;
     `plan.overlap.tp_subbatches = k > 1` runs every layer in k interleaved sub-batches so their
     all-reduces overlap compute (`parallel/tensor_overlap.py`).

@@ -1,0 +1,52 @@
+"""`parallelize_experts`: replace every MoE layer of a model (built-in `MoELayer`, or a block
+with fused experts found by structure) by its expert-parallel form, linked in forward order."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from interlace.comm import Group
+from interlace.moe.balance import Balancer, make_balancer
+from interlace.moe.layer import MoELayer
+from interlace.parallel.detect import find_expert_blocks
+from interlace.parallel.expert.fused import parallelize_fused_experts
+from interlace.parallel.expert.layer import ExpertParallelMoE, schedule_transfers
+
+
+def parallelize_experts(
+    model: nn.Module,
+    group: Group,
+    balance: str | Balancer = "none",
+    history: int = 16,
+    overlap: bool = True,
+) -> list[str]:
+    """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group`, and the
+    fused experts module of every block with fused experts (HF Mixtral, Qwen2-MoE; found by
+    `detect.find_expert_blocks`) by a `FusedExpertParallel` (in place), linked in module order
+    by `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
+
+    Every rank must pass the same full model. The built-in GPT keeps summing each layer's
+    `aux_loss`. Returns one report line per replaced layer.
+    """
+    balancer = make_balancer(balance) if isinstance(balance, str) else balance
+    report = []
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    replaced: list[tuple[str, ExpertParallelMoE]] = []
+    for name, layer in targets:
+        parent_name, _, child = name.rpartition(".")
+        parallel = ExpertParallelMoE(layer, group, balancer, history, overlap)
+        setattr(model.get_submodule(parent_name), child, parallel)
+        replaced.append((name, parallel))
+    blocks = find_expert_blocks(model)
+    replaced += parallelize_fused_experts(model, blocks, group, balancer, history, overlap)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    replaced.sort(key=lambda item: order[item[0]])
+    layers = [parallel for _, parallel in replaced]
+    for name, parallel in replaced:
+        last = parallel.first_expert + parallel.num_local - 1
+        report.append(
+            f"{name}: experts {parallel.first_expert}-{last} of {parallel.num_experts} on this "
+            f"rank (ep={group.size}, {group.name} group), balance={balancer.name}"
+        )
+    schedule_transfers(layers)
+    return report

@@ -1,0 +1,240 @@
+"""`apply_tensor_parallel`: split a model found by structure over the 1D tensor parallel group, in
+place — attention and feed-forward blocks column → row, fused-expert MoE blocks along each
+expert's width, vocab-parallel embedding and head, and optionally sequence parallel activations
+between blocks. `check_divisible` refuses a degree the model's sizes cannot take, before any
+change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from interlace.comm import Group
+from interlace.errors import PlanError
+from interlace.parallel.detect import Attention, FeedForward, Structure, linear_shape
+from interlace.parallel.heads import heads_held, set_local_heads
+from interlace.parallel.tensor.comm import all_reduce_grad_hook, gather_sequence, scatter_sequence
+from interlace.parallel.tensor.layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    enter_block,
+    replace_hidden,
+    vocab_parallel_cross_entropy,
+)
+from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter, shard_spec
+
+
+def check_divisible(structure: Structure, tp: int) -> None:
+    """Raise PlanError naming the first size that `tp` ranks cannot split: model width, vocab,
+    each attention's heads and kv heads (kv heads may also divide tp: then replicated), each
+    feed-forward width."""
+    if tp == 1:
+        return
+    checks: list[tuple[str, str, int]] = [("the model", "d_model", structure.d_model)]
+    if structure.vocab is not None:
+        checks.append((structure.vocab.embedding, "vocab_size", structure.vocab.vocab))
+    checks += [(a.name, "n_heads", a.n_heads) for a in structure.attentions]
+    checks += [(f.name, "ffn_dim", f.ffn_dim) for f in structure.feed_forwards]
+    for where, what, value in checks:
+        if value % tp:
+            fits = [k for k in range(1, value + 1) if value % k == 0][:8]
+            raise PlanError(
+                f"{where}: {what}={value} is not divisible by the tensor parallel degree "
+                f"tp={tp}; use tp in {fits}"
+            )
+    for a in structure.attentions:
+        if a.n_kv_heads % tp and (tp % a.n_kv_heads or a.fused):
+            raise PlanError(
+                f"{a.name}: n_kv_heads={a.n_kv_heads} is not divisible by the tensor parallel "
+                f"degree tp={tp}, nor tp by it; use tp in {_fitting_kv(a)}"
+            )
+
+
+def _fitting_kv(a: Attention) -> list[int]:
+    return [
+        k
+        for k in range(1, a.n_heads + 1)
+        if a.n_heads % k == 0 and (a.n_kv_heads % k == 0 or k % a.n_kv_heads == 0)
+    ]
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    structure: Structure,
+    group: Group,
+    sequence_parallel: bool = False,
+) -> list[str]:
+    """Split `model` in place over `group` as `structure` (from `find_structure`) describes;
+    return the report lines. Call `check_divisible` first (nothing is modified when it raises)."""
+    if sequence_parallel:
+        _check_sequence_parallel(structure)
+    modules = dict(model.named_modules())
+    mode = ", sequence parallel" if sequence_parallel else ""
+    lines = [f"tensor parallel over {group.size} ranks{mode}"]
+    for a in structure.attentions:
+        lines.append(_shard_attention(modules[a.name], a, group, sequence_parallel))
+        enter_block(modules[a.name], structure.d_model, group, sequence_parallel)
+    for f in structure.feed_forwards:
+        lines.append(_shard_feed_forward(modules[f.name], f, group, sequence_parallel))
+        enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
+    from interlace.parallel.tensor.moe import shard_expert_block  # it builds on this module
+
+    for b in structure.expert_blocks:
+        lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
+    lines.append(_shard_vocab(model, structure, group, sequence_parallel))
+    if sequence_parallel:
+        lines.append(_shard_sequence(model, structure, group))
+    return lines + structure.notes
+
+
+def _check_sequence_parallel(structure: Structure) -> None:
+    missing = [
+        (structure.layers is None, "a layer list (nn.ModuleList) holding the attention blocks"),
+        (structure.final_norm is None, "a final norm after the layer list"),
+        (structure.vocab is None or structure.vocab.head is None, "a vocab-parallel LM head"),
+    ]
+    for absent, what in missing:
+        if absent:
+            raise PlanError(f"sequence_parallel=True needs {what}; none was found")
+    split = {b.name for b in structure.expert_blocks}
+    if whole := [name for name in structure.experts if name not in split]:
+        raise PlanError(
+            f"sequence_parallel=True cannot shard the replicated Mixture-of-Experts layers "
+            f"{whole} (routing capacity and load balance need every token); "
+            "use sequence_parallel=False"
+        )
+
+
+def _row_parallel(layer: nn.Module, group: Group, sequence_parallel: bool) -> RowParallelLinear:
+    _, _, layout = linear_shape(layer)  # type: ignore[misc]
+    conv1d = layout == "conv1d"
+    weight = shard_parameter(layer.weight, ShardSpec(0 if conv1d else 1), group)
+    return RowParallelLinear(weight, layer.bias, group, conv1d, sequence_parallel)
+
+
+def _shard_attention(module: nn.Module, a: Attention, group: Group, sp: bool) -> str:
+    p = group.size
+    kv_replicas = 1 if a.n_kv_heads % p == 0 else p // a.n_kv_heads
+    if a.fused:
+        shard_column(getattr(module, a.producers[0]), 3, 1, group)
+    else:
+        q, k, v = a.producers
+        shard_column(getattr(module, q), 1, 1, group)
+        shard_column(getattr(module, k), 1, kv_replicas, group)
+        shard_column(getattr(module, v), 1, kv_replicas, group)
+    setattr(module, a.out, _row_parallel(getattr(module, a.out), group, sp))
+    heads, kv_heads = a.n_heads // p, a.n_kv_heads * kv_replicas // p
+    set_local_heads(module, a, heads, kv_heads)
+    held = heads_held(a, heads, kv_heads, kv_replicas, "ranks")
+    return (
+        f"{a.name}: {', '.join(a.producers)} column-parallel ({held} per rank); "
+        f"{a.out} row-parallel"
+    )
+
+
+def _shard_feed_forward(module: nn.Module, f: FeedForward, group: Group, sp: bool) -> str:
+    for name in f.producers:
+        shard_column(getattr(module, name), 1, 1, group)
+    setattr(module, f.down, _row_parallel(getattr(module, f.down), group, sp))
+    return (
+        f"{f.name}: {', '.join(f.producers)} column-parallel ({f.ffn_dim // group.size} of "
+        f"{f.ffn_dim} features per rank); {f.down} row-parallel"
+    )
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _shard_vocab(model: nn.Module, structure: Structure, group: Group, sp: bool) -> str:
+    vocab = structure.vocab
+    assert vocab is not None
+    embedding = model.get_submodule(vocab.embedding)
+    if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
+        raise PlanError(
+            f"{vocab.embedding}: vocab-parallel embedding does not support max_norm, sparse "
+            "or scale_grad_by_freq; build the embedding without them"
+        )
+    weight = shard_parameter(embedding.weight, ShardSpec(0), group)
+    new_embedding = VocabParallelEmbedding(weight, vocab.vocab, group, embedding.padding_idx)
+    _set_module(model, vocab.embedding, new_embedding)
+    if vocab.head is None:
+        return f"{vocab.embedding}: vocab-parallel embedding; no LM head found"
+    head = model.get_submodule(vocab.head)
+    head_weight = weight if vocab.tied else shard_parameter(head.weight, ShardSpec(0), group)
+    head_bias = head.bias
+    if head_bias is not None:
+        head_bias = shard_parameter(head_bias, ShardSpec(0), group)
+    local_logits = _has_builtin_loss(model)
+    _set_module(
+        model,
+        vocab.head,
+        VocabParallelHead(head_weight, head_bias, group, not local_logits, sp),
+    )
+    if local_logits:
+        _install_vocab_parallel_loss(model, group)
+        output = "local logits [..., V/p], loss by vocab_parallel_cross_entropy"
+    else:
+        output = "logits all-gathered to [..., V]"
+    tied = " (tied)" if vocab.tied else ""
+    return f"{vocab.embedding}, {vocab.head}{tied}: vocab-parallel; {output}"
+
+
+def _has_builtin_loss(model: nn.Module) -> bool:
+    from interlace.models.gpt import GPT
+
+    return isinstance(model, GPT)
+
+
+def _install_vocab_parallel_loss(model: nn.Module, group: Group) -> None:
+    """Make the built-in GPT's `forward(idx, targets)` compute its loss from sharded logits:
+    the targets are withheld from the forward (which then returns (logits, None)) and the loss
+    is cross-entropy + aux_loss_coef · aux_loss, as in `GPT.forward`."""
+    pending: list[torch.Tensor | None] = []
+
+    def take_targets(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        targets = kwargs.pop("targets", None)
+        if len(args) > 1:
+            args, targets = args[:1], args[1]
+        pending.append(targets)
+        return args, kwargs
+
+    def add_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        targets = pending.pop()
+        logits, _ = output
+        if targets is None:
+            return output
+        loss = vocab_parallel_cross_entropy(logits, targets, group)
+        return logits, loss + module.config.aux_loss_coef * module.aux_loss
+
+    model.register_forward_pre_hook(take_targets, with_kwargs=True)
+    model.register_forward_hook(add_loss, with_kwargs=True)
+
+
+def _shard_sequence(model: nn.Module, structure: Structure, group: Group) -> str:
+    layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
+    first = layers[0]
+    d = structure.d_model
+
+    def scatter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_hidden(args, kwargs, d, lambda x: scatter_sequence(x, group))
+
+    first.register_forward_pre_hook(scatter, with_kwargs=True)
+    norm = model.get_submodule(structure.final_norm)  # type: ignore[arg-type]
+    norm.register_forward_hook(lambda mod, args, out: gather_sequence(out, group))
+    synced = []
+    for prefix, module in ((structure.layers, layers), (structure.final_norm, norm)):
+        for name, param in module.named_parameters():
+            if shard_spec(param) is None and param.requires_grad:
+                param.register_hook(all_reduce_grad_hook(group))
+                synced.append(f"{prefix}.{name}")
+    return (
+        f"sequence parallel: activations from {structure.layers}.0 to {structure.final_norm} "
+        f"are sequence shards; gradients of {len(synced)} replicated parameters there are "
+        "all-reduced"
+    )

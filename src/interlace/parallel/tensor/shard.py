@@ -1,0 +1,116 @@
+"""How a 1D tensor-parallel parameter is split: `ShardSpec`, the piece a rank holds, the full
+tensor gathered back, and the in-place column split of a linear layer.
+
+Rank r of p holds, along `ShardSpec.dim`, piece r // replicas of every one of `segments` equal
+parts (3 for GPT-2's fused q|k|v); replicas > 1 is a grouped-query kv head shared by
+consecutive ranks, whose gradient is summed among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from interlace import comm
+from interlace.comm import Group
+from interlace.parallel.detect import linear_shape
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter is split over the tensor parallel group.
+
+    Along `dim`, the full tensor is `segments` equal parts (3 for fused q|k|v) and each part is
+    cut into p/`replicas` contiguous pieces; rank r holds piece r // replicas of every part
+    (replicas > 1: a grouped-query kv head shared by consecutive ranks).
+    """
+
+    dim: int
+    segments: int = 1
+    replicas: int = 1
+
+
+_SPEC_ATTR = "_interlace_tp_shard"
+
+
+def shard_spec(param: torch.Tensor) -> ShardSpec | None:
+    """The ShardSpec of a tensor-parallel parameter, None for a replicated one."""
+    return getattr(param, _SPEC_ATTR, None)
+
+
+def copy_shard_spec(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Mark `target` as sharded like `source` (nothing if `source` is replicated)."""
+    spec = shard_spec(source)
+    if spec is not None:
+        setattr(target, _SPEC_ATTR, spec)
+
+
+def sharded_parameter_names(model: nn.Module) -> dict[str, ShardSpec]:
+    """{parameter name: ShardSpec} of every sharded parameter of `model`, tied aliases included
+    (both `wte.weight` and `lm_head.weight`: a state dict holds both)."""
+    named = model.named_parameters(remove_duplicate=False)
+    return {n: s for n, p in named if (s := shard_spec(p)) is not None}
+
+
+def shard_of(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s piece (of `size` ranks) of the full tensor, as a new contiguous tensor."""
+    parts = size // spec.replicas
+    pieces = full.unflatten(spec.dim, (spec.segments, parts, -1))
+    piece = pieces.select(spec.dim + 1, rank // spec.replicas)
+    return piece.flatten(spec.dim, spec.dim + 1).clone(memory_format=torch.contiguous_format)
+
+
+def assemble(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Inverse of `shard_of`: the full tensor from one piece per part (ranks 0, replicas, …)."""
+    views = [p.unflatten(spec.dim, (spec.segments, -1)) for p in pieces]
+    return torch.stack(views, spec.dim + 1).flatten(spec.dim, spec.dim + 2)
+
+
+def gather_full(shard: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Tensor:
+    """All-gather a parameter's pieces over `group` and return the full (serial) tensor."""
+    out = torch.empty((group.size * shard.numel(),), dtype=shard.dtype, device=shard.device)
+    comm.all_gather(out, shard.detach().contiguous().view(-1), group)
+    pieces = list(out.view(group.size, *shard.shape)[:: spec.replicas])
+    return assemble(pieces, spec)
+
+
+def shard_parameter(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Parameter:
+    """This rank's piece of `param` (see `shard_of`) as a new Parameter carrying `spec`; a
+    piece shared by several ranks (replicas > 1) gets its gradient summed among them."""
+    piece = shard_of(param.detach(), spec, group.rank, group.size)
+    new = nn.Parameter(piece, requires_grad=param.requires_grad)
+    setattr(new, _SPEC_ATTR, spec)
+    if spec.replicas > 1 and new.requires_grad:
+        new.register_hook(replica_sum_hook(spec, group))
+    return new
+
+
+def replica_sum_hook(spec: ShardSpec, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sum a replicated piece's gradient over the ranks holding it (one all-reduce of
+    [parts, *piece] over the group, each rank writing its own slot)."""
+    parts, slot = group.size // spec.replicas, group.rank // spec.replicas
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        slots = grad.new_zeros((parts, *grad.shape))
+        slots[slot] = grad
+        comm.all_reduce(slots, group)
+        return slots[slot]
+
+    return hook
+
+
+def shard_column(layer: nn.Module, segments: int, replicas: int, group: Group) -> None:
+    """Shard `layer` in place along its output features (see ShardSpec)."""
+    _, n_out, layout = linear_shape(layer)  # type: ignore[misc]
+    dim = 0 if layout == "linear" else 1
+    layer.weight = shard_parameter(layer.weight, ShardSpec(dim, segments, replicas), group)
+    if layer.bias is not None:
+        layer.bias = shard_parameter(layer.bias, ShardSpec(0, segments, replicas), group)
+    local = n_out * replicas // group.size
+    if layout == "linear":
+        layer.out_features = local
+    else:
+        layer.nf = local

@@ -1,0 +1,213 @@
+"""`apply_tensor3d`: split a dense decoder found by structure over the 3D grid, in place;
+`check_tensor3d` refuses a model or grid that cannot be split, before any change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from interlace.comm import Group
+from interlace.errors import PlanError
+from interlace.parallel.detect import Attention, Structure
+from interlace.parallel.heads import heads_held, set_local_heads
+from interlace.parallel.tensor.comm import all_reduce_grad_hook
+from interlace.parallel.tensor.layers import replace_hidden
+from interlace.parallel.tensor3d.comm import (
+    gather_last,
+    mean_over,
+    split_last_dim,
+)
+from interlace.parallel.tensor3d.layers import LayerNorm3D, Linear3D, RMSNorm3D, rms_norm_eps
+from interlace.parallel.tensor3d.prefetch import attach_prefetcher
+from interlace.parallel.tensor3d.shard import Grid, shard3d_spec
+
+
+def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int, int]) -> None:
+    """Raise PlanError, before anything is modified, if `model` cannot be split on the grid
+    (x, y, z): experts, a missing layer list or final norm, norms it cannot split, and every
+    width or head count that the grid must divide."""
+    x, y, z = tp3d
+    where = f"tp3d={x}x{y}x{z}"
+    if structure.experts:
+        raise PlanError(
+            f"{where} does not split Mixture-of-Experts layers {structure.experts}; use a "
+            "dense model or tp=N"
+        )
+    for absent, what in (
+        (structure.layers is None, "a layer list (nn.ModuleList) holding the attention blocks"),
+        (structure.final_norm is None, "a final norm after the layer list"),
+    ):
+        if absent:
+            raise PlanError(
+                f"{where} needs {what} to split the residual stream over x; none was found in "
+                f"{type(model).__name__}; use tp=N for this model"
+            )
+    d = structure.d_model
+    sizes = [("the model", "d_model", d, x), ("the model", "d_model / x", d // x, z)]
+    for a in structure.attentions:
+        kv_local = a.n_kv_heads // y if a.n_kv_heads % y == 0 else 1
+        sizes += [
+            (a.name, "n_heads", a.n_heads, y),
+            (a.name, "query width / y", a.n_heads * a.head_dim // y, z),
+            (a.name, "kv width per y rank", kv_local * a.head_dim, z),
+        ]
+    for f in structure.feed_forwards:
+        sizes += [(f.name, "ffn_dim", f.ffn_dim, y), (f.name, "ffn_dim / y", f.ffn_dim // y, z)]
+    for part, what, value, k in sizes:
+        if value % k:
+            fits = [n for n in range(1, value + 1) if value % n == 0][:8]
+            raise PlanError(
+                f"{part}: {what}={value} is not divisible by {k} as {where} needs; "
+                f"use a grid whose factor there is in {fits}"
+            )
+    for a in structure.attentions:
+        if a.n_kv_heads % y and y % a.n_kv_heads:
+            raise PlanError(
+                f"{a.name}: n_kv_heads={a.n_kv_heads} is not divisible by {where}'s y={y}, nor "
+                f"y by it; use y dividing or divided by {a.n_kv_heads}"
+            )
+    _block_norms(model, structure)
+
+
+def apply_tensor3d(
+    model: nn.Module, structure: Structure, grid: Grid, prefetch: bool = True
+) -> list[str]:
+    """Split `model` (call `check_tensor3d` first) in place over `grid`; return the report
+    lines. See the module docstring for the layout; `prefetch` (z > 1): all-gather each 3D
+    weight over Z one layer ahead (`tensor3d_prefetch`)."""
+    x, y, z = grid.x.size, grid.y.size, grid.z.size
+    lines = [f"3D tensor parallel over x={x}, y={y}, z={z} ranks"]
+    for a in structure.attentions:
+        lines.append(_split_attention(model.get_submodule(a.name), a, grid))
+    for f in structure.feed_forwards:
+        block = model.get_submodule(f.name)
+        for name in f.producers:
+            setattr(block, name, Linear3D(getattr(block, name), grid, transposed=False))
+        setattr(block, f.down, Linear3D(getattr(block, f.down), grid, transposed=True))
+        lines.append(f"{f.name}: {', '.join(f.producers)} normal; {f.down} transposed")
+    norms = _block_norms(model, structure)
+    for name, eps in norms:
+        norm = model.get_submodule(name)
+        new = LayerNorm3D(norm, grid) if eps is None else RMSNorm3D(norm, eps, grid)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+    lines.append(f"{structure.layers}: {len(norms)} norms split over x (statistics all-reduced)")
+    _split_residual(model, structure, grid.x)
+    lines.append(
+        f"{structure.layers}: residual stream split over x (hidden d/{x}), tokens over z; "
+        f"{structure.vocab.embedding}, {structure.final_norm} and the LM head replicated"  # type: ignore[union-attr]
+    )
+    if z > 1:
+        _split_tokens(model, grid.z)
+        synced = 0
+        for param in model.parameters():
+            spec = shard3d_spec(param)
+            if param.requires_grad and (spec is None or "z" not in spec.axes):
+                param.register_hook(all_reduce_grad_hook(grid.z))
+                synced += 1
+        lines.append(f"batch split over z; gradients of {synced} parameters all-reduced over z")
+        if prefetch:
+            linears = [m for m in model.modules() if isinstance(m, Linear3D)]
+            attach_prefetcher(model, linears, grid.z)
+            lines.append(f"{len(linears)} weights all-gathered over z one layer ahead (prefetch)")
+    return lines
+
+
+def _split_attention(block: nn.Module, a: Attention, grid: Grid) -> str:
+    """Make `block`'s q, k, v (or fused q|k|v) normal and its out projection transposed 3D
+    layers; its head-count attributes become this Y rank's."""
+    y = grid.y.size
+    replicas = 1 if a.n_kv_heads % y == 0 else y // a.n_kv_heads
+    q, *kv_layers = a.producers  # fused: q is q|k|v, split per part
+    segments = 3 if a.fused else 1
+    setattr(block, q, Linear3D(getattr(block, q), grid, transposed=False, segments=segments))
+    for name in kv_layers:
+        layer = Linear3D(getattr(block, name), grid, transposed=False, replicas=replicas)
+        setattr(block, name, layer)
+    setattr(block, a.out, Linear3D(getattr(block, a.out), grid, transposed=True))
+    heads, kv_heads = a.n_heads // y, a.n_kv_heads * replicas // y
+    set_local_heads(block, a, heads, kv_heads)
+    held = heads_held(a, heads, kv_heads, replicas, "y ranks")
+    return f"{a.name}: {', '.join(a.producers)} normal ({held} per y rank); {a.out} transposed"
+
+
+def _block_norms(model: nn.Module, structure: Structure) -> list[tuple[str, float | None]]:
+    """(name, eps) of every norm in the layer list outside the attention and feed-forward
+    blocks: eps None for an nn.LayerNorm, the RMS norm's eps otherwise. PlanError for any other
+    parameterised module there."""
+    split = [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]
+    layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
+    norms: list[tuple[str, float | None]] = []
+    for name, module in layers.named_modules():
+        full = f"{structure.layers}.{name}"
+        if any(full == s or full.startswith(s + ".") for s in split):
+            continue
+        if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+            norms.append((full, None))
+        elif (eps := rms_norm_eps(module, structure.d_model)) is not None:
+            norms.append((full, eps))
+        elif list(module.parameters(recurse=False)):
+            raise PlanError(
+                f"{full}: {type(module).__name__} holds parameters outside attention and "
+                "feed-forward blocks and is neither a LayerNorm nor an RMS norm, so tp3d cannot "
+                "split it; use tp=N for this model"
+            )
+    return norms
+
+
+def _split_residual(model: nn.Module, structure: Structure, x: Group) -> None:
+    """The first layer takes its X slice [..., d/x] of the hidden states; the final norm
+    all-gathers them back to [..., d]."""
+    d = structure.d_model
+    first = model.get_submodule(structure.layers)[0]  # type: ignore[arg-type, index]
+    norm = model.get_submodule(structure.final_norm)  # type: ignore[arg-type]
+
+    def split(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_hidden(args, kwargs, d, lambda h: split_last_dim(h, x))
+
+    def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_hidden(args, kwargs, d // x.size, lambda h: gather_last(h, x))
+
+    first.register_forward_pre_hook(split, with_kwargs=True)
+    norm.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def _split_tokens(model: nn.Module, z: Group) -> None:
+    """The model's forward on this rank's rows of every batch-major input; loss averaged over
+    Z: the built-in GPT's (logits, loss), or the `loss` of a Hugging Face ModelOutput."""
+
+    def take_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return args, kwargs
+        batch = tensors[0].shape[0]
+        if batch % z.size:
+            raise PlanError(
+                f"batch of {batch} rows is not divisible by tp3d's z={z.size}; use a batch "
+                f"that is a multiple of {z.size}"
+            )
+        n = batch // z.size
+
+        def rows(t: Any) -> Any:
+            batch_major = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch
+            return t.narrow(0, z.rank * n, n) if batch_major else t
+
+        return tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
+
+    def average_loss(module: nn.Module, args: tuple, output: Any) -> Any:
+        if hasattr(output, "loss"):  # Hugging Face ModelOutput: HF's own loss from `labels`
+            if output.loss is not None:
+                output.loss = mean_over(output.loss, z)
+            return output
+        logits, loss = output
+        if loss is not None and loss.dim() != 0:
+            raise PlanError(
+                f"tp3d z={z.size} averages the loss of a (logits, loss) or ModelOutput result; "
+                f"{type(module).__name__} returned another tuple (use return_dict=True)"
+            )
+        return logits, None if loss is None else mean_over(loss, z)
+
+    model.register_forward_pre_hook(take_rows, with_kwargs=True)
+    model.register_forward_hook(average_loss)

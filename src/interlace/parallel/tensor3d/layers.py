@@ -1,0 +1,158 @@
+"""The modules of 3D tensor parallelism: `Linear3D` (normal or transposed), `LayerNorm3D` and
+`RMSNorm3D` on [.., d/x] slices, and the wire bytes of one 3D linear (`layer_wire_bytes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from interlace.parallel.detect import linear_shape
+from interlace.parallel.tensor.shard import ShardSpec, replica_sum_hook
+from interlace.parallel.tensor3d.comm import (
+    linear3d,
+    sum_over,
+)
+from interlace.parallel.tensor3d.prefetch import WeightPrefetcher
+from interlace.parallel.tensor3d.shard import Grid, Shard3D, shard3d_parameter
+
+EPS_ATTRS = ("eps", "variance_epsilon")
+"""Norm attributes holding epsilon (by convention, not by model)."""
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Linear3D(nn.Module):
+    """A 3D-parallel linear layer: x [..., in/|in_group|] → [..., out/|out_group|] (+ bias).
+
+    `weight` [out/(|out_group|·z), in/|in_group|] is this rank's Z piece of its block; `bias`
+    [out/|out_group|] (replicated over the in group and Z) is added after the sum. `layer` is an
+    nn.Linear or HF Conv1D; `segments` and `replicas` cut the output features as in `Shard3D`
+    (fused q|k|v; kv heads held by `replicas` ranks, their gradients summed over them).
+    `prefetcher` (set by `apply_tensor3d` when z > 1) serves its Z all-gathers one layer ahead.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        grid: Grid,
+        transposed: bool,
+        segments: int = 1,
+        replicas: int = 1,
+    ):
+        super().__init__()
+        in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
+        self.in_group, self.out_group, self.z = grid.axis(in_axis), grid.axis(out_axis), grid.z
+        self.in_features, self.out_features, layout = linear_shape(layer)  # type: ignore[misc]
+        self.transposed = transposed
+        rows = Shard3D(rows=out_axis, segments=segments, replicas=replicas)
+        block = dataclasses.replace(rows, cols=in_axis, flat="z", conv1d=layout == "conv1d")
+        self.weight = shard3d_parameter(layer.weight, block, grid)
+        self.bias = None if layer.bias is None else shard3d_parameter(layer.bias, rows, grid)
+        self.block_grad_hook = None
+        self.prefetcher: WeightPrefetcher | None = None
+        if replicas > 1:
+            self.block_grad_hook = replica_sum_hook(ShardSpec(0, replicas=replicas), self.out_group)
+            if self.bias is not None and self.bias.requires_grad:
+                self.bias.register_hook(self.block_grad_hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in/|in_group|] → [..., out/|out_group|]."""
+        gather = None if self.prefetcher is None else self.gather_block
+        y = linear3d(
+            x, self.weight, self.in_group, self.out_group, self.z, self.block_grad_hook, gather
+        )
+        return y if self.bias is None else y + self.bias
+
+    def gather_block(self) -> torch.Tensor:
+        """The whole weight block [out/|out_group|, in/|in_group|], from the prefetcher."""
+        assert self.prefetcher is not None
+        return self.prefetcher.gather(self)
+
+    def extra_repr(self) -> str:
+        kind = "transposed" if self.transposed else "normal"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+class LayerNorm3D(nn.Module):
+    """LayerNorm over a hidden split over X: x [..., d/x] → [..., d/x]; the row statistics
+    Σx and Σx² are summed over X. Holds this rank's [d/x] slice of weight and bias."""
+
+    def __init__(self, norm: nn.LayerNorm, grid: Grid):
+        super().__init__()
+        self.x = grid.x
+        self.width = norm.normalized_shape[0]
+        self.eps = norm.eps
+        self.weight = shard3d_parameter(norm.weight, Shard3D(rows="x"), grid)
+        self.bias = (
+            None if norm.bias is None else shard3d_parameter(norm.bias, Shard3D(rows="x"), grid)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d/x] → [..., d/x]."""
+        stats = sum_over(torch.stack([x.sum(-1), x.pow(2).sum(-1)], -1), self.x) / self.width
+        mean, square = stats.unbind(-1)
+        inv = torch.rsqrt(square - mean.pow(2) + self.eps).unsqueeze(-1)
+        y = (x - mean.unsqueeze(-1)) * inv * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm3D(nn.Module):
+    """RMS norm over a hidden split over X: x [..., d/x] → x / sqrt(mean(x²) + eps) · weight,
+    mean(x²) from Σx² summed over X. Holds this rank's [d/x] slice of the weight."""
+
+    def __init__(self, norm: nn.Module, eps: float, grid: Grid):
+        super().__init__()
+        self.x = grid.x
+        self.width = norm.weight.shape[0]
+        self.eps = eps
+        self.weight = shard3d_parameter(norm.weight, Shard3D(rows="x"), grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d/x] → [..., d/x]."""
+        square = sum_over(x.pow(2).sum(-1, keepdim=True), self.x) / self.width
+        return x * torch.rsqrt(square + self.eps) * self.weight
+
+
+def rms_norm_eps(module: nn.Module, d: int) -> float | None:
+    """eps if `module` is an RMS norm over [d] (one [d] `weight`, a float eps attribute, and on a
+    random probe [2, d] it returns x / sqrt(mean(x²) + eps) · weight), None otherwise."""
+    params = dict(module.named_parameters(recurse=False))
+    eps = next((getattr(module, a) for a in EPS_ATTRS if hasattr(module, a)), None)
+    weight = params.get("weight")
+    if list(params) != ["weight"] or weight.shape != (d,) or not isinstance(eps, float):
+        return None
+    probe = torch.randn(2, d, generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * weight
+        matches = torch.allclose(module(probe), expected, rtol=1e-4, atol=1e-5)
+    return eps if matches else None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+# ----------------------------------------------------------------------------- application
+
+
+# ----------------------------------------------------------------------------- bytes and norm
+
+
+def layer_wire_bytes(
+    n_in: int, n_out: int, tokens: int, tp3d: tuple[int, int, int], transposed: bool, b: int = 4
+) -> dict[str, float]:
+    """AxoNN's wire bytes per rank of one linear layer n_in → n_out per training step (forward
+    and backward), with `tokens` per rank: {"tp_x", "tp_y", "tp_z": bytes}. A normal layer
+    all-reduces its output [tokens, n_out/y] over X and its input gradient [tokens, n_in/x]
+    over Y; a transposed one the other way round; Z moves 3(z−1)/z of the block each step."""
+    x, y, z = tp3d
+    out_axis, in_axis = ("x", "y") if transposed else ("y", "x")
+    size = {"x": x, "y": y, "z": z}
+    p_in, p_out = size[in_axis], size[out_axis]
+    return {
+        f"tp_{in_axis}": 2 * (p_in - 1) / p_in * tokens * n_out / p_out * b,
+        f"tp_{out_axis}": 2 * (p_out - 1) / p_out * tokens * n_in / p_in * b,
+        "tp_z": 3 * (z - 1) / z * n_in * n_out / (x * y) * b,
+    }

@@ -1,0 +1,127 @@
+"""Which piece of a 3D tensor-parallel parameter a rank holds: the grid of groups, `Shard3D`,
+the piece cut from the full tensor, checkpoint keys, and the gradient norm that counts every
+piece once."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from interlace.comm import Group
+from interlace.mesh import Mesh
+from interlace.parallel.grad_norm import clip_to_norm_, split_grad_norm
+from interlace.parallel.tensor.shard import ShardSpec, shard_of
+
+AXES = ("x", "y", "z")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The three groups of a 3D tensor parallel grid."""
+
+    x: Group
+    y: Group
+    z: Group
+
+    @classmethod
+    def from_mesh(cls, mesh: Mesh) -> Grid:
+        """The grid of the mesh's "tp_x", "tp_y", "tp_z" dimensions."""
+        return cls(mesh.group("tp_x"), mesh.group("tp_y"), mesh.group("tp_z"))
+
+    def axis(self, name: str) -> Group:
+        """The group of axis "x", "y" or "z"."""
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class Shard3D:
+    """How a parameter is cut over the grid: dim 0 over `rows`, dim 1 over `cols`, then dim 0
+    again over `flat` (contiguous pieces of the row-major block). None: not cut that way.
+
+    The rows cut is `ShardSpec(0, segments, replicas)`'s over the `rows` group: `segments` equal
+    parts (3 for a fused q|k|v) each cut, `replicas` consecutive ranks holding the same piece
+    (kv heads fewer than the group). `conv1d`: the serial tensor is stored [in, out] (HF's
+    Conv1D) and the piece is cut from its transpose."""
+
+    rows: str | None = None
+    cols: str | None = None
+    flat: str | None = None
+    segments: int = 1
+    replicas: int = 1
+    conv1d: bool = False
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The grid axes whose ranks hold different pieces."""
+        return tuple(a for a in (self.rows, self.cols, self.flat) if a is not None)
+
+
+_SPEC_ATTR = "_interlace_tp3d_shard"
+
+
+def shard3d_spec(param: torch.Tensor) -> Shard3D | None:
+    """The Shard3D of a parameter split by 3D tensor parallelism, None for a replicated one."""
+    return getattr(param, _SPEC_ATTR, None)
+
+
+def shard3d_of(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
+    """This rank's piece of the full (serial) tensor under `spec`, as a new tensor."""
+    piece = full.t() if spec.conv1d else full
+    if spec.rows is not None:
+        rows = grid.axis(spec.rows)
+        piece = shard_of(piece, ShardSpec(0, spec.segments, spec.replicas), rows.rank, rows.size)
+    for dim, axis in ((1, spec.cols), (0, spec.flat)):
+        if axis is not None:
+            group = grid.axis(axis)
+            piece = piece.chunk(group.size, dim)[group.rank]
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+def shard3d_parameter(param: nn.Parameter, spec: Shard3D, grid: Grid) -> nn.Parameter:
+    """This rank's piece of `param` (see `shard3d_of`) as a new Parameter carrying `spec`."""
+    new = nn.Parameter(shard3d_of(param.detach(), spec, grid), requires_grad=param.requires_grad)
+    setattr(new, _SPEC_ATTR, spec)
+    return new
+
+
+def shard3d_keys(model: nn.Module, grid: Grid) -> dict[str, str]:
+    """{parameter name: checkpoint key unique to this rank's piece}, e.g. `blocks.0.mlp.up.weight`
+    → `blocks.0.mlp.up.weight.tp3d.y1.z0.x1`; ranks holding the same piece share its key."""
+    keys = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if (spec := shard3d_spec(param)) is not None:
+            coords = ".".join(f"{a}{_piece_index(spec, a, grid)}" for a in spec.axes)
+            keys[name] = f"{name}.tp3d.{coords}"
+    return keys
+
+
+def _piece_index(spec: Shard3D, axis: str, grid: Grid) -> int:
+    """Which piece along `axis` this rank holds (replicated kv rows: one index per replica set)."""
+    rank = grid.axis(axis).rank
+    return rank // spec.replicas if axis == spec.rows else rank
+
+
+def grad_norm3d(parameters: Iterable[torch.Tensor], grid: Grid) -> torch.Tensor:
+    """Global L2 norm of the gradients of a 3D-parallel model: each piece's square counted once
+    (divided by the ranks holding it), summed over X, Y and Z. Collective over the grid."""
+
+    def holders(param: torch.Tensor) -> int:
+        spec = shard3d_spec(param)
+        held = math.prod(grid.axis(a).size for a in AXES if spec is None or a not in spec.axes)
+        return held * (1 if spec is None else spec.replicas)
+
+    return split_grad_norm(parameters, holders, [grid.x, grid.y, grid.z])
+
+
+def clip_grad_norm3d_(
+    parameters: Iterable[torch.Tensor], max_norm: float, grid: Grid
+) -> torch.Tensor:
+    """Scale gradients in place so `grad_norm3d` is at most `max_norm`; returns the norm."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = grad_norm3d(params, grid)
+    clip_to_norm_(params, norm, max_norm)
+    return norm

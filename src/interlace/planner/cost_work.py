@@ -1,0 +1,73 @@
+"""The compute of one micro-batch on a pipeline stage, for `planner.step.step_terms`.
+
+FLOPs per token of each layer, the embeddings and the head come from the stage's shards
+(`planner.profile`): forward F, backward 2F, a checkpointed layer's recomputed forward +F.
+Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows)`), at the rows each matmul sees:
+
+- the micro-batch's tokens; under 3D tensor parallelism tokens / z, and the replicated
+  embedding and head are split by z only;
+- under `tp_subbatches` s > 1, a layer's tokens / s (each sub-batch runs its own matmuls);
+- for each expert its share of the ep group's tokens, tokens · top_k · ep / E (balanced).
+
+Tensor parallelism divides the layers' FLOPs by the tp group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from interlace.models.config import GPTConfig
+from interlace.plan import Plan
+from interlace.planner.hardware import Hardware
+from interlace.planner.profile import Stage
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """Seconds of compute of one micro-batch on a stage: `compute` its forward and backward
+    (3F), `recompute` its checkpointed layers' replayed forward; `rate` the FLOP/s of the
+    micro-batch's matmuls and `expert_rate` of one expert's (at the rows each sees)."""
+
+    compute: float
+    recompute: float
+    rate: float
+    expert_rate: float
+
+
+def stage_work(
+    plan: Plan,
+    config: GPTConfig,
+    stage: Stage,
+    tokens: int,
+    hardware: Hardware,
+    dtype: str,
+) -> StageWork:
+    """The compute of `stage` for a micro-batch of `tokens` tokens in `dtype` under `plan`
+    (see the module docstring); experts at their balanced share of the tokens."""
+    tp = plan.tp_size
+    batch_split = plan.tp3d[2] if plan.tp3d is not None else 1  # 3D: z splits the tokens
+    rate = hardware.matmul_flops(dtype, tokens / batch_split)
+    compute = 3 * stage.flops * tokens / tp / rate
+    recompute = stage.recompute_flops * tokens / tp / rate
+    if plan.tp3d is not None:  # the embedding and head are replicated: only z splits them
+        ends = stage.flops - stage.layer_flops
+        compute = 3 * (stage.layer_flops / tp + ends / batch_split) * tokens / rate
+    subbatches = plan.overlap.tp_subbatches if plan.tp > 1 else 1
+    if subbatches > 1:  # each layer runs on tokens / s rows at a time
+        sub_rate = hardware.matmul_flops(dtype, tokens / subbatches)
+        compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)
+        recompute += _slower(stage.recompute_flops * tokens / tp, sub_rate, rate)
+    expert_rate = rate
+    if stage.n_moe:  # an expert computes its share of the ep group's tokens
+        expert_rate = hardware.matmul_flops(
+            dtype, tokens * config.top_k * plan.ep / config.n_experts
+        )
+        expert = tokens * config.top_k * 4 * config.d_model * config.ffn_dim / tp  # per layer
+        compute += _slower(3 * stage.n_moe * expert, expert_rate, rate)
+        recompute += _slower(stage.n_moe_checkpointed * expert, expert_rate, rate)
+    return StageWork(compute, recompute, rate, expert_rate)
+
+
+def _slower(flops: float, rate_at: float, rate: float) -> float:
+    """Extra seconds of `flops` run at `rate_at` FLOP/s instead of `rate` (0.0 when equal)."""
+    return flops * (1 / rate_at - 1 / rate)

@@ -1,0 +1,179 @@
+"""The cost model's terms of one training step, before they are summed: `step_terms` prices each
+parallel dimension in its own module and assembles them into `StepTerms`, which
+`planner.cost.estimate` sums and `planner.simulate` lays out on a timeline (one source for
+both).
+
+In order, on the pipeline's slowest stage per micro-batch: the compute (`cost_work`), the 1D
+and 3D tensor parallel collectives (`cost_tensor`, `cost3d`, hidden under that compute), the
+expert parallel collectives and load imbalance (`cost_moe`, whose extra expert compute joins
+the stage's); then per step the pipeline (`cost_pipeline`), the gradient all-reduces
+(`cost_data`, hidden under the backward) and the optimizer step (`cost_optimizer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from interlace.errors import PlanError
+from interlace.models.config import GPTConfig
+from interlace.plan import Plan
+from interlace.planner.bytes import activation_bytes
+from interlace.planner.cost3d import tensor3d_terms
+from interlace.planner.cost_data import data_terms
+from interlace.planner.cost_moe import check_expert_skew, expert_terms
+from interlace.planner.cost_optimizer import optimizer_seconds
+from interlace.planner.cost_pipeline import pipeline_stages, pipeline_terms
+from interlace.planner.cost_tensor import tensor_terms
+from interlace.planner.cost_work import stage_work
+from interlace.planner.hardware import Hardware
+from interlace.planner.profile import ModelProfile, Stage, model_profile
+
+
+def micro_batch_rows(plan: Plan, global_batch: int) -> int:
+    """Sequences per micro-batch: global_batch / (dp · micro_batches); PlanError if uneven."""
+    if global_batch < 1:
+        raise PlanError(f"global batch {global_batch} must be a positive number of sequences")
+    if global_batch % plan.dp:
+        raise PlanError(
+            f"global batch {global_batch} is not divisible by dp={plan.dp}; use a global batch "
+            f"that is a multiple of {plan.dp}, e.g. {plan.dp * max(1, global_batch // plan.dp)}"
+        )
+    per_dp = global_batch // plan.dp
+    if per_dp % plan.micro_batches:
+        raise PlanError(
+            f"the {per_dp} sequences per data parallel rank (global batch {global_batch} / "
+            f"dp={plan.dp}) do not split into micro_batches={plan.micro_batches}; use "
+            f"micro_batches dividing {per_dp}"
+        )
+    rows = per_dp // plan.micro_batches
+    if plan.overlap.tp_subbatches > 1 and rows % plan.overlap.tp_subbatches:
+        raise PlanError(
+            f"tp_subbatches={plan.overlap.tp_subbatches} must divide the {rows} sequences of a "
+            "micro-batch"
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The cost model's terms of one step, before they are summed (see the module docstring).
+
+    Per micro-batch on the slowest stage (seconds): `forward` and `backward` compute (1/3 and
+    2/3 of 3F), `recompute` (the checkpointed forward); `comm` the exposed tp/ep collectives per
+    term, `comm_hidden` the part hidden under compute, and `comm_forward_share` the fraction of
+    each term's calls issued in the forward (the rest in backward and recomputation).
+    Per step: `moe` what the expert-parallel terms assumed and found (`cost_moe`): the skew,
+    the hottest device's load over the balanced one, experts replicated per layer, seconds of
+    dispatch/combine, exposed Trans and Agg (all three in `ep.all_to_all`) and of expert
+    compute beyond the balanced load (in `compute` and `recompute`); `send_recv_one` one
+    boundary transfer; `dp_exposed`/`dp_hidden` the gradient
+    all-reduce (`dp.all_reduce`); `ep_dp` the expert gradient all-reduce; `optimizer` the
+    optimizer step (with gradient clipping) of the device's parameters.
+    """
+
+    plan: Plan
+    micro_batches: int
+    virtual_stages: int
+    tokens: int
+    forward: float
+    backward: float
+    recompute: float
+    comm: dict[str, float]
+    comm_hidden: dict[str, float]
+    comm_forward_share: float
+    send_recv_one: float
+    dp_exposed: float
+    dp_hidden: float
+    ep_dp: float
+    optimizer: float
+    idle_speedup: float
+    recompute_runs: int
+    profile: ModelProfile
+    stages: tuple[Stage, ...]
+    moe: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stage_micro_batch(self) -> float:
+        """Seconds of one micro-batch on the slowest stage: compute, recompute, exposed comm."""
+        return self.forward + self.backward + self.recompute + sum(self.comm.values())
+
+    def breakdown(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(seconds on the critical path per term, seconds hidden per term) of the step."""
+        plan, m, pp = self.plan, self.micro_batches, self.plan.pp
+        breakdown = {
+            "compute": m * (self.forward + self.backward),
+            "recompute": self.recompute_runs * self.recompute,
+        }
+        breakdown.update({k: m * t for k, t in self.comm.items()})
+        hidden = {k: m * t for k, t in self.comm_hidden.items()}
+        if pp > 1:
+            work = self.stage_micro_batch - self.forward - self.backward - self.recompute
+            work += (self.forward + self.backward + self.recompute) / self.idle_speedup
+            breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * work
+            breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
+        if plan.dp > 1:
+            breakdown["dp.all_reduce"] = self.dp_exposed
+            if self.dp_hidden:
+                hidden["dp.all_reduce"] = self.dp_hidden
+        if self.ep_dp:
+            breakdown["ep_dp.all_reduce"] = self.ep_dp
+        if self.optimizer:
+            breakdown["optimizer"] = self.optimizer
+        return breakdown, hidden
+
+
+def step_terms(
+    plan: Plan,
+    config: GPTConfig,
+    hardware: Hardware,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: str = "bf16",
+    expert_skew: float = 0.0,
+) -> StepTerms:
+    """The terms of one step of `config` under `plan` with `global_batch` sequences of `seq_len`
+    tokens (default: the config's) in `dtype` (see `StepTerms` and the module docstring),
+    experts' popularity Zipf with exponent `expert_skew` (0 = balanced). PlanError for a batch
+    the plan cannot split or a bad skew."""
+    check_expert_skew(expert_skew)
+    seq = seq_len or config.seq_len
+    profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
+    config = profile.config
+    act_bytes = activation_bytes(dtype)
+    tokens = micro_batch_rows(plan, global_batch) * seq
+    stages = pipeline_stages(profile, plan)
+    slowest = max(stages, key=lambda st: 3 * st.flops + st.recompute_flops)
+    work = stage_work(plan, config, slowest, tokens, hardware, dtype)
+    d = config.d_model
+    comms = (
+        tensor_terms(plan, slowest, tokens, act_bytes, d, work, hardware),
+        tensor3d_terms(plan, slowest, config, tokens, act_bytes, work.rate, hardware),
+    )
+    expert = expert_terms(plan, config, slowest, tokens, act_bytes, work, hardware, expert_skew)
+    comms += (expert.comm,)
+    compute = work.compute + expert.compute
+    pipeline = pipeline_terms(plan, tokens, d, act_bytes, hardware)
+    data = data_terms(plan, stages, compute, hardware)
+    calls = sum(c.calls for c in comms)
+    return StepTerms(
+        plan=plan,
+        micro_batches=plan.micro_batches,
+        virtual_stages=pipeline.virtual_stages,
+        tokens=tokens,
+        forward=compute / 3,
+        backward=2 * compute / 3,
+        recompute=work.recompute + expert.recompute,
+        comm={k: t for c in comms for k, t in c.exposed.items()},
+        comm_hidden={k: t for c in comms for k, t in c.hidden.items()},
+        comm_forward_share=sum(c.forward_calls for c in comms) / calls if calls else 0.0,
+        send_recv_one=pipeline.send_recv_one,
+        dp_exposed=data.exposed,
+        dp_hidden=data.hidden,
+        ep_dp=data.ep_dp,
+        optimizer=optimizer_seconds(plan, stages, hardware),
+        idle_speedup=hardware.idle_speedup,
+        recompute_runs=pipeline.recompute_runs,
+        profile=profile,
+        stages=stages,
+        moe=expert.summary,
+    )
