@@ -1,6 +1,7 @@
 """interlace bench: the emulated cluster comes up and down cleanly, shapes its links, cleans up
 after failures; the runner writes JSON + PNG; loopback fallback is marked."""
 
+import ast
 import json
 import os
 import shutil
@@ -8,16 +9,19 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from interlace.bench import get_benchmark
-from interlace.bench.cluster import LOOPBACK, PREFIX, Cluster, leftover_namespaces, parse_rate
+import interlace
+from interlace.bench import get_benchmark, runner
+from interlace.bench.cluster import LOOPBACK, PREFIX, Cluster, leftover_namespaces
 from interlace.bench.collectives import bus_factor
 from interlace.bench.runner import BenchFailed, parse_options, run_benchmark
 from interlace.cli import main
 from interlace.errors import ConfigError
 from interlace.planner.calibrate import hidden_fraction
+from interlace.rates import parse_rate
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -55,6 +59,44 @@ def test_parse_rate_units_and_errors():
             parse_rate(bad)
 
 
+def _bench_imports(path: Path) -> list[tuple[int, str | None]]:
+    """(line, enclosing function or None) of each import of interlace.bench in `path`."""
+    found = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name)
+                continue
+            names = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                names = [f"{child.module}.{alias.name}" for alias in child.names]
+            if any(f"{name}.".startswith("interlace.bench.") for name in names):
+                found.append((child.lineno, function))
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
+def test_the_library_does_not_import_the_benchmarks():
+    """Only `interlace bench` itself (cli.py's `_bench`, run on demand) loads interlace.bench."""
+    root = Path(interlace.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.is_relative_to(root / "bench"):
+            continue
+        allowed = {"_bench"} if path == root / "cli.py" else set()
+        offenders += [
+            f"{path.relative_to(root)}:{line}"
+            for line, function in _bench_imports(path)
+            if function not in allowed
+        ]
+    assert offenders == []
+
+
 def test_bus_factor_and_hidden_fraction():
     assert bus_factor("all_reduce", 4) == 1.5
     assert bus_factor("all_gather", 4) == 0.75
@@ -80,6 +122,15 @@ def test_cli_lists_benchmarks_and_rejects_unknown(capsys):
     assert all(name in listed for name in ("collectives", "overlap", "ddp"))
     assert main(["bench", "nosuch"]) == 2
     assert "unknown benchmark 'nosuch'" in capsys.readouterr().err
+
+
+def test_cli_exits_with_1_when_a_benchmark_run_fails(capsys, monkeypatch):
+    def fail(*args, **kwargs):
+        raise BenchFailed("rank 1 failed (exit code 3):\nboom")
+
+    monkeypatch.setattr(runner, "run_benchmark", fail)
+    assert main(["bench", "collectives"]) == 1
+    assert capsys.readouterr().err == "interlace: rank 1 failed (exit code 3):\nboom\n"
 
 
 def test_loopback_run_writes_json_and_png_marked_not_shaped(tmp_path):

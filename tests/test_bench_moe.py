@@ -7,15 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from interlace.bench import get_benchmark, moe_deepspeed
+from interlace import comm
+from interlace.bench import get_benchmark, moe_calibrate, moe_deepspeed
 from interlace.bench.moe_forced import ForcedRouter
-from interlace.bench.runner import parse_options, run_benchmark
-from interlace.errors import ConfigError
-from interlace.moe.routing_workloads import (
+from interlace.bench.moe_routing_workloads import (
     SkewedRouting,
     record_routing,
     sample_assignments,
 )
+from interlace.bench.runner import parse_options, run_benchmark
+from interlace.errors import ConfigError
 
 
 def _tv(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -73,6 +74,27 @@ def test_recorded_routing_has_one_count_row_per_step_and_layer():
     assert abs(float(p.sum()) - 1) < 1e-9
     with pytest.raises(ConfigError, match="no MoE layer"):
         record_routing("tiny", steps=1)
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_expert_calibration_fits_a_positive_throughput(monkeypatch, noisy):
+    """measure_expert fits forward seconds = a + n / t over three token counts; when noise makes
+    the larger counts no slower (a busy machine), t must stay positive: the largest count's
+    seconds per token, with a = 0 (a negative t once failed the whole `moe` benchmark)."""
+    tokens, latency, per_token = 128, 1e-4, 1e-5
+    sizes = [tokens // 16, tokens // 4, tokens]
+    forward = [3e-3, 2e-3, 1e-3] if noisy else [latency + n * per_token for n in sizes]
+    seconds = iter([*forward, *(3 * f for f in forward), forward[-1] / 2])  # then both, together
+    monkeypatch.setattr(moe_calibrate, "sample", lambda fn, group, **_: [next(seconds)])
+    cal = moe_calibrate.measure_expert(comm.Group("ep", None, 2, 0), tokens, 8, 16)
+    assert cal["expert_sizes"] == sizes and cal["expert_forward_alone_s"] == forward
+    if noisy:
+        assert cal["expert_latency_s"] == 0.0
+        assert cal["expert_tokens_per_s"] == pytest.approx(tokens / forward[-1])
+    else:
+        assert cal["expert_latency_s"] == pytest.approx(latency)
+        assert cal["expert_tokens_per_s"] == pytest.approx(1 / per_token)
+    assert cal["backward_ratio"] == pytest.approx(2.0) and cal["cores"] == pytest.approx(2.0)
 
 
 def test_moe_options_are_checked():

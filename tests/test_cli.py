@@ -4,6 +4,8 @@ two ranks), `--help`/`--version`, `interlace plan`, and bad input that must fail
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -16,8 +18,10 @@ from pathlib import Path
 import pytest
 
 import interlace
-from interlace.cli import main
+from interlace.cli import build_parser, main
+from interlace.config_args import add_dataclass_args, dataclass_from_args
 from interlace.models.presets import PRESETS
+from interlace.train_config import TrainConfig
 
 # The smallest run that exercises everything: tiny model, 4 sequences a step, one eval batch.
 FAST = ["--model", "tiny", "--global-batch", "4", "--eval-batches", "1", "--no-progress"]
@@ -182,6 +186,66 @@ def test_help_of_each_command_lists_its_options(capsys, command, options):
         assert option in out, option
 
 
+def test_train_options_are_the_train_config_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(TrainConfig):
+        assert f"--{field.name.replace('_', '-')}" in out, field.name
+        assert " ".join(field.metadata["help"].split()) in out, field.name
+    defaults = build_parser().parse_args(["train"])
+    assert dataclass_from_args(TrainConfig, defaults) == TrainConfig()
+
+
+def test_train_options_parse_aliases_lists_and_switches():
+    argv = ["--preset", "tiny", "--micro-batch", "2", "--tokenizer", "bpe", "--no-progress"]
+    argv += ["--split-points", "blocks.1, blocks.2", "--layers-per-stage", "2,1", "--lr", "1e-3"]
+    config = dataclass_from_args(TrainConfig, build_parser().parse_args(["train", *argv]))
+    assert config == TrainConfig(
+        model="tiny",
+        micro_batch=2,
+        tokenizer="bpe",
+        progress=False,
+        split_points=("blocks.1", "blocks.2"),
+        layers_per_stage=(2, 1),
+        lr=1e-3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--layers-per-stage", "3,x"], "'3,x': give comma-separated integers"),
+        (["--split-points", "blocks.1,"], "'blocks.1,': give comma-separated names"),
+        (["--tokenizer", "words"], "invalid choice: 'words'"),
+    ],
+)
+def test_badly_typed_train_options_are_usage_errors(capsys, argv, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_field_without_a_command_line_form_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Odd:
+        sizes: list[int] = dataclasses.field(default_factory=list, metadata={"help": "sizes"})
+
+    with pytest.raises(TypeError, match="field 'sizes': no command-line form"):
+        add_dataclass_args(argparse.ArgumentParser(), Odd)
+
+
+def test_the_command_line_loads_no_benchmark_code():
+    code = (
+        "import sys; from interlace.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith('interlace.bench')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_plan_describes_gpt3_on_eight_data_parallel_ranks(capsys):
     assert main(["plan", "--model", "gpt3-175b", "--plan", "dp=8", "--nproc", "8"]) == 0
     out = capsys.readouterr().out
@@ -329,12 +393,10 @@ def test_resuming_a_run_that_already_reached_its_steps_is_refused(capsys, run_co
 
 
 def test_svm_command_fits_a_libsvm_file(capsys):
-    from interlace.svm.benchmark import data_dir
+    from helpers import SVM_DATA
 
-    train = data_dir() / "heart_scale.tr"
-    if not train.exists():
-        pytest.skip(f"{train} is not present")
-    assert main(["svm", str(train), "--test", str(data_dir() / "heart_scale.t")]) == 0
+    train, test = SVM_DATA / "heart_scale.tr", SVM_DATA / "heart_scale.t"
+    assert main(["svm", str(train), "--test", str(test)]) == 0
     out = capsys.readouterr().out
     assert "test accuracy" in out and "non-zeros" in out
 

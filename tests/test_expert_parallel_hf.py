@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers import assert_grads_close
 from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -73,15 +74,15 @@ def _average_non_expert_grads(model: nn.Module, dp: dist.ProcessGroup, dp_size: 
             p.grad /= dp_size
 
 
-def _steps(model: nn.Module, mesh, ep_dp, steps: int) -> list[dict]:
-    """`steps` SGD steps of the expert-parallel `model` on this rank's batches: per step the
-    loss averaged over dp, every gradient (made data parallel) and the placements used."""
+def _steps(model: nn.Module, mesh, sync, steps: int, module: nn.Module | None = None) -> list:
+    """`steps` SGD steps of the expert-parallel `model` (run as `module`, default itself) on
+    this rank's batches, `sync()` making the gradients data parallel: per step the loss
+    averaged over dp, every gradient and the placements used."""
     rows = []
     for step in range(steps):
-        loss = _loss(model, _batch(step, mesh.rank("dp")))
+        loss = _loss(module or model, _batch(step, mesh.rank("dp")))
         loss.backward()
-        reduce_expert_gradients(model, ep_dp, dp_size=mesh.size("dp"))
-        _average_non_expert_grads(model, mesh.group("dp").pg, mesh.size("dp"))
+        sync()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=mesh.group("dp").pg)
         layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
@@ -121,22 +122,19 @@ def _differences(rows: list[dict], reference: list[dict]) -> dict[str, float]:
     errors = {}
     for step, (row, ref) in enumerate(zip(rows, reference, strict=True)):
         errors[f"loss {step}"] = float((row["loss"] - ref["loss"]).abs())
-        for name, grad in row["grads"].items():
-            piece = _serial_piece(ref["grads"], name)
-            assert piece.shape == grad.shape, name
-            errors[f"grad {name} {step}"] = float((grad - piece).abs().max())
+        expected = {name: _serial_piece(ref["grads"], name) for name in row["grads"]}
+        assert_grads_close(row["grads"], expected, what=f"step {step}")
     return errors
 
 
 def _dropless_vs_serial(kind: str, model: nn.Module, reference: list[dict], steps: int):
     plan = Plan(dp=2, ep=2, moe_balance="dropless")
     mesh = build_mesh(plan)
-    parallelize(model, plan, mesh)
-    _, ep_dp = model.expert_groups
-    rows = _steps(model, mesh, ep_dp, steps)
+    par = parallelize(model, plan, mesh)
+    rows = _steps(par.model, mesh, par.sync_gradients, steps, module=par.module)
     experts = sorted({m.group(2) for n in rows[0]["grads"] if (m := LOCAL_EXPERT.match(n))})
     n_params = len(rows[0]["grads"])
-    return _differences(rows, reference), experts, n_params, model.parallel_report
+    return _differences(rows, reference), experts, n_params, par.report
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
@@ -160,7 +158,12 @@ def _prophet_vs_dropless(model: nn.Module, steps: int):
     for name, balance in (("dropless", "dropless"), ("prophet", Prophet(**FAST_LINK))):
         parallel = copy.deepcopy(model)
         parallelize_experts(parallel, ep, balance)
-        runs[name] = _steps(parallel, mesh, ep_dp, steps)
+
+        def sync(parallel: nn.Module = parallel) -> None:
+            reduce_expert_gradients(parallel, ep_dp, dp_size=mesh.size("dp"))
+            _average_non_expert_grads(parallel, mesh.group("dp").pg, mesh.size("dp"))
+
+        runs[name] = _steps(parallel, mesh, sync, steps)
     return runs
 
 
@@ -171,10 +174,7 @@ def test_prophet_replicas_keep_loss_and_gradients_of_dropless_step_for_step():
         for step, (plain, balanced) in enumerate(zip(run["dropless"], run["prophet"], strict=True)):
             torch.testing.assert_close(balanced["loss"], plain["loss"], atol=ATOL, rtol=ATOL)
             assert balanced["grads"].keys() == plain["grads"].keys()
-            for name, grad in plain["grads"].items():
-                torch.testing.assert_close(
-                    balanced["grads"][name], grad, atol=ATOL, rtol=ATOL, msg=f"{rank} {name}"
-                )
+            assert_grads_close(balanced["grads"], plain["grads"], what=f"rank {rank}")
             if step == 0:
                 assert balanced["replicated"] == [(), ()]  # nothing to plan from yet
             replicated |= any(balanced["replicated"])
@@ -198,8 +198,8 @@ def _router_aux_loss(model: nn.Module) -> tuple[float, float]:
     kwargs = {"input_ids": tokens, "use_cache": False, "output_router_logits": True}
     serial = float(model(**kwargs).aux_loss)
     plan = Plan(dp=2, ep=2)
-    parallelize(model, plan, build_mesh(plan))
-    return float(model(**kwargs).aux_loss), serial
+    par = parallelize(model, plan, build_mesh(plan))
+    return float(par.module(**kwargs).aux_loss), serial
 
 
 def test_the_models_own_load_balancing_loss_is_kept_on_each_ranks_tokens():

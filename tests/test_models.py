@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from interlace.errors import ConfigError
+from interlace.loss import causal_lm_loss
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.mlp import MLP
@@ -23,12 +24,11 @@ def _tokens(config: GPTConfig, batch: int = 2, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=generator)
 
 
-def test_forward_gives_logits_batch_time_vocab_and_no_loss_without_targets():
+def test_forward_gives_logits_batch_time_vocab():
     torch.manual_seed(0)
     model = build_model(TINY)
-    logits, loss = model(_tokens(TINY, batch=3)[:, :10])
+    logits = model(_tokens(TINY, batch=3)[:, :10])
     assert logits.shape == (3, 10, TINY.vocab_size)
-    assert loss is None
 
 
 def test_changing_a_token_leaves_logits_of_earlier_positions_unchanged():
@@ -37,8 +37,7 @@ def test_changing_a_token_leaves_logits_of_earlier_positions_unchanged():
     idx = _tokens(TINY)
     changed = idx.clone()
     changed[:, 9] = (changed[:, 9] + 1) % TINY.vocab_size
-    before, _ = model(idx)
-    after, _ = model(changed)
+    before, after = model(idx), model(changed)
     torch.testing.assert_close(before[:, :9], after[:, :9], rtol=0, atol=0)
     assert not torch.allclose(before[:, 9:], after[:, 9:])
 
@@ -52,7 +51,8 @@ def test_dense_loss_equals_cross_entropy_of_the_logits_and_aux_loss_is_zero():
     torch.manual_seed(0)
     model = build_model(TINY)
     idx, targets = _tokens(TINY, seed=1), _tokens(TINY, seed=2)
-    logits, loss = model(idx, targets)
+    logits = model(idx)
+    loss = causal_lm_loss(logits, targets, model)
     log_probs = logits.log_softmax(dim=-1)
     by_hand = -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
     torch.testing.assert_close(loss, by_hand)
@@ -62,8 +62,7 @@ def test_dense_loss_equals_cross_entropy_of_the_logits_and_aux_loss_is_zero():
 def test_backward_reaches_every_parameter():
     torch.manual_seed(0)
     model = build_model(TINY)
-    _, loss = model(_tokens(TINY), _tokens(TINY, seed=1))
-    loss.backward()
+    causal_lm_loss(model(_tokens(TINY)), _tokens(TINY, seed=1), model).backward()
     missing = [name for name, p in model.named_parameters() if p.grad is None]
     assert missing == []
 
@@ -101,15 +100,22 @@ def test_gpt2_init_zero_biases_unit_layernorm_and_scaled_residual_projections():
     assert block.mlp.down.weight.std().item() == pytest.approx(residual_std, rel=0.05)
 
 
-def test_meta_model_materialised_with_to_empty_and_init_weights_is_finite_and_tied():
+def test_meta_model_materialised_with_to_empty_and_init_weights_equals_a_cpu_model():
     model = build_model("moe-tiny", device="meta")
     assert all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
+    torch.manual_seed(3)
     model.init_weights()
+    reference = build_model("moe-tiny")
+    torch.manual_seed(3)
+    reference.init_weights()  # the same draws, in the same order, on an ordinary model
     assert model.lm_head.weight is model.wte.weight
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     idx = _tokens(model.config)
-    _, loss = model(idx, idx)
-    assert torch.isfinite(loss)
+    torch.testing.assert_close(model(idx), reference(idx), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +218,8 @@ def test_moe_loss_is_cross_entropy_plus_coef_times_summed_layer_aux_losses():
     )
     model = build_model(config)
     idx, targets = _tokens(config), _tokens(config, seed=1)
-    logits, loss = model(idx, targets)
+    logits = model(idx)
+    loss = causal_lm_loss(logits, targets, model)
     aux = sum(b.mlp.aux_loss for b in model.blocks)
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + 0.5 * aux
     torch.testing.assert_close(loss, expected)

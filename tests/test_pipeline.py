@@ -6,15 +6,20 @@ import dataclasses
 import itertools
 import math
 import random
+import re
 
 import pytest
 import torch
 
+from helpers import assert_grads_close
 from interlace.errors import PlanError
+from interlace.loss import cross_entropy
 from interlace.mesh import build_mesh
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer
+from interlace.parallel.grad_norm import clip_grad_norm_
+from interlace.parallel.parallelize import parallelize
 from interlace.parallel.pipeline.layout import pipeline_layout
 from interlace.parallel.pipeline.partition import (
     balance,
@@ -30,7 +35,7 @@ from interlace.parallel.pipeline.recompute import (
     stage_aware_ratios,
 )
 from interlace.parallel.pipeline.runner import PipelineRunner
-from interlace.parallel.pipeline.schedule import check_schedule
+from interlace.parallel.pipeline.schedule_rules import check_schedule
 from interlace.parallel.pipeline.shifted import shifted_order
 from interlace.plan import Plan
 from interlace.testing import run_ranks
@@ -60,7 +65,8 @@ def _serial_grads(config, batches=((1, 1.0),)):
     model = _model(config)
     losses = []
     for seed, scale in batches:
-        _, loss = model(*_batch(config, seed))
+        x, y = _batch(config, seed)
+        loss = cross_entropy(model(x), y)
         (loss * scale).backward()
         losses.append(loss.item())
     return losses[0], {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -128,11 +134,11 @@ def test_pipeline_loss_and_every_gradient_equal_serial(plan_text, n_layers, rati
     results = run_ranks(plan.pp, _pipeline_grads, config, plan_text, ratios, timeout=60)
 
     seen = set()
-    for rank in results:
+    for i, rank in enumerate(results):
         assert rank["loss"] == pytest.approx(serial_loss, abs=1e-5)
-        for name, grad in rank["grads"].items():
-            torch.testing.assert_close(grad, serial[_serial_name(name)], atol=1e-5, rtol=0)
-            seen.add(_serial_name(name))
+        expected = {name: serial[_serial_name(name)] for name in rank["grads"]}
+        assert_grads_close(rank["grads"], expected, what=f"rank {i}")
+        seen |= {_serial_name(name) for name in rank["grads"]}
         # a checkpointed block runs its forward twice per micro-batch (forward + recompute)
         for i, count in rank["calls"].items():
             assert count == plan.micro_batches * (1 + (i in rank["checkpointed"])), (i, rank)
@@ -159,10 +165,10 @@ def test_pipeline_with_two_data_parallel_replicas_equals_serial():
     serial_loss, serial = _serial_grads(config)
     plan_text = "dp=2,pp=3,micro_batches=4,schedule=1f1b"
     results = run_ranks(6, _pipeline_grads, config, plan_text, None, timeout=60)
-    for rank in results:
+    for i, rank in enumerate(results):
         assert rank["loss"] == pytest.approx(serial_loss, abs=1e-5)
-        for name, grad in rank["grads"].items():
-            torch.testing.assert_close(grad, serial[_serial_name(name)], atol=1e-5, rtol=0)
+        expected = {name: serial[_serial_name(name)] for name in rank["grads"]}
+        assert_grads_close(rank["grads"], expected, what=f"rank {i}")
 
 
 def test_untied_head_is_an_ordinary_last_stage_parameter():
@@ -173,8 +179,7 @@ def test_untied_head_is_an_ordinary_last_stage_parameter():
     assert "lm_head.weight" in last["grads"] and "wte.weight" in first["grads"]
     for rank in (first, last):
         assert rank["loss"] == pytest.approx(serial_loss, abs=1e-5)
-        for name, grad in rank["grads"].items():
-            torch.testing.assert_close(grad, serial[name], atol=1e-5, rtol=0)
+        assert_grads_close(rank["grads"], {name: serial[name] for name in rank["grads"]})
     assert set(first["grads"]) | set(last["grads"]) == set(serial)
 
 
@@ -192,9 +197,8 @@ def _dropout_grads(config, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "shifted"])
 def test_recomputation_replays_the_same_dropout_masks(schedule):
     config = _config(4, dropout=0.2)
-    for rank in run_ranks(2, _dropout_grads, config, schedule, timeout=60):
-        for name, grad in rank["none"].items():
-            torch.testing.assert_close(rank["full"][name], grad, atol=1e-6, rtol=0)
+    for i, rank in enumerate(run_ranks(2, _dropout_grads, config, schedule, timeout=60)):
+        assert_grads_close(rank["full"], rank["none"], what=f"rank {i}")
 
 
 def _budget_ratios(config, budget, tokens):
@@ -220,34 +224,76 @@ def test_stage_aware_ratio_from_a_memory_budget():
         assert ratios == (r0, 0.0)
 
 
-def _train_two_steps(config, plan_text):
+def _trainer(config, plan, mesh, via):
+    """(module for the optimizer, step, evaluate, clip, sync) of a pipeline built directly as a
+    PipelineRunner (clipped by the one `clip_grad_norm_` with the runner's share) or by
+    `parallelize` (its `Parallelized` steps, clips and reduces over dp)."""
+    if via == "runner":
+        runner = PipelineRunner(_model(config), plan, mesh)
+
+        def clip(max_norm):
+            return clip_grad_norm_(runner.parameters(), max_norm, [runner.norm_share()])
+
+        return runner.module, runner.step, runner.evaluate, clip, lambda: None
+    par = parallelize(_model(config), plan, mesh)
+    assert par.pipeline is not None and par.model is par.pipeline.module
+    return par.model, par.forward_backward, par.evaluate, par.clip_grad_norm_, par.sync_gradients
+
+
+def _train_two_steps(config, plan_text, via):
     plan = Plan.parse(plan_text)
-    runner = PipelineRunner(_model(config), plan, build_mesh(plan))
-    eval_loss = float(runner.evaluate(*_batch(config, 1)))
-    optimizer = build_optimizer(runner.module, lr=5e-4, weight_decay=0.1)
+    mesh = build_mesh(plan)
+    dp = mesh.group("dp")
+    rows = slice(dp.rank * ROWS // dp.size, (dp.rank + 1) * ROWS // dp.size)  # this replica's
+
+    def batch(seed):
+        return tuple(t[rows] for t in _batch(config, seed))
+
+    module, step, evaluate, clip, sync = _trainer(config, plan, mesh, via)
+    eval_loss = float(evaluate(*batch(1)))
+    optimizer = build_optimizer(module, lr=5e-4, weight_decay=0.1)
     norms, losses = [], []
-    for step in range(2):
-        for k, seed in enumerate((2 * step + 1, 2 * step + 2)):  # two accumulated batches
-            loss = runner.step(*_batch(config, seed), loss_scale=0.5, sync=k == 1)
+    for i in range(2):
+        for k, seed in enumerate((2 * i + 1, 2 * i + 2)):  # two accumulated batches
+            loss = step(*batch(seed), loss_scale=0.5, sync=k == 1)
             losses.append(loss.item())
-        norms.append(float(runner.clip_grad_norm_(0.5)))
+        sync()
+        norms.append(float(clip(0.5)))
         optimizer.step()
-        runner.zero_grad()
-    state = {k: v.clone() for k, v in runner.state_dict().items()}
-    return {"eval": eval_loss, "losses": losses, "norms": norms, "state": state}
+        module.zero_grad(set_to_none=True)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    return {"dp": dp.rank, "eval": eval_loss, "losses": losses, "norms": norms, "state": state}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "shifted"])
-def test_accumulation_clipping_and_optimizer_steps_equal_serial(schedule):
+def _replica_mean(results, what, dp):
+    """`what` of each data parallel replica (equal on its pipeline ranks), averaged over them."""
+    per_replica = []
+    for d in range(dp):
+        values = [r[what] for r in results if r["dp"] == d]
+        assert all(value == pytest.approx(values[0], abs=1e-6) for value in values), (what, d)
+        per_replica.append(torch.tensor(values[0], dtype=torch.float64))
+    return torch.stack(per_replica).mean(0).tolist()
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "via"),
+    [
+        ("pp=4,micro_batches=4,schedule=1f1b,recompute=full", "runner"),
+        ("pp=4,micro_batches=4,schedule=shifted,recompute=full", "runner"),
+        ("dp=2,pp=2,micro_batches=2,schedule=1f1b,recompute=full", "parallelize"),
+    ],
+)
+def test_accumulation_clipping_and_optimizer_steps_equal_serial(plan_text, via):
     config = _config(4)
     model = _model(config)
     with torch.no_grad():
-        serial_eval = float(model(*_batch(config, 1))[1])
+        serial_eval = float(cross_entropy(model(_batch(config, 1)[0]), _batch(config, 1)[1]))
     optimizer = build_optimizer(model, lr=5e-4, weight_decay=0.1)
     norms, losses = [], []
     for step in range(2):
         for seed in (2 * step + 1, 2 * step + 2):
-            _, loss = model(*_batch(config, seed))
+            x, y = _batch(config, seed)
+            loss = cross_entropy(model(x), y)
             (0.5 * loss).backward()
             losses.append(loss.item())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
@@ -255,22 +301,26 @@ def test_accumulation_clipping_and_optimizer_steps_equal_serial(schedule):
         optimizer.zero_grad()
     assert min(norms) > 0.5  # clipping really scaled the gradients
 
-    plan_text = f"pp=4,micro_batches=4,schedule={schedule},recompute=full"
-    results = run_ranks(4, _train_two_steps, config, plan_text, timeout=60)
+    plan = Plan.parse(plan_text)
+    results = run_ranks(plan.world_size, _train_two_steps, config, plan_text, via, timeout=60)
     serial_state = model.state_dict()
     keys = [set(r["state"]) for r in results]
     assert set().union(*keys) == set(serial_state)
-    assert sum(len(k) for k in keys) == len(serial_state)  # each name on exactly one stage
+    # each name on exactly one stage of each replica
+    assert sum(len(k) for k in keys) == plan.dp * len(serial_state)
+    # a replica's loss is that of its rows: the replicas' mean is the serial batch's
+    assert _replica_mean(results, "eval", plan.dp) == pytest.approx(serial_eval, abs=1e-5)
+    assert _replica_mean(results, "losses", plan.dp) == pytest.approx(losses, abs=1e-5)
     for rank in results:
-        assert rank["eval"] == pytest.approx(serial_eval, abs=1e-5)
-        assert rank["losses"] == pytest.approx(losses, abs=1e-5)
         assert rank["norms"] == pytest.approx(norms, abs=1e-5)
         for name, value in rank["state"].items():
             torch.testing.assert_close(value, serial_state[name], atol=1e-5, rtol=0)
-    # the two copies of the tied embedding stayed identical
-    torch.testing.assert_close(
-        results[0]["state"]["wte.weight"], results[-1]["state"]["lm_head.weight"], atol=0, rtol=0
-    )
+    # the copies of the tied embedding (both ends of every replica) stayed identical
+    ends = [r["state"] for r in results if {"wte.weight", "lm_head.weight"} & set(r["state"])]
+    copies = [state.get("wte.weight", state.get("lm_head.weight")) for state in ends]
+    assert len(copies) == 2 * plan.dp
+    for copy in copies:
+        torch.testing.assert_close(copy, copies[0], atol=0, rtol=0)
 
 
 def _bad_batch(config):
@@ -288,14 +338,31 @@ def test_batch_not_divisible_by_micro_batches_is_refused_before_any_work():
     assert all(m is not None and "micro_batches=3" in m for m in messages)
 
 
-def test_runner_refuses_moe_3d_tensor_parallel_and_an_unsplit_model_before_building():
+def _refusals():
+    """The runner's error for each unsupported model or plan (None: it built), on 4 ranks."""
     moe = build_model(dataclasses.replace(get_preset("moe-tiny"), n_layers=4))
-    with pytest.raises(PlanError, match="Mixture-of-Experts"):
-        PipelineRunner(moe, Plan(pp=2, micro_batches=2), mesh=None)
-    with pytest.raises(PlanError, match="1D tensor parallelism only"):
-        PipelineRunner(_model(_config(4)), Plan(pp=2, tp3d=(2, 1, 1), micro_batches=2), None)
-    with pytest.raises(PlanError, match=r"interlace\.parallelize"):
-        PipelineRunner(_model(_config(4)), Plan(pp=2, tp=2, micro_batches=2), mesh=None)
+    cases = [
+        (moe, "dp=2,pp=2,micro_batches=2"),
+        (_model(_config(4)), "pp=2,tp3d=2x1x1,micro_batches=2"),
+        (_model(_config(4)), "pp=2,tp=2,micro_batches=2"),
+    ]
+    messages = []
+    for model, plan_text in cases:
+        plan = Plan.parse(plan_text)
+        try:
+            PipelineRunner(model, plan, build_mesh(plan))
+        except PlanError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append(None)
+    return messages
+
+
+def test_runner_refuses_moe_3d_tensor_parallel_and_an_unsplit_model_before_building():
+    for moe, tp3d, unsplit in run_ranks(4, _refusals, timeout=60):
+        assert moe is not None and "Mixture-of-Experts" in moe
+        assert tp3d is not None and re.search(r"tp3d=2x1x1 with pp=2 is not implemented", tp3d)
+        assert unsplit is not None and re.search(r"interlace\.parallelize", unsplit)
 
 
 # --------------------------------------------------------------------------- schedules

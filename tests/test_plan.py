@@ -117,7 +117,7 @@ def test_invalid_values_are_rejected(plan, words):
         (Plan(pp=2, dp=2, ep=2), "pp=2 combined with expert parallelism"),
         (Plan(pp=2, tp3d=(2, 1, 1)), "tp3d=2x1x1 with pp=2"),
         (Plan(tp3d=(2, 1, 1), sequence_parallel=True), "tp3d=2x1x1 with sequence_parallel"),
-        (Plan(dp=2, ep=2, tp=2), "ep=2 combined with tensor parallelism"),
+        (Plan(dp=2, ep=2, tp=2), "ep=2 combined with tp=2 is not implemented yet"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):
@@ -136,13 +136,13 @@ def test_spec_checks_against_tensor_degree():
     with pytest.raises(
         PlanError, match=r"n_heads=6 is not divisible by the tensor parallel degree 4"
     ):
-        Plan(tp=4)._check_spec(spec(d_model=96, n_heads=6))
+        Plan(tp=4).check_model(spec(d_model=96, n_heads=6))
     with pytest.raises(PlanError, match=r"vocab_size=250 is not divisible"):
-        Plan(tp=4)._check_spec(spec(vocab_size=250))
+        Plan(tp=4).check_model(spec(vocab_size=250))
     with pytest.raises(PlanError, match=r"pp=4 exceeds n_layers=2"):
-        Plan(pp=4)._check_spec(spec())
+        Plan(pp=4).check_model(spec())
     with pytest.raises(PlanError, match=r"n_experts=6 is not divisible by ep=4"):
-        Plan(dp=4, ep=4)._check_spec(spec(n_experts=6))
+        Plan(dp=4, ep=4).check_model(spec(n_experts=6))
 
 
 def test_valid_plan_returns_itself():

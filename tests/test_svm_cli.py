@@ -7,21 +7,18 @@ import shutil
 import numpy as np
 import pytest
 
+from helpers import SVM_DATA
 from interlace.errors import ConfigError, DataError
 from interlace.svm import NonconvexSVC
-from interlace.svm.benchmark import data_dir
 from interlace.svm.cli import add_svm_args, run_svm
 from interlace.svm.io import load_libsvm
 
 
 @pytest.fixture
 def heart(tmp_path):
-    """Copies of heart_scale.tr / .t in a temporary folder."""
+    """Copies of heart_scale.tr / .t (shipped with the tests) in a temporary folder."""
     for name in ("heart_scale.tr", "heart_scale.t"):
-        source = data_dir() / name
-        if not source.is_file():
-            pytest.skip(f"{source} not found (set INTERLACE_SVM_DATA)")
-        shutil.copy(source, tmp_path / name)
+        shutil.copy(SVM_DATA / name, tmp_path / name)
     return tmp_path / "heart_scale.tr", tmp_path / "heart_scale.t"
 
 

@@ -1,6 +1,7 @@
 """Consensus ADMM on 2 and 4 gloo ranks solves the same problem as the single-process solver."""
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import scipy.sparse as sp
 from sklearn.exceptions import ConvergenceWarning
 
 from interlace import comm
-from interlace.svm import admm
+from interlace.svm import SVMSettings, admm
 from interlace.svm.consensus import fit_consensus, world_group
 from interlace.svm.penalties import DEFAULT_THETA
 from interlace.testing import RankFailed, run_ranks
@@ -33,13 +34,13 @@ def _rank_fit(X, y, settings, sparse=False):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            result = fit_consensus(X_local, y[rows], group, **settings)
+            result = fit_consensus(X_local, y[rows], group, settings)
     finally:
         comm.meter = saved
     return result, meter.snapshot()
 
 
-SETTINGS = dict(lam=0.05, tol=0.0, max_iter=600)
+SETTINGS = SVMSettings(lam=0.05, tol=0.0, max_iter=600)
 
 
 @pytest.mark.parametrize(("world_size", "penalty"), [(2, "scad"), (2, "lsp"), (4, "mcp")])
@@ -47,8 +48,8 @@ def test_consensus_matches_single_process(world_size, penalty):
     X, y = _noisy_data()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        reference = admm.solve(X, y, penalty=penalty, lam=0.05, tol=0.0, max_iter=3000)
-    results = run_ranks(world_size, _rank_fit, X, y, dict(SETTINGS, penalty=penalty))
+        reference = admm.solve(X, y, replace(SETTINGS, penalty=penalty, max_iter=3000))
+    results = run_ranks(world_size, _rank_fit, X, y, replace(SETTINGS, penalty=penalty))
     (coef, intercept, n_iter), snapshot = results[0]
     for other, _ in results[1:]:  # every rank holds the same model
         np.testing.assert_array_equal(other.coef, coef)
@@ -66,7 +67,7 @@ def test_consensus_matches_single_process(world_size, penalty):
 
 def test_sparse_local_rows_give_the_dense_result():
     X, y = _noisy_data(n=200)
-    settings = dict(penalty="mcp", lam=0.05, max_iter=200)
+    settings = SVMSettings(penalty="mcp", lam=0.05, max_iter=200)
     dense = run_ranks(2, _rank_fit, X, y, settings)[0][0]
     sparse = run_ranks(2, _rank_fit, X, y, settings, sparse=True)[0][0]
     np.testing.assert_allclose(sparse.coef, dense.coef, atol=1e-10)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from helpers import assert_grads_close
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -54,9 +55,9 @@ def _traced_steps(model: nn.Module, ref: dict, tp3d: tuple, prefetch: bool, reco
     mesh = build_mesh(plan)
     par = parallelize(copy.deepcopy(model), plan, mesh)
     if recompute:
-        _checkpoint_blocks(par)
+        _checkpoint_blocks(par.model)
     at = {a: (mesh.rank(f"tp_{a}"), mesh.size(f"tp_{a}")) for a in "xyz"}
-    linears = {n: m for n, m in par.named_modules() if isinstance(m, Linear3D)}
+    linears = {n: m for n, m in par.model.named_modules() if isinstance(m, Linear3D)}
     owner = {m.weight.data_ptr(): n for n, m in linears.items()}
     events: list[tuple] = []
     for name, layer in linears.items():
@@ -71,7 +72,7 @@ def _traced_steps(model: nn.Module, ref: dict, tp3d: tuple, prefetch: bool, reco
             events.append(("gather", owner[shard.data_ptr()], in_backward(), async_op))
         return real(output, shard, group, async_op=async_op, meter=meter)
 
-    opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(par.model.parameters(), lr=0.1, momentum=0.9)
     steps: list[dict] = []
     with mock.patch.object(comm, "all_gather", logged):
         for step in range(len(ref["losses"]) + 1):
@@ -80,17 +81,15 @@ def _traced_steps(model: nn.Module, ref: dict, tp3d: tuple, prefetch: bool, reco
             tokens = _batch(step)
             errors = {}
             if step < len(ref["losses"]):
-                loss = par(tokens[:, :-1], tokens[:, 1:])[1]
-                loss.backward()
-                errors["loss"] = (loss.detach() - ref["losses"][step]).abs().item()
-                for name, p in par.named_parameters():
-                    expected = _expected_piece(name, ref["grads"][step][name], at)
-                    errors[name] = (p.grad - expected).abs().max().item()
+                loss = par.forward_backward(tokens[:, :-1], tokens[:, 1:])
+                errors["loss"] = (loss - ref["losses"][step]).abs().item()
+                grads = {name: p.grad for name, p in par.model.named_parameters()}
+                expected = {n: _expected_piece(n, ref["grads"][step][n], at) for n in grads}
+                assert_grads_close(grads, expected, what=f"rank {at} step {step}")
                 opt.step()
                 opt.zero_grad()
             else:
-                with torch.no_grad():
-                    par(tokens[:, :-1], tokens[:, 1:])
+                par.evaluate(tokens[:, :-1], tokens[:, 1:])
             meter = {
                 (g, op): (v["calls"], v["wire_bytes"])
                 for g, ops in comm.meter.snapshot().items()

@@ -15,15 +15,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from helpers import assert_grads_close
 from hf_models import needs_hf, tiny_hf_model
 from interlace import comm
 from interlace.errors import PlanError
+from interlace.loss import causal_lm_loss
 from interlace.mesh import build_mesh
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
-from interlace.parallel.parallelize import parallelize
-from interlace.parallel.tensor import comm as tp_comm
+from interlace.parallel.parallelize import Parallelized, parallelize
+from interlace.parallel.tensor import reduction as tp_reduction
 from interlace.parallel.tensor.interleave import run_interleaved
 from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.parallel.tensor.shard import shard_of, shard_spec
@@ -41,10 +43,23 @@ def _build(kind: str) -> nn.Module:
     return tiny_hf_model(kind, D, LAYERS, VOCAB, positions=64)
 
 
-def _loss(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _loss(
+    kind: str, model: nn.Module, tokens: torch.Tensor, par: Parallelized | None = None
+) -> torch.Tensor:
+    """The serial model's loss of one batch, or (`par`) the split one's: the built-in GPT's
+    logits (this rank's vocabulary slice) scored by the plan's loss; a Hugging Face model's by
+    its own `labels` loss, on logits its split head gathers (`_gathers_logits`)."""
+    x, y = tokens[:, :-1], tokens[:, 1:]
     if kind == "gpt":
-        return model(tokens[:, :-1], tokens[:, 1:])[1]
-    return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1], use_cache=False).loss
+        return causal_lm_loss(model(x), y, model) if par is None else par.loss(par.module(x), y)
+    module = model if par is None else par.module
+    return module(input_ids=x, labels=x, use_cache=False).loss
+
+
+def _gathers_logits(kind: str) -> bool:
+    """Hugging Face models score full logits with their own loss; the built-in GPT's vocabulary
+    slices go to the plan's vocabulary-parallel loss."""
+    return kind != "gpt"
 
 
 def _tokens() -> torch.Tensor:
@@ -64,11 +79,11 @@ def _parallel_step(model: nn.Module, kind: str, tp: int, k: int) -> tuple[torch.
     structure = find_structure(model)
     plan = Plan(tp=tp)
     mesh = build_mesh(plan)
-    parallelize(model, plan, mesh)
+    par = parallelize(model, plan, mesh, gather_logits=_gathers_logits(kind))
     report = apply_tp_overlap(model, structure, k)
     assert (len(report) == 1) == (k > 1), report
     comm.meter.reset()
-    loss = _loss(kind, model, _tokens())
+    loss = _loss(kind, model, _tokens(), par)
     loss.backward()
     return loss.detach(), comm.meter.snapshot()["tp"]["all_reduce"]
 
@@ -79,11 +94,12 @@ def _compare(model: nn.Module, loss_ref, grads_ref, kind: str, tp: int, k: int) 
     _, plain_reduced = _parallel_step(plain, kind, tp, 1)
     group = build_mesh(Plan(tp=tp)).group("tp")
     errors = {"loss": (loss - loss_ref).abs().item()}
+    grads, expected = {}, {}
     for name, p in model.named_parameters():
-        spec = shard_spec(p)
-        ref = grads_ref[name]
-        ref = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
-        errors[f"grad {name}"] = (p.grad - ref).abs().max().item()
+        spec, ref = shard_spec(p), grads_ref[name]
+        grads[name] = p.grad
+        expected[name] = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
+    assert_grads_close(grads, expected, what=f"tp rank {group.rank}")
     return {"errors": errors, "reduced": reduced, "plain": plain_reduced}
 
 
@@ -115,9 +131,9 @@ def test_interleaved_calls_take_turns_at_each_reduction():
 
     def call(i: int) -> int:
         log.append(f"attn {i}")
-        tp_comm._yield_point.switch()  # what reduce_from_tp does after issuing its all-reduce
+        tp_reduction._yield_point.switch()  # what reduce_from_tp does after issuing its all-reduce
         log.append(f"mlp {i}")
-        tp_comm._yield_point.switch()
+        tp_reduction._yield_point.switch()
         log.append(f"done {i}")
         return i
 
@@ -130,8 +146,8 @@ def test_interleaved_calls_take_turns_at_each_reduction():
 def _backward_reductions(model: nn.Module, tp: int, k: int) -> list[tuple[bool, int]]:
     """(issued async?, rows) of every tp all-reduce during the backward of one step."""
     plan = Plan(tp=tp, overlap=Overlap(tp_subbatches=k))
-    parallelize(model, plan, build_mesh(plan))
-    loss = _loss("gpt", model, _tokens())
+    par = parallelize(model, plan, build_mesh(plan))
+    loss = _loss("gpt", model, _tokens(), par)
     log: list[tuple[bool, int]] = []
     issue = comm.all_reduce
 
@@ -166,8 +182,19 @@ def test_refuses_sequence_parallel_and_moe():
         apply_tp_overlap(moe, find_structure(moe), 2)
 
 
-def _through_parallelize(model: nn.Module, plan: Plan) -> list[str]:
-    return parallelize(model, plan, build_mesh(plan)).parallel_report
+def _through_parallelize(model: nn.Module, loss_ref, grads_ref, plan: Plan) -> dict:
+    """The report and the errors against serial of one step of `plan` applied by parallelize."""
+    par = parallelize(model, plan, build_mesh(plan))
+    group = build_mesh(plan).group("tp")
+    loss = _loss("gpt", model, _tokens(), par)
+    loss.backward()
+    grads, expected = {}, {}
+    for name, p in par.model.named_parameters():
+        spec, ref = shard_spec(p), grads_ref[name]
+        grads[name] = p.grad
+        expected[name] = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
+    assert_grads_close(grads, expected, what=f"tp rank {group.rank}")
+    return {"report": par.report, "loss": (loss.detach() - loss_ref).abs().item()}
 
 
 def _refusal(plan: Plan) -> str:
@@ -178,13 +205,19 @@ def _refusal(plan: Plan) -> str:
 
 def test_parallelize_refuses_tp_subbatches_without_tp():
     message = run_ranks(1, _refusal, Plan(overlap=Overlap(tp_subbatches=2)))[0]
-    assert "use it with tp > 1" in message
+    assert message == (
+        "tp_subbatches=2 overlaps 1D tensor parallel all-reduces: it needs tp > 1 and no "
+        "sequence_parallel"
+    )
 
 
 def test_parallelize_applies_tp_subbatches():
     plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2))
-    report = run_ranks(2, _through_parallelize, _build("gpt"), plan)[0]
-    assert any(line.startswith("overlapped tensor parallel: 2 modules") for line in report)
+    model, loss, grads = _serial("gpt")
+    for rank, result in enumerate(run_ranks(2, _through_parallelize, model, loss, grads, plan)):
+        assert result["loss"] <= ATOL, f"rank {rank}: loss differs from serial by {result['loss']}"
+        report = result["report"]
+        assert any(line.startswith("overlapped tensor parallel: 2 modules") for line in report)
 
 
 def _bench_rank(options: dict) -> dict:
@@ -242,22 +275,24 @@ def _checkpointed_step(model: nn.Module, loss_ref, grads_ref, k: int) -> dict:
     structure = find_structure(model)
     plan = Plan(tp=2)
     group = build_mesh(plan).group("tp")
-    parallelize(model, plan, build_mesh(plan))
+    par = parallelize(model, plan, build_mesh(plan))
     apply_tp_overlap(model, structure, k)
     calls = []
     for block in model.blocks:  # checkpointed as pipeline stages do
         block.attn.register_forward_pre_hook(lambda *_: calls.append(1))
         block.forward = lambda x, run=block.forward: checkpoint(
-            run, x, use_reentrant=False, context_fn=tp_comm.ReductionReplay.contexts
+            run, x, use_reentrant=False, context_fn=tp_reduction.ReductionReplay.contexts
         )
     comm.meter.reset()
-    loss = _loss("gpt", model, _tokens())
+    loss = _loss("gpt", model, _tokens(), par)
     loss.backward()
     errors = {"loss": (loss.detach() - loss_ref).abs().item()}
+    grads, expected = {}, {}
     for name, p in model.named_parameters():
         spec, ref = shard_spec(p), grads_ref[name]
-        ref = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
-        errors[name] = (p.grad - ref).abs().max().item()
+        grads[name] = p.grad
+        expected[name] = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
+    assert_grads_close(grads, expected, what=f"tp rank {group.rank}")
     return {"errors": errors, "calls": len(calls), "reduced": comm.meter.snapshot()["tp"]}
 
 
@@ -281,15 +316,15 @@ def _dropout_step(model: nn.Module, checkpointed: bool) -> dict[str, torch.Tenso
     checkpointed or not, from the same random seed."""
     structure = find_structure(model)
     plan = Plan(tp=2)
-    parallelize(model, plan, build_mesh(plan))
+    par = parallelize(model, plan, build_mesh(plan))
     apply_tp_overlap(model, structure, 2)
     if checkpointed:
         for block in model.blocks:
             block.forward = lambda x, run=block.forward: checkpoint(
-                run, x, use_reentrant=False, context_fn=tp_comm.ReductionReplay.contexts
+                run, x, use_reentrant=False, context_fn=tp_reduction.ReductionReplay.contexts
             )
     torch.manual_seed(5)
-    loss = _loss("gpt", model.train(), _tokens())
+    loss = _loss("gpt", model.train(), _tokens(), par)
     loss.backward()
     return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
 

@@ -14,19 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from helpers import assert_grads_close
 from hf_models import needs_hf, tiny_hf_model, transformers
 from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
+from interlace.loss import causal_lm_loss
 from interlace.mesh import build_mesh
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import CausalSelfAttention, build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
 from interlace.parallel.grad_norm import grad_norm
-from interlace.parallel.parallelize import parallelize
+from interlace.parallel.parallelize import Parallelized, parallelize
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
-from interlace.parallel.tensor.shard import gather_full, shard_of, shard_spec
+from interlace.parallel.tensor.shard import gather_full, shard_of, shard_spec, tensor_norm_share
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 
@@ -94,13 +96,27 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(step))
 
 
-def _loss(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _gathers_logits(kind: str) -> bool:
+    """Whether the split LM head all-gathers full logits: for the models scored by a loss of
+    their own (the custom model's, Hugging Face's from `labels`); the built-in GPT's are scored
+    by the plan's vocabulary-parallel loss."""
+    return kind not in ("gpt", "moe")
+
+
+def _loss(
+    kind: str, model: nn.Module, tokens: torch.Tensor, par: Parallelized | None = None
+) -> torch.Tensor:
+    """The serial model's loss of one batch, or (`par`) the split one's, as a loop computes it."""
+    x, y = tokens[:, :-1], tokens[:, 1:]
     if kind in ("gpt", "moe"):
-        return model(tokens[:, :-1], tokens[:, 1:])[1]
+        if par is None:
+            return causal_lm_loss(model(x), y, model)
+        return par.loss(par.module(x), y)
+    if par is not None:
+        model = par.module
     if kind == "odd":
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1], use_cache=False).loss
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return model(input_ids=x, labels=x, use_cache=False).loss
 
 
 # ----------------------------------------------------------------------------- parallel = serial
@@ -144,28 +160,30 @@ def _compare_with_serial(model: nn.Module, ref: dict, kind: str, tp: int, sp: bo
     plan = Plan(tp=tp)
     mesh = build_mesh(plan)
     group = mesh.group("tp")
-    par = parallelize(model, plan, mesh, sequence_parallel=sp)
-    assert set(ref["params"]) == {n for n, _ in par.named_parameters()}
-    opt = _optimizer(par)
+    par = parallelize(model, plan, mesh, sequence_parallel=sp, gather_logits=_gathers_logits(kind))
+    assert set(ref["params"]) == {n for n, _ in par.model.named_parameters()}
+    opt = _optimizer(par.model)
     errors: dict[str, float] = {}
     for step, serial_loss in enumerate(ref["losses"]):
-        loss = _loss(kind, par, _batch(step))
+        loss = _loss(kind, par.model, _batch(step), par)
         loss.backward()
         errors[f"loss at step {step}"] = (loss - serial_loss).abs().item()
         if step == 0:
-            for name, p in par.named_parameters():
-                serial_grad = _piece(ref["grads"][name], p, group)
-                errors[f"grad {name}"] = (p.grad - serial_grad).abs().max().item()
-            errors["grad norm"] = (grad_norm(par.parameters(), group) - ref["norm"]).abs().item()
+            params = dict(par.model.named_parameters())
+            expected = {name: _piece(ref["grads"][name], p, group) for name, p in params.items()}
+            grads = {name: p.grad for name, p in params.items()}
+            assert_grads_close(grads, expected, what=f"tp rank {group.rank}")
+            norm = grad_norm(par.model.parameters(), [tensor_norm_share(group)])
+            errors["grad norm"] = (norm - ref["norm"]).abs().item()
         opt.step()
         opt.zero_grad()
-    for name, p in par.named_parameters():
+    for name, p in par.model.named_parameters():
         full = ref["params"][name]
         errors[f"param {name}"] = (p.detach() - _piece(full, p, group)).abs().max().item()
         if (spec := shard_spec(p)) is not None:
             errors[f"gathered {name}"] = (gather_full(p, spec, group) - full).abs().max().item()
-    n_sharded = sum(shard_spec(p) is not None for p in par.parameters())
-    return {"errors": errors, "sharded": n_sharded, "report": par.parallel_report}
+    n_sharded = sum(shard_spec(p) is not None for p in par.model.parameters())
+    return {"errors": errors, "sharded": n_sharded, "report": par.report}
 
 
 def _run_and_compare(kind: str, tp: int, sp: bool) -> list[dict]:
@@ -219,22 +237,52 @@ def test_unknown_structure_is_reported_replicated_and_model_matches_serial():
     assert mixer[0] in results[0]["report"]
 
 
-def _local_logits(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if kind in ("gpt", "moe", "odd"):
+        return model(x)
+    return model(input_ids=x, use_cache=False).logits
+
+
+def _head_output(
+    model: nn.Module, kind: str, tokens: torch.Tensor, gather: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tp=2: this rank's logits and the plan's loss of them."""
     plan = Plan(tp=2)
-    mesh = build_mesh(plan)
-    logits, loss = parallelize(model, plan, mesh)(tokens[:, :-1], tokens[:, 1:])
-    return logits.detach(), loss.detach()
+    par = parallelize(model, plan, build_mesh(plan), gather_logits=gather)
+    logits = _logits(kind, par.module, tokens[:, :-1])
+    return logits.detach(), par.loss(logits, tokens[:, 1:]).detach()
+
+
+def _assert_head_output(kind: str, gather: bool) -> None:
+    """Each rank's logits are its vocabulary slice of the serial logits (all of them when
+    gathering), and the plan's loss of them is the serial loss."""
+    model = _build(kind)
+    tokens = _batch(0)
+    serial_logits = _logits(kind, model, tokens[:, :-1]).detach()
+    serial_loss = causal_lm_loss(serial_logits, tokens[:, 1:], model).detach()
+    for rank, (logits, loss) in enumerate(run_ranks(2, _head_output, model, kind, tokens, gather)):
+        half = VOCAB // 2
+        expected = serial_logits if gather else serial_logits[..., rank * half : (rank + 1) * half]
+        torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+        torch.testing.assert_close(loss, serial_loss, rtol=0, atol=ATOL)
 
 
 def test_builtin_gpt_returns_its_vocab_shard_of_the_logits_and_the_full_loss():
-    model = _build("gpt")
-    tokens = _batch(0)
-    serial_logits, serial_loss = model(tokens[:, :-1], tokens[:, 1:])
-    for rank, (logits, loss) in enumerate(run_ranks(2, _local_logits, model, tokens)):
-        half = VOCAB // 2
-        expected = serial_logits[..., rank * half : (rank + 1) * half]
-        torch.testing.assert_close(logits, expected.detach(), rtol=0, atol=ATOL)
-        torch.testing.assert_close(loss, serial_loss.detach(), rtol=0, atol=ATOL)
+    _assert_head_output("gpt", gather=False)
+
+
+@pytest.mark.parametrize(
+    ("kind", "gather"),
+    [
+        ("gpt", True),
+        ("odd", False),
+        ("odd", True),
+        pytest.param("gpt2", False, marks=needs_hf),
+        pytest.param("gpt2", True, marks=needs_hf),
+    ],
+)
+def test_every_split_head_returns_its_vocab_shard_unless_it_gathers_the_logits(kind, gather):
+    _assert_head_output(kind, gather)
 
 
 def _data_and_tensor_parallel(model: nn.Module, ref: dict) -> dict:
@@ -242,15 +290,18 @@ def _data_and_tensor_parallel(model: nn.Module, ref: dict) -> dict:
     mesh = build_mesh(plan)
     tp, dp = mesh.group("tp"), mesh.group("dp")
     par = parallelize(model, plan, mesh)
-    ddp = DistributedDataParallel(par, process_group=dp.pg)
-    ddp.register_comm_hook(dp, comm.ddp_allreduce_hook)
+    assert isinstance(par.module, DistributedDataParallel)  # gradients averaged in backward
     mine = _batch(0)[dp.rank : dp.rank + 1]  # each data parallel rank: one of the B rows
-    ddp(mine[:, :-1], mine[:, 1:])[1].backward()
-    errors = {
-        name: (p.grad - _piece(ref["grads"][name], p, tp)).abs().max().item()
-        for name, p in par.named_parameters()
-    }
-    errors["grad norm"] = (grad_norm(par.parameters(), tp) - ref["norm"]).abs().item()
+    comm.meter.reset()
+    par.loss(par.module(mine[:, :-1]), mine[:, 1:]).backward()
+    par.sync_gradients()
+    assert comm.meter.snapshot()["dp"]["all_reduce"]["calls"] > 0
+    params = dict(par.model.named_parameters())
+    expected = {name: _piece(ref["grads"][name], p, tp) for name, p in params.items()}
+    grads = {name: p.grad for name, p in params.items()}
+    assert_grads_close(grads, expected, what=f"dp rank {dp.rank}, tp rank {tp.rank}")
+    errors = {}
+    errors["grad norm"] = (par.clip_grad_norm_(float("inf")) - ref["norm"]).abs().item()
     return errors
 
 
@@ -264,7 +315,8 @@ def test_data_parallel_over_tensor_parallel_equals_serial():
 def _untouched_at_tp1(model: nn.Module) -> tuple[list[str], int]:
     plan = Plan()
     out = parallelize(model, plan, build_mesh(plan))
-    return out.parallel_report, sum(shard_spec(p) is not None for p in out.parameters())
+    assert out.module is out.model is model
+    return out.report, sum(shard_spec(p) is not None for p in out.model.parameters())
 
 
 def test_tp1_leaves_the_model_as_it_is():
@@ -277,9 +329,9 @@ def test_tp1_leaves_the_model_as_it_is():
 def _measure(model: nn.Module, kind: str, tp: int, sp: bool) -> tuple[dict, dict]:
     plan = Plan(tp=tp)
     mesh = build_mesh(plan)
-    model = parallelize(model, plan, mesh, sequence_parallel=sp)
+    par = parallelize(model, plan, mesh, sequence_parallel=sp, gather_logits=_gathers_logits(kind))
     comm.meter.reset()
-    loss = _loss(kind, model, _batch(0))
+    loss = _loss(kind, par.model, _batch(0), par)
     forward = comm.meter.snapshot()
     comm.meter.reset()
     loss.backward()
@@ -372,16 +424,17 @@ def _gpt(**sizes) -> nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("model", "message"),
+    ("model", "size", "fitting"),
     [
-        (lambda: _gpt(d_model=64, n_heads=4), "the model: d_model=64"),
-        (lambda: _gpt(vocab_size=256), "wte: vocab_size=256"),
-        (lambda: _gpt(n_heads=4), "blocks.0.attn: n_heads=4"),
-        (lambda: _gpt(d_ff=100), "blocks.0.mlp: ffn_dim=100"),
+        (lambda: _gpt(d_model=64, n_heads=4), "the model's d_model=64", [1, 2, 4, 8, 16, 32, 64]),
+        (lambda: _gpt(vocab_size=256), "wte: vocab_size=256", [1, 2, 4, 8, 16, 32, 64, 128]),
+        (lambda: _gpt(n_heads=4), "blocks.0.attn: n_heads=4", [1, 2, 4]),
+        (lambda: _gpt(d_ff=100), "blocks.0.mlp: ffn_dim=100", [1, 2, 4, 5, 10, 20, 25, 50]),
     ],
 )
-def test_sizes_not_divisible_by_tp_raise_plan_error_naming_them(model, message):
-    with pytest.raises(PlanError, match=re.escape(message) + ".*tp=3"):
+def test_sizes_not_divisible_by_tp_raise_plan_error_naming_them(model, size, fitting):
+    message = f"{size} is not divisible by the tensor parallel degree 3; use a degree in {fitting}"
+    with pytest.raises(PlanError, match=re.escape(message)):
         check_divisible(find_structure(model()), 3)
 
 

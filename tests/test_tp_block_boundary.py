@@ -14,15 +14,17 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_grads_close
 from interlace.errors import PlanError
+from interlace.loss import causal_lm_loss
 from interlace.mesh import build_mesh
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
-from interlace.parallel.parallelize import parallelize
-from interlace.parallel.tensor import comm as tp_comm
+from interlace.parallel.parallelize import Parallelized, parallelize
 from interlace.parallel.tensor import interleave as tp_interleave
 from interlace.parallel.tensor import overlap
+from interlace.parallel.tensor import reduction as tp_reduction
 from interlace.parallel.tensor.shard import shard_of, shard_spec
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
@@ -45,26 +47,35 @@ def _serial() -> tuple[nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
     model = _model()
     initial = copy.deepcopy(model)
     tokens = _tokens()
-    loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+    loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:], model)
     loss.backward()
     return initial, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _split(model: nn.Module, k: int) -> nn.Module:
+def _split(model: nn.Module, k: int) -> Parallelized:
     structure = find_structure(model)
     plan = Plan(tp=2)
-    parallelize(model, plan, build_mesh(plan))
-    overlap.apply_tp_overlap(model, structure, k)
-    return model
+    par = parallelize(model, plan, build_mesh(plan))
+    overlap.apply_tp_overlap(par.model, structure, k)
+    return par
+
+
+def _parallel_loss(par: Parallelized) -> torch.Tensor:
+    """The split model's loss of the batch: its logits (this rank's vocabulary slice) scored by
+    the plan's vocabulary-parallel loss."""
+    tokens = _tokens()
+    return par.loss(par.module(tokens[:, :-1]), tokens[:, 1:])
 
 
 def _errors(model: nn.Module, loss, loss_ref, grads_ref) -> dict[str, float]:
     group = build_mesh(Plan(tp=2)).group("tp")
     errors = {"loss": (loss.detach() - loss_ref).abs().item()}
+    grads, expected = {}, {}
     for name, p in model.named_parameters():
         spec, ref = shard_spec(p), grads_ref[name]
-        ref = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
-        errors[name] = (p.grad - ref).abs().max().item()
+        grads[name] = p.grad
+        expected[name] = ref if spec is None else shard_of(ref, spec, group.rank, group.size)
+    assert_grads_close(grads, expected, what=f"tp rank {group.rank}")
     return errors
 
 
@@ -82,7 +93,8 @@ def _counted(counts: dict[str, int]) -> None:
 
 
 def _step(model: nn.Module, loss_ref, grads_ref, k: int) -> dict:
-    model = _split(model, k)
+    par = _split(model, k)
+    model = par.model
     counts = {"adopted": 0, "parked": 0}
     _counted(counts)
     log: list[tuple[str, str]] = []
@@ -93,8 +105,7 @@ def _step(model: nn.Module, loss_ref, grads_ref, k: int) -> dict:
         block.mlp.register_forward_hook(
             lambda *_, i=i: log.append((f"mlp{i} done", threading.current_thread().name))
         )
-    tokens = _tokens()
-    loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+    loss = _parallel_loss(par)
     loss.backward()
     return {"errors": _errors(model, loss, loss_ref, grads_ref), "counts": counts, "log": log}
 
@@ -119,18 +130,18 @@ def test_each_layer_leaves_its_last_reduction_to_the_next_and_equals_serial(k):
 
 
 def _inference(model: nn.Module, k: int) -> dict:
-    model = _split(model, k)
+    par = _split(model, k)
     counts = {"adopted": 0, "parked": 0}
     _counted(counts)
     with torch.no_grad():
-        logits = model(_tokens()[:, :-1])[0]  # this rank's vocabulary slice
+        logits = par.module(_tokens()[:, :-1])  # this rank's vocabulary slice
     return {"logits": logits, "counts": counts}
 
 
 def test_inference_without_autograd_defers_and_equals_serial():
     model = _model()
     with torch.no_grad():
-        expected = model(_tokens()[:, :-1])[0]
+        expected = model(_tokens()[:, :-1])
     for rank, out in enumerate(run_ranks(2, _inference, copy.deepcopy(model), 2)):
         assert out["counts"] == {"parked": len(model.blocks), "adopted": len(model.blocks) - 1}
         width = out["logits"].shape[-1]
@@ -138,10 +149,14 @@ def test_inference_without_autograd_defers_and_equals_serial():
         torch.testing.assert_close(out["logits"], local, atol=ATOL, rtol=0)
 
 
+def _block_input() -> torch.Tensor:
+    return torch.randn(B, T, get_preset("tiny").d_model, generator=torch.Generator().manual_seed(1))
+
+
 def _other_uses(model: nn.Module, k: int) -> dict:
     """Layers called by hand inside a deferral scope, the output used in between."""
-    model = _split(model, k)
-    x = torch.randn(B, T, model.config.d_model, generator=torch.Generator().manual_seed(1))
+    model = _split(model, k).model
+    x = _block_input()
     out: dict = {}
     with torch.no_grad(), tp_interleave.deferral_scope():
         y = model.blocks[0](x)
@@ -152,31 +167,26 @@ def _other_uses(model: nn.Module, k: int) -> dict:
         out["after_op"] = getattr(tp_interleave._state, "pending", None) is not None
         out["next"] = model.blocks[1](y)
     out["left_scope"] = getattr(tp_interleave._state, "pending", None) is not None
-    with torch.no_grad():
-        out["reference_first"] = _unsplit_block(model.blocks[0], x)
+    out["next"] = out["next"].as_subclass(torch.Tensor)  # finished when the scope was left
     return out
 
 
-def _unsplit_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The block on the whole batch, as plain TP (k = 1)."""
-    saved = block._interlace_tp_subbatches
-    block._interlace_tp_subbatches = 1
-    try:
-        return block(x)
-    finally:
-        block._interlace_tp_subbatches = saved
-
-
 def test_any_other_use_of_a_pending_output_finishes_the_tail_first():
-    for out in run_ranks(2, _other_uses, _model(), 2):
+    model = _model()
+    x = _block_input()
+    with torch.no_grad():  # the serial blocks
+        first = model.blocks[0](x)
+        second = model.blocks[1](first)
+    for out in run_ranks(2, _other_uses, model, 2):
         assert out["pending"] and out["shape"] == (B, T, 64) and out["still_pending"]
         assert not out["after_op"] and not out["left_scope"]
-        torch.testing.assert_close(out["doubled"], 2 * out["reference_first"], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out["doubled"], 2 * first, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out["next"], second, atol=ATOL, rtol=0)
 
 
 def test_a_failing_tail_raises_on_the_caller():
     def failing() -> None:
-        tp_comm._yield_point.switch()  # as after an async all-reduce: the lone seat parks
+        tp_reduction._yield_point.switch()  # as after an async all-reduce: the lone seat parks
         raise ValueError("late failure")
 
     results, parked = tp_interleave.interleave([failing], may_park=True)
@@ -185,20 +195,25 @@ def test_a_failing_tail_raises_on_the_caller():
         tp_interleave.finish_seat(parked)
 
 
-def _parked_through_parallelize(model: nn.Module, boundary: bool) -> int:
+def _through_parallelize(model: nn.Module, loss_ref, grads_ref, boundary: bool) -> dict:
+    """One step of the plan's tp=2, 2 sub-batches: errors against serial and runs parked."""
     plan = Plan(tp=2, overlap=Overlap(tp_subbatches=2, tp_block_boundary=boundary))
-    parallelize(model, plan, build_mesh(plan))
+    par = parallelize(model, plan, build_mesh(plan))
     counts = {"adopted": 0, "parked": 0}
     _counted(counts)
-    tokens = _tokens()
-    model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-    return counts["parked"]
+    loss = _parallel_loss(par)
+    loss.backward()
+    return {"errors": _errors(par.model, loss, loss_ref, grads_ref), "parked": counts["parked"]}
 
 
 def test_the_plan_switches_the_block_boundary_step():
-    layers = len(_model().blocks)
-    assert run_ranks(2, _parked_through_parallelize, _model(), True) == [layers] * 2
-    assert run_ranks(2, _parked_through_parallelize, _model(), False) == [0, 0]
+    model, loss, grads = _serial()
+    layers = len(model.blocks)
+    for boundary, parked in [(True, layers), (False, 0)]:
+        for result in run_ranks(2, _through_parallelize, model, loss, grads, boundary):
+            bad = {name: e for name, e in result["errors"].items() if not e <= ATOL}
+            assert not bad, f"tp_block_boundary={boundary}: {bad}"
+            assert result["parked"] == parked, f"tp_block_boundary={boundary}"
     with pytest.raises(PlanError, match="tp_block_boundary=false applies"):
         Plan.parse("tp=2,tp_block_boundary=false").validate(2)
 
@@ -208,7 +223,7 @@ def _seat_threads() -> set[int]:
 
     def call() -> None:
         seen.add(threading.get_ident())
-        tp_comm._yield_point.switch()
+        tp_reduction._yield_point.switch()
 
     tp_interleave.run_interleaved([call, call])
     return seen

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import assert_grads_close
 from interlace.checkpoint import checkpoint_name
 from interlace.errors import CheckpointError
 from interlace.mesh import build_mesh
@@ -21,7 +22,8 @@ from interlace.train_config import TrainConfig
 # Adam divides each update by the gradient's running scale, so an element whose gradient is
 # near zero turns float rounding (different summation order over ranks) into an update
 # difference proportional to lr. lr=5e-4 keeps that below 1e-5 after 3 steps; the gradients
-# themselves are compared at 1e-6 in test_data_parallel_gradients_equal_serial.
+# themselves are compared, unclipped and relative to each tensor's scale, in
+# test_data_parallel_gradients_equal_serial, and every run's pre-clipping norm step by step.
 BASE = TrainConfig(
     model="tiny",
     steps=3,
@@ -46,7 +48,8 @@ def _train(config: TrainConfig, plan_text: str, world_size: int, resume_from=Non
         rows = read_metrics(Path(config.out) / "metrics.jsonl")
     else:
         rows = [trainer.train_step() for _ in range(config.steps - trainer.step)]
-    paths = [b.path for b in trainer.compression.stats.values()] if trainer.compression else []
+    compression = trainer.parallel.data.compression if trainer.parallel.data else None
+    paths = [b.path for b in compression.stats.values()] if compression else []
     return {
         "bucket_paths": paths,
         "rows": rows,
@@ -57,6 +60,11 @@ def _train(config: TrainConfig, plan_text: str, world_size: int, resume_from=Non
 
 def _assert_same_run(a, b, atol=1e-5):
     assert [r["loss"] for r in a["rows"]] == pytest.approx([r["loss"] for r in b["rows"]], abs=atol)
+    # The norm is taken before clipping, so it sees the gradients' scale (a sum over ranks or
+    # micro-batches instead of a mean), which clipping and Adam hide from losses and weights.
+    assert [r["grad_norm"] for r in a["rows"]] == pytest.approx(
+        [r["grad_norm"] for r in b["rows"]], rel=1e-5
+    )
     assert a["params"].keys() == b["params"].keys()
     for name in a["params"]:
         torch.testing.assert_close(
@@ -68,26 +76,39 @@ def _assert_same_run(a, b, atol=1e-5):
         )
 
 
-def _first_step_gradients(config: TrainConfig, plan_text: str, world_size: int):
+def _step_gradients(config: TrainConfig, plan_text: str, world_size: int, steps: int = 1):
+    """The synced gradients of step `steps` and every step's row, without clipping (grad_clip=0),
+    which would rescale the gradients to one norm whatever their scale."""
     plan = Plan.parse(plan_text)
+    config = dataclasses.replace(config, grad_clip=0.0)
     trainer = Trainer(
         prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
     )
+    rows = [trainer.train_step() for _ in range(steps - 1)]
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
-    trainer.train_step()
-    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    rows.append(trainer.train_step())
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    return {"grads": grads, "rows": rows}
 
 
-@pytest.mark.parametrize("plan_text", ["dp=2", "dp=4", "dp=2,dp_overlap=false"])
-def test_data_parallel_gradients_equal_serial(plan_text):
+@pytest.mark.parametrize(
+    ("plan_text", "micro_batch"),
+    [("dp=2", None), ("dp=4", None), ("dp=2,dp_overlap=false", None), ("dp=2", 1), ("dp=1", 2)],
+)
+def test_data_parallel_gradients_equal_serial(plan_text, micro_batch):
+    # micro_batch set: each rank accumulates global_batch / dp / micro_batch micro-batches
+    config = dataclasses.replace(BASE, micro_batch=micro_batch)
     world_size = Plan.parse(plan_text).world_size
-    serial_grads = _first_step_gradients(BASE, "dp=1", 1)
-    for grads in run_ranks(world_size, _first_step_gradients, BASE, plan_text, world_size):
-        assert grads.keys() == serial_grads.keys()
-        for name, grad in grads.items():
-            torch.testing.assert_close(
-                grad, serial_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
-            )
+    serial = _step_gradients(BASE, "dp=1", 1)
+    if world_size == 1:
+        results = [_step_gradients(config, plan_text, 1)]
+    else:
+        results = run_ranks(world_size, _step_gradients, config, plan_text, world_size)
+    for rank, result in enumerate(results):
+        assert_grads_close(result["grads"], serial["grads"], what=f"rank {rank}")
+        assert result["rows"][0]["grad_norm"] == pytest.approx(
+            serial["rows"][0]["grad_norm"], rel=1e-5
+        )
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +127,14 @@ def test_sketch_compressed_training_follows_serial_and_keeps_ranks_identical(tmp
     # Untied embeddings: rows of bytes absent from a batch get exactly zero gradient, so the
     # embedding's bucket is sparse and goes through the sketch. The
     # peel decoder recovers almost every entry exactly; the few it cannot fall back to the
-    # count-sketch median, so the criterion is the loss within 1% of serial training.
+    # count-sketch median, so the criterion is the loss and gradient norm within 1% of serial.
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, tie_embeddings=False))
     serial_run = _train(config, "dp=1", 1)
     rank0, rank1 = run_ranks(2, _train, config, "dp=2,grad_compression=sketch,dp_bucket_mb=0.05", 2)
-    assert [r["loss"] for r in rank0["rows"]] == pytest.approx(
-        [r["loss"] for r in serial_run["rows"]], rel=0.01
-    )
+    for key in ("loss", "grad_norm"):  # the norm, before clipping, sees the gradients' scale
+        assert [r[key] for r in rank0["rows"]] == pytest.approx(
+            [r[key] for r in serial_run["rows"]], rel=0.01
+        ), key
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
     assert "sketch" in rank0["bucket_paths"]  # the embedding's bucket went through the sketch
@@ -120,11 +142,58 @@ def test_sketch_compressed_training_follows_serial_and_keeps_ranks_identical(tmp
 
 
 @pytest.mark.parametrize("kind", ["topk", "powersgd"])
-def test_lossy_compression_trains_and_keeps_ranks_identical(kind):
+def test_lossy_compression_keeps_ranks_identical(kind):
     rank0, rank1 = run_ranks(2, _train, BASE, f"dp=2,grad_compression={kind}", 2)
     assert all(math.isfinite(row["loss"]) for row in rank0["rows"])
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
+
+
+def _flat(grads: dict) -> torch.Tensor:
+    return torch.cat([g.flatten() for g in grads.values()]).double()
+
+
+def test_topk_compression_sends_the_largest_entries_of_the_mean_gradient():
+    # Each rank sends the top 1 % (by magnitude) of each bucket of its own gradient; an entry in
+    # every rank's top-k arrives as the exact mean, one in a single rank's as half that rank's.
+    serial = _flat(_step_gradients(BASE, "dp=1", 1)["grads"])
+    for result in run_ranks(2, _step_gradients, BASE, "dp=2,grad_compression=topk", 2):
+        sent = _flat(result["grads"])
+        # at most ceil(1 % of a bucket) per rank and bucket, and a bucket holds >= 1 parameter
+        assert 0 < int((sent != 0).sum()) <= 2 * (0.01 * sent.numel() + len(result["grads"]))
+        # the largest entries stand out on both ranks: both send them, so they arrive exact
+        largest = sent.abs().topk(10).indices
+        torch.testing.assert_close(sent[largest], serial[largest], rtol=1e-5, atol=0)
+        left_out = float((sent - serial).norm() / serial.norm())
+        assert left_out < 0.5  # the small tail: measured 0.37 of the mean's norm
+
+
+def test_powersgd_compression_projects_the_mean_gradient():
+    # Steps 1-2 are plain all-reduces (start_powerSGD_iter=2), so step 3 starts from the serial
+    # run's weights. PowerSGD then returns P·Pᵀ·M for each matrix M of the mean gradient (P: an
+    # orthonormal basis of M·Q, Q shared by the ranks): an orthogonal projection, whose inner
+    # product with M equals its squared norm; vectors (biases, norms) are all-reduced exactly.
+    serial = _step_gradients(BASE, "dp=1", 1, steps=3)
+    results = run_ranks(2, _step_gradients, BASE, "dp=2,grad_compression=powersgd", 2, 3)
+    for result in results:
+        rows, grads = result["rows"], result["grads"]
+        assert [r["grad_norm"] for r in rows[:2]] == pytest.approx(
+            [r["grad_norm"] for r in serial["rows"][:2]], rel=1e-5
+        )
+        vectors = {n: g for n, g in grads.items() if g.dim() == 1}
+        assert_grads_close(vectors, {n: serial["grads"][n] for n in vectors})
+        errors = {}
+        for name, sent in grads.items():
+            if sent.dim() == 1:
+                continue
+            mean = serial["grads"][name].double().flatten()
+            sent = sent.double().flatten()
+            assert float(sent @ mean) == pytest.approx(float(sent @ sent), rel=1e-4), name
+            errors[name] = float((sent - mean).norm() / mean.norm())
+        assert max(errors.values()) > 0.05, errors  # the matrices really went through rank 4
+        mean = _flat(serial["grads"])
+        left_out = float((_flat(grads) - mean).norm() / mean.norm())
+        assert left_out < 0.4  # rank 4 of 64-wide matrices: measured 0.21 of the mean's norm
 
 
 def test_data_parallel_without_overlap_equals_serial(serial):
@@ -258,10 +327,7 @@ def _tensor_parallel_run(config: TrainConfig, plan_text: str, world_size: int):
 def test_tensor_parallel_training_equals_serial(serial, plan_text):
     world_size = Plan.parse(plan_text).world_size
     for result in run_ranks(world_size, _tensor_parallel_run, BASE, plan_text, world_size):
-        _assert_same_run(result, serial)
-        assert [r["grad_norm"] for r in result["rows"]] == pytest.approx(
-            [r["grad_norm"] for r in serial["rows"]], rel=1e-5
-        )
+        _assert_same_run(result, serial)  # grad_norm included
 
 
 def test_tensor_parallel_resume_continues_the_same_trajectory(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from interlace import __version__
+from interlace.config_args import add_dataclass_args, dataclass_from_args
 from interlace.errors import ConfigError, InterlaceError
 from interlace.models.config import GPTConfig
 from interlace.models.presets import PRESETS, get_preset
@@ -26,19 +27,12 @@ from interlace.train_config import TrainConfig
 if TYPE_CHECKING:
     from interlace.train import RunSetup
 
-_DEFAULTS = TrainConfig()
 _RUN_FILES = (METRICS, REPORT, LOSS_PLOT, LOAD_PLOT, "checkpoints")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        "--preset",
-        dest="model",
-        default=_DEFAULTS.model,
-        metavar="PRESET",
-        help="model preset, or a .json file of GPTConfig fields; see `interlace plan --list`",
-    )
+    """The `train` options: every TrainConfig field, then the run's own (ranks, plan, resume)."""
+    add_dataclass_args(p, TrainConfig)
     p.add_argument(
         "--nproc",
         type=int,
@@ -50,98 +44,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="parallel plan, e.g. 'dp=4' or 'ep=4,moe_balance=prophet'; dp not given fills "
         "the ranks (default: dp=<nproc>)",
-    )
-    p.add_argument(
-        "--data",
-        default=None,
-        metavar="PATH",
-        help="text file or folder of .txt/.md/.rst files (default: the Python "
-        "documentation shipped with Python, pydoc_data.topics)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=_DEFAULTS.tokenizer,
-        choices=("byte", "bpe"),
-        help="byte-level (256 ids) or a BPE trained on the data (needs interlace[hf])",
-    )
-    p.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps")
-    p.add_argument(
-        "--global-batch",
-        type=int,
-        default=_DEFAULTS.global_batch,
-        help="sequences per optimizer step over all ranks",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=int,
-        default=None,
-        help="sequences per rank per forward; smaller values accumulate gradients "
-        "(default: global-batch / dp)",
-    )
-    _add_split_args(p)
-    p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)"
-    )
-    p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
-    p.add_argument(
-        "--min-lr-ratio",
-        type=float,
-        default=_DEFAULTS.min_lr_ratio,
-        help="final learning rate as a fraction of the peak (cosine decay)",
-    )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=_DEFAULTS.warmup_steps,
-        help="steps of linear learning-rate warmup from 0",
-    )
-    p.add_argument(
-        "--weight-decay",
-        type=float,
-        default=_DEFAULTS.weight_decay,
-        help="AdamW decoupled weight decay (matrices and embeddings only)",
-    )
-    p.add_argument(
-        "--grad-clip",
-        type=float,
-        default=_DEFAULTS.grad_clip,
-        help="clip the global gradient norm (0 = off)",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=_DEFAULTS.eval_every,
-        help="held-out evaluation every N steps and at the end (0 = never)",
-    )
-    p.add_argument(
-        "--eval-batches",
-        type=int,
-        default=_DEFAULTS.eval_batches,
-        help="held-out batches (of --global-batch sequences) per evaluation",
-    )
-    p.add_argument(
-        "--ckpt-every",
-        type=int,
-        default=_DEFAULTS.ckpt_every,
-        help="checkpoint every N steps (0 = only at the end)",
-    )
-    p.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=_DEFAULTS.keep_checkpoints,
-        help="newest checkpoints to keep; older ones are deleted",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=_DEFAULTS.seed,
-        help="seed of the initial weights and of the data order",
-    )
-    p.add_argument(
-        "--out",
-        default=_DEFAULTS.out,
-        metavar="DIR",
-        help="run folder: metrics.jsonl, report.json, loss.png, checkpoints/",
     )
     p.add_argument(
         "--resume",
@@ -157,7 +59,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replace an earlier run's files in --out instead of refusing",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--trace",
         default=None,
@@ -173,66 +74,6 @@ def _check_trace(args: argparse.Namespace, plan: Plan) -> None:
         from interlace.parallel.pipeline.trace import check_trace_path
 
         check_trace_path(args.trace, plan.pp)
-
-
-def _config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        model=args.model,
-        data=args.data,
-        tokenizer=args.tokenizer,
-        steps=args.steps,
-        global_batch=args.global_batch,
-        micro_batch=args.micro_batch,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        ckpt_every=args.ckpt_every,
-        keep_checkpoints=args.keep_checkpoints,
-        seed=args.seed,
-        out=args.out,
-        progress=not args.no_progress,
-        split_points=args.split_points,
-        layers_per_stage=args.layers_per_stage,
-    )
-
-
-def _add_split_args(p: argparse.ArgumentParser) -> None:
-    """--split-points / --layers-per-stage: override the pipeline partitioner's split."""
-    p.add_argument(
-        "--split-points",
-        type=_names,
-        default=(),
-        metavar="NAMES",
-        help="with pp > 1: the layers that begin stages 1, 2, ..., e.g. blocks.3,blocks.6",
-    )
-    p.add_argument(
-        "--layers-per-stage",
-        type=_counts,
-        default=(),
-        metavar="COUNTS",
-        help="with pp > 1: the layer count of every stage, e.g. 3,3,2",
-    )
-
-
-def _names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(","))
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated module names")
-    return names
-
-
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give comma-separated layer counts, e.g. 3,3,2"
-        ) from None
 
 
 def _checkpoint_to_resume(args: argparse.Namespace, setup: RunSetup) -> Path | None:
@@ -284,7 +125,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return _train_rank(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc={args.nproc} must be >= 1")
-    config = _config_from_args(args)
+    config = dataclass_from_args(TrainConfig, args)
     if args.plan == "auto":
         argv = _choose_plan(args, argv, config)
     plan = Plan.parse_for(args.plan or "", args.nproc)
@@ -334,7 +175,7 @@ def _train_rank(args: argparse.Namespace) -> int:
     device = init_from_env()
     try:
         plan = Plan.parse_for(args.plan or "", dist.get_world_size())
-        setup = prepare_run(_config_from_args(args), plan, dist.get_world_size())
+        setup = prepare_run(dataclass_from_args(TrainConfig, args), plan, dist.get_world_size())
         checkpoint = _checkpoint_to_resume(args, setup)
         if dist.get_rank() == 0:
             _check_out_dir(args)
@@ -364,7 +205,7 @@ def _print_summary(report: dict, out: str) -> None:
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_DEFAULTS.model, metavar="PRESET", help="model preset")
+    p.add_argument("--model", default=TrainConfig.model, metavar="PRESET", help="model preset")
     p.add_argument("--plan", default=None, help="plan to check (default: dp=<nproc>)")
     p.add_argument("--nproc", type=int, default=1, help="world size to check the plan against")
     p.add_argument("--list", action="store_true", help="list the model presets and exit")
@@ -424,7 +265,7 @@ def _show_stages(model_config: GPTConfig, plan: Plan, rows: int) -> None:
     from interlace.models.gpt import build_model
     from interlace.parallel.pipeline.layout import pipeline_layout
 
-    if plan.pp == 1:
+    if not plan.pipelined:
         raise ConfigError(
             "--show-stages needs a plan with pp > 1, e.g. --plan pp=4,micro_batches=8"
         )
@@ -480,8 +321,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    """`interlace bench`: list, report or run one benchmark; a run that fails exits with 1."""
     from interlace.bench import REGISTRY, get_benchmark
-    from interlace.bench.runner import run_benchmark
+    from interlace.bench.runner import BenchFailed, run_benchmark
 
     if args.name == "report":
         from interlace.bench.markdown import write_page
@@ -495,17 +337,20 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             options = " ".join(f"{k}={v}" for k, v in bench.options.items())
             print(f"{name:12s} {bench.summary}\n{'':12s} options: {options or '-'}")
         return 0
-    run_benchmark(
-        args.name,
-        args.ranks,
-        args.bandwidth,
-        Path(args.out),
-        args.set,
-        command="interlace bench " + shlex.join(argv),
-        timeout_s=args.timeout,
-        repeat=args.repeat,
-        cpu_per_rank=args.cpu_per_rank,
-    )
+    try:
+        run_benchmark(
+            args.name,
+            args.ranks,
+            args.bandwidth,
+            Path(args.out),
+            args.set,
+            command="interlace bench " + shlex.join(argv),
+            timeout_s=args.timeout,
+            repeat=args.repeat,
+            cpu_per_rank=args.cpu_per_rank,
+        )
+    except BenchFailed as exc:
+        return _failed(exc)
     return 0
 
 
@@ -558,11 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _failed(error: Exception) -> int:
+    """Report a run that started and failed (a rank's error or a timeout); exit code 1."""
+    print(f"interlace: {error}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `interlace` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from interlace.bench.runner import BenchFailed
     from interlace.launch import LaunchFailed
 
     try:
@@ -570,9 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     except InterlaceError as exc:
         print(f"interlace: error: {exc}", file=sys.stderr)
         return 2
-    except (LaunchFailed, BenchFailed) as exc:
-        print(f"interlace: {exc}", file=sys.stderr)
-        return 1
+    except LaunchFailed as exc:
+        return _failed(exc)
     except KeyboardInterrupt:
         print("interlace: interrupted", file=sys.stderr)
         return 130

@@ -125,6 +125,20 @@ def all_reduce(
     )
 
 
+def all_reduce_flat_(tensors: list[torch.Tensor], group: Group, divisor: float = 1.0) -> None:
+    """Sum the `tensors` (any shapes, one dtype) over `group` in one all-reduce of their
+    concatenation, then divide by `divisor`, in place: one collective, not one per tensor."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if group.size > 1:
+        all_reduce(flat, group)
+    if divisor != 1:
+        flat.div_(divisor)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(piece.view_as(t))
+
+
 def all_gather(
     output: torch.Tensor,
     shard: torch.Tensor,

@@ -20,9 +20,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
+from interlace.parallel.pipeline.schedule_rules import (
+    PIPELINE_SCHEDULES,
+    check_schedule,
+    virtual_stages_for,
+)
+from interlace.parallel.tensor3d.grid_rules import check_grid
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 RECOMPUTE_MODES = ("none", "full", "stage-aware")
 GRAD_COMPRESSIONS = ("none", "sketch", "powersgd", "topk")
 MOE_BALANCES = ("none", "dropless", "shadow", "prophet")
@@ -77,6 +83,76 @@ class Plan:
         """Ranks the plan needs: dp · pp · tp_size (ep lives inside dp)."""
         return self.dp * self.pp * self.tp_size
 
+    # ----------------------------------------------------------------- predicates
+    @property
+    def tensor_parallel(self) -> bool:
+        """1D (Megatron) tensor parallelism: tp > 1."""
+        return self.tp > 1
+
+    @property
+    def tensor3d_parallel(self) -> bool:
+        """3D (AxoNN) tensor parallelism: a tp3d grid of more than one rank."""
+        return self.tp3d is not None and self.tp_size > 1
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Experts placed by an expert-parallel layer: ep > 1, or a balancing strategy."""
+        return self.ep > 1 or self.moe_balance != "none"
+
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline parallelism: pp > 1."""
+        return self.pp > 1
+
+    @property
+    def data_parallel(self) -> bool:
+        """Data parallelism: dp > 1."""
+        return self.dp > 1
+
+    @property
+    def dp_overlapped(self) -> bool:
+        """Gradients reduced during backward (DDP buckets): `dp_overlap`, and a model whose
+        backward can carry it — no pipeline (several backward passes per step) and no 3D tensor
+        parallelism (its Z reduce-scatters finish after backward)."""
+        return self.overlap.dp_overlap and not self.pipelined and self.tp3d is None
+
+    def micro_batch_rows(self, global_batch: int, accumulation: int = 1) -> int:
+        """Sequences of one pipeline micro-batch (one forward on one rank) when `global_batch`
+        sequences per step are split over dp ranks, `accumulation` sequential micro-batches per
+        rank and `micro_batches` pipeline micro-batches; PlanError, naming a fix, unless every
+        split is even, including tp3d's z over the rows and `tp_subbatches` within them."""
+        if global_batch < 1:
+            raise PlanError(f"global batch {global_batch} must be a positive number of sequences")
+        if global_batch % (self.dp * accumulation):
+            steps = f" × {accumulation} accumulation steps" if accumulation > 1 else ""
+            raise PlanError(
+                f"global batch {global_batch} is not divisible by dp={self.dp}{steps}; use a "
+                f"multiple of {self.dp * accumulation}"
+            )
+        rows = global_batch // (self.dp * accumulation)
+        unit = self.batch_rows_unit
+        if rows % unit:
+            z = f" × tp3d z={self.tp3d[2]}" if self.tp3d is not None else ""
+            raise PlanError(
+                f"micro_batches={self.micro_batches}{z} split a rank's forward, but it holds "
+                f"{rows} sequences (global batch {global_batch} / dp={self.dp}); use "
+                f"micro_batches dividing {rows}, or a global batch that gives a multiple of "
+                f"{unit}"
+            )
+        rows //= self.micro_batches
+        if self.overlap.tp_subbatches > 1 and rows % self.overlap.tp_subbatches:
+            raise PlanError(
+                f"tp_subbatches={self.overlap.tp_subbatches} must divide the {rows} sequences "
+                "of a micro-batch; use a divisor of them, or a larger global batch"
+            )
+        return rows
+
+    @property
+    def batch_rows_unit(self) -> int:
+        """The rows a rank's batch must be a multiple of: whole pipeline micro-batches, each
+        split evenly over tp3d's z."""
+        return self.micro_batches * (self.tp3d[2] if self.tp3d is not None else 1)
+
     # ----------------------------------------------------------------- validation
     def validate(self, world_size: int, spec: Any = None) -> Plan:
         """Check the plan can run on `world_size` ranks (and on model `spec`, a GPTConfig-like
@@ -90,7 +166,7 @@ class Plan:
                 f"{self._world_size_fix(world_size)}"
             )
         if spec is not None:
-            self._check_spec(spec)
+            self.check_model(spec)
         return self
 
     def _check_values(self) -> None:
@@ -129,18 +205,7 @@ class Plan:
                 raise PlanError(
                     f"tp={self.tp} and tp3d={_fmt_tp3d(self.tp3d)} are exclusive; use one of them"
                 )
-            for active, what in (
-                (self.pp > 1, f"pp={self.pp}"),
-                (self.ep > 1, f"ep={self.ep}"),
-                (self.overlap.tp_subbatches > 1, f"tp_subbatches={self.overlap.tp_subbatches}"),
-                (self.sequence_parallel, "sequence_parallel=true"),
-            ):
-                if active:
-                    raise PlanError(
-                        f"tp3d={_fmt_tp3d(self.tp3d)} with {what} is not implemented yet; "
-                        f"drop {what}"
-                    )
-        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("schedule", self.schedule, PIPELINE_SCHEDULES)
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
         _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
@@ -175,30 +240,44 @@ class Plan:
                 f"grad_compression={self.grad_compression} compresses DDP's all-reduce, which a "
                 "pipeline does not use; use grad_compression=none with pp > 1"
             )
-        if self.overlap.tp_subbatches > 1 and (self.tp == 1 or self.sequence_parallel):
+        only_1d = self.tp3d is None  # tp3d with these: the not-implemented table's
+        if only_1d and self.overlap.tp_subbatches > 1 and (self.tp == 1 or self.sequence_parallel):
             raise PlanError(
                 f"tp_subbatches={self.overlap.tp_subbatches} overlaps 1D tensor parallel "
                 "all-reduces: it needs tp > 1 and no sequence_parallel"
             )
-        if self.sequence_parallel and self.tp == 1:
+        if only_1d and self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
         if self.dp % self.ep:
             raise PlanError(
                 f"ep={self.ep} must divide dp={self.dp} (expert groups are carved out of the "
-                f"data parallel ranks); use ep in {_divisors(self.dp)}"
+                f"data parallel ranks); use ep in {divisors(self.dp)}"
             )
 
     def _check_implemented(self) -> None:
+        """The one table of combinations that are valid but not implemented yet."""
+        tp3d = f"tp3d={_fmt_tp3d(self.tp3d)}" if self.tp3d is not None else ""
         pending = [
             (
                 self.ep > 1 and self.tp_size > 1,
-                f"ep={self.ep} combined with tensor parallelism",
-                "ep=1 or tp=1",
+                f"ep={self.ep} combined with {tp3d or f'tp={self.tp}'}",
+                "ep=1, or no tensor parallelism",
             ),
             (
-                self.pp > 1 and self.ep > 1,
+                self.pipelined and self.ep > 1,
                 f"pp={self.pp} combined with expert parallelism",
                 "pp=1 or ep=1",
+            ),
+            (bool(tp3d) and self.pipelined, f"{tp3d} with pp={self.pp}", "pp=1"),
+            (
+                bool(tp3d) and self.overlap.tp_subbatches > 1,
+                f"{tp3d} with tp_subbatches={self.overlap.tp_subbatches}",
+                "tp_subbatches=1",
+            ),
+            (
+                bool(tp3d) and self.sequence_parallel,
+                f"{tp3d} with sequence_parallel=true",
+                "sequence_parallel=false",
             ),
         ]
         for active, what, fix in pending:
@@ -211,26 +290,28 @@ class Plan:
             return f"use dp={world_size // others} for {world_size} ranks"
         return f"launch {self.world_size} ranks (--nproc {self.world_size})"
 
-    def _check_spec(self, spec: Any) -> None:
+    def check_model(self, spec: Any) -> None:
+        """PlanError unless the plan can split model `spec` (a GPTConfig-like object with
+        d_model, n_heads, vocab_size, n_layers, ffn_dim, seq_len, n_experts): divisibility by
+        the tensor degrees, enough layers for the stages, experts for ep."""
         tp = self.tp  # 1D; 1 under tp3d, whose grid _check_tp3d checks
         if self.tp3d is not None:
             self._check_tp3d(spec)
         if spec.d_model % spec.n_heads:
             raise PlanError(
                 f"hidden size d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}; "
-                f"use n_heads in {_divisors(spec.d_model)[-6:]}"
+                f"use n_heads in {divisors(spec.d_model)[-6:]}"
             )
-        for name, value in (
-            ("n_heads", spec.n_heads),
-            ("d_model", spec.d_model),
-            ("ffn_dim", spec.ffn_dim),
-            ("vocab_size", spec.vocab_size),
-        ):
-            if value % tp:
-                raise PlanError(
-                    f"{name}={value} is not divisible by the tensor parallel degree {tp}; "
-                    f"use a degree in {_divisors(value)[:6]}"
-                )
+        check_divides(
+            tp,
+            "tensor parallel degree",
+            [
+                ("n_heads", spec.n_heads),
+                ("d_model", spec.d_model),
+                ("ffn_dim", spec.ffn_dim),
+                ("vocab_size", spec.vocab_size),
+            ],
+        )
         if self.sequence_parallel and spec.seq_len % tp:
             raise PlanError(
                 f"seq_len={spec.seq_len} is not divisible by tp={tp}, as sequence_parallel "
@@ -255,32 +336,25 @@ class Plan:
         if self.ep > 1 and spec.n_experts % self.ep:
             raise PlanError(
                 f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
-                f"use ep in {_divisors(spec.n_experts)}"
+                f"use ep in {divisors(spec.n_experts)}"
             )
 
     def _check_tp3d(self, spec: Any) -> None:
-        """The grid (x, y, z) splits this model: heads and ffn over y, d_model over x and y,
-        each rank's weight block over z; experts are not split."""
+        """The grid (x, y, z) splits this model (`grid_rules.check_grid`, the runtime's rule);
+        experts are not split."""
         assert self.tp3d is not None
-        x, y, z = self.tp3d
-        grid = _fmt_tp3d(self.tp3d)
         if spec.n_experts:
             raise PlanError(
-                f"tp3d={grid} does not split Mixture-of-Experts models; use a dense model or tp=N"
+                f"tp3d={_fmt_tp3d(self.tp3d)} does not split Mixture-of-Experts models; use a "
+                "dense model or tp=N"
             )
-        for name, value, factor, why in (
-            ("d_model", spec.d_model, x, "x (hidden of the residual stream)"),
-            ("n_heads", spec.n_heads, y, "y (heads of q, k, v)"),
-            ("ffn_dim", spec.ffn_dim, y, "y (features of the up projection)"),
-            ("d_model", spec.d_model, x * z, "x·z (rows of a transposed layer's weight)"),
-            ("d_model", spec.d_model, y * z, "y·z (rows of a q, k, v weight)"),
-            ("ffn_dim", spec.ffn_dim, y * z, "y·z (rows of an up weight)"),
-        ):
-            if value % factor:
-                raise PlanError(
-                    f"{name}={value} is not divisible by {factor}, the tp3d={grid} factor "
-                    f"{why}; use a grid whose factor divides {value}"
-                )
+        head_dim = spec.d_model // spec.n_heads
+        check_grid(
+            self.tp3d,
+            spec.d_model,
+            [("the model", spec.n_heads, head_dim, spec.n_heads)],
+            [("the model", spec.ffn_dim)],
+        )
 
     def _check_pipeline(self, spec: Any) -> None:
         """The schedule can run this many micro-batches over pp stages of this model."""
@@ -289,7 +363,6 @@ class Plan:
                 f"pp={self.pp} with a Mixture-of-Experts model is not implemented yet (the "
                 "load-balancing loss would be lost between stages); use pp=1"
             )
-        from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
 
         check_schedule(
             self.schedule,
@@ -433,7 +506,3 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def _did_you_mean(key: str) -> str:
     close = difflib.get_close_matches(key, _ALL_FIELDS, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,13 +1,12 @@
-"""The Trainer: the training loop of every plan, with accumulation, clipping, evaluation,
+"""The Trainer: one plain training loop for every plan, with accumulation, clipping, evaluation,
 metrics, checkpoints and a run report.
 
-The model is built identically on every rank, then split in a fixed order: tensor and expert
-parallelism (`interlace.parallelize`), pipeline stages (`PipelineRunner`), and data parallelism
-around the result. Data parallelism is torch's DDP (gradient buckets all-reduced during
-backward) with a metered comm hook; `plan.overlap.dp_overlap=false` (and a pipeline) instead
-all-reduces one flat gradient buffer after backward. Every rank draws the same global batch
-and takes its slice, so a run on R ranks follows the same trajectory as one process on the
-whole batch.
+The model is built identically on every rank and handed to `parallelize`, which splits it in
+its fixed order (tensor, expert, pipeline, data) and returns what differs between plans: the
+forward and backward of a micro-batch, the gradient reduction after the last one, the gradient
+norm and the checkpoint keys. The loop itself knows no dimension. Every rank draws the same
+global batch and takes its data-parallel slice, so a run on R ranks follows the same trajectory
+as one process on the whole batch.
 
 Run as `torchrun --nproc-per-node N -m interlace.train [train options]` for many nodes; the
 options are those of `interlace train`.
@@ -24,29 +23,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from interlace import __version__, comm
 from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from interlace.compress import make_comm_hook
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
-from interlace.errors import ConfigError, PlanError
 from interlace.mesh import Mesh, default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer, lr_at
-from interlace.parallel.expert import grads as expert_parallel
-from interlace.parallel.expert.layer import ExpertParallelMoE
-from interlace.parallel.grad_norm import clip_grad_norm_
 from interlace.parallel.parallelize import parallelize
-from interlace.parallel.pipeline.layout import pipeline_layout
-from interlace.parallel.pipeline.runner import PipelineRunner
+from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
-from interlace.parallel.tensor.shard import sharded_parameter_names
-from interlace.parallel.tensor3d.shard import Grid, clip_grad_norm3d_, shard3d_keys
 from interlace.plan import Plan
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.train_config import TrainConfig
@@ -78,38 +67,16 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     model_config.validate()
     plan.validate(world_size, model_config)
     accum = config.accumulation(plan.dp)
-    rows = config.global_batch // plan.dp // accum
-    if plan.tp3d is not None and rows % plan.tp3d[2]:
-        raise PlanError(
-            f"tp3d z={plan.tp3d[2]} splits each micro-batch's rows, but a rank's micro-batch "
-            f"holds {rows} sequences (global_batch={config.global_batch}, dp={plan.dp}); use "
-            f"a --global-batch that gives a multiple of {plan.tp3d[2]}"
-        )
-    if rows % plan.micro_batches:
-        raise PlanError(
-            f"micro_batches={plan.micro_batches} does not divide the {rows} sequences of a "
-            f"rank's batch (global_batch={config.global_batch}, dp={plan.dp}); use a divisor "
-            f"of {rows} or a larger --global-batch"
-        )
-    _check_pipeline_split(config, plan, model_config)
+    plan.micro_batch_rows(config.global_batch, accum)
+    check_split(
+        build_model(model_config, device="meta"),
+        plan,
+        config.split_points or None,
+        config.layers_per_stage or None,
+    )
     data = TokenData.from_text(text, tokenizer, model_config.seq_len)
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
     return RunSetup(config, plan, model_config, data, describe_corpus(config.data))
-
-
-def _check_pipeline_split(config: TrainConfig, plan: Plan, model_config: GPTConfig) -> None:
-    """PlanError/ConfigError now, before any rank starts, for a split the pipeline cannot use
-    (a split point naming no layer, counts that do not add up, a split without pp > 1)."""
-    if not (config.split_points or config.layers_per_stage):
-        return
-    if plan.pp == 1:
-        raise ConfigError("split_points / layers_per_stage split a pipeline: use them with pp > 1")
-    pipeline_layout(
-        build_model(model_config, device="meta"),
-        plan,
-        split_points=config.split_points or None,
-        layers_per_stage=config.layers_per_stage or None,
-    )
 
 
 def run_identity(setup: RunSetup) -> dict[str, Any]:
@@ -145,80 +112,34 @@ class Trainer:
         self.dp_size = self.dp.size if self.dp is not None else 1
         self.dp_rank = self.dp.rank if self.dp is not None else 0
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
-        self.compression = None  # the sketch / top-k hook's state, whose summary is logged
         self.accum = self.config.accumulation(self.dp_size)
-
-        self.tp = mesh.group("tp") if mesh is not None and self.plan.tp > 1 else None
-        tp3d = mesh is not None and self.plan.tp3d is not None
-        self.grid = Grid.from_mesh(mesh) if tp3d else None  # type: ignore[arg-type]
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
-        self.model: nn.Module = build_model(setup.model_config, device=self.device)
-        if mesh is not None:  # tensor and expert parallel; then stages; data parallel last
-            parallelize(self.model, self.plan, mesh)
-        self.pipeline = (
-            PipelineRunner(
-                self.model,
-                self.plan,
-                mesh,
-                split_points=self.config.split_points or None,
-                layers_per_stage=self.config.layers_per_stage or None,
-            )
-            if self.plan.pp > 1
-            else None
+        model = build_model(setup.model_config, device=self.device)
+        self.parallel = parallelize(
+            model,
+            self.plan,
+            mesh,
+            split_points=self.config.split_points or None,
+            layers_per_stage=self.config.layers_per_stage or None,
         )
-        if self.pipeline is not None:  # this rank's stages, under the model's parameter names
-            self.model = self.pipeline.module
-        # experts split over an expert parallel group: (ep group, group of their replicas)
-        self.experts = getattr(self.model, "expert_groups", None)
-        self.expert_names = set(expert_parallel.expert_parameter_names(self.model))
-        self.shard_keys = (
-            {  # each tensor-parallel piece gets its own checkpoint key
-                name: f"{name}.tp{self.tp.rank}" for name in sharded_parameter_names(self.model)
-            }
-            if self.tp is not None
-            else shard3d_keys(self.model, self.grid)
-            if self.grid is not None
-            else {}
-        )
+        self.model = self.parallel.model  # this rank's parameters, under the full model's names
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
-        self.train_model = self._wrap_data_parallel(self.model)
         self.optimizer = build_optimizer(self.model, self.config.lr, self.config.weight_decay)
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
         self.step = 0
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
 
-    # ------------------------------------------------------------------ set-up
-    def _wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.dp is None or self.dp.size == 1:
-            return model
-        # tp3d: Z reduce-scatters of weight gradients finish after backward, so not in DDP
-        if not self.plan.overlap.dp_overlap or self.pipeline is not None or self.grid is not None:
-            for name, param in model.named_parameters():
-                if name not in self.expert_names:  # experts differ over the ep group
-                    comm.broadcast(param.data, 0, self.dp)
-            return model
-        # experts are reduced over their replicas only (reduce_expert_gradients)
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, sorted(self.expert_names)
-        )
-        kind = self.plan.grad_compression
-        state, hook = make_comm_hook("dense" if kind == "none" else kind, self.dp)
-        # torch's PowerSGD hook hangs on gloo with more than one bucket (torch 2.13)
-        bucket_mb = 1e6 if kind == "powersgd" else self.plan.overlap.dp_bucket_mb
-        ddp = DistributedDataParallel(
-            model, process_group=self.dp.pg, bucket_cap_mb=bucket_mb, device_ids=None
-        )
-        ddp.register_comm_hook(state, hook)
-        self.compression = state if hasattr(state, "summary") else None
-        return ddp
-
     def resume(self, checkpoint: Path) -> None:
         """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
         optimizer, RNG and data position."""
         checkpoint = resolve_checkpoint(checkpoint)
         meta = load_checkpoint(
-            checkpoint, self.model, self.optimizer, run_identity(self.setup), self.shard_keys
+            checkpoint,
+            self.model,
+            self.optimizer,
+            run_identity(self.setup),
+            self.parallel.checkpoint_keys,
         )
         self.step = meta["step"]
 
@@ -236,21 +157,22 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.train_model.train()
         micro = self.batches.micro_batches(self.step, self.dp_rank, self.dp_size, self.accum)
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.device), y.to(self.device)
             last = i == len(micro) - 1
-            loss_sum += self._forward_backward(x.to(self.device), y.to(self.device), last)
-        self._sync_gradients_after_backward()
-        grad_norm = self._clip_gradients()
+            loss_sum += self.parallel.forward_backward(x, y, 1 / self.accum, sync=last)
+        self.parallel.sync_gradients()
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        grad_norm = self.parallel.clip_grad_norm_(max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
         seconds = time.perf_counter() - start
         self.step += 1
         tokens = self.config.global_batch * self.setup.model_config.seq_len
-        row = {
+        return {
             "step": self.step,
             "loss": loss_mean,
             "lr": lr,
@@ -258,63 +180,8 @@ class Trainer:
             "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
             "comm_bytes": comm.meter.bytes_per_group(),
+            **self.parallel.metrics(),
         }
-        if self.compression is not None:  # cumulative: compressed bytes / dense bytes
-            row["compression_ratio"] = self.compression.summary()["ratio"]
-        if self.experts is not None:
-            row["moe"] = [
-                m.balance_summary()
-                for m in self.model.modules()
-                if isinstance(m, ExpertParallelMoE)
-            ]
-        return row
-
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
-        """Loss of one micro-batch x, y [b, T]; the gradient of loss / accum accumulates in
-        `.grad` (gradient sync only after the `last` micro-batch)."""
-        if self.pipeline is not None:
-            return self.pipeline.step(x, y, loss_scale=1 / self.accum, sync=last).detach()
-        with self._no_sync() if not last else contextlib.nullcontext():
-            _, loss = self.train_model(x, y)
-            (loss / self.accum).backward()
-        return loss.detach()
-
-    def _clip_gradients(self) -> torch.Tensor:
-        """Clip to `grad_clip` by the norm of the whole model's gradient — summed over tensor
-        shards, pipeline stages or expert groups as the plan splits it; returns that norm."""
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        if self.pipeline is not None:
-            return self.pipeline.clip_grad_norm_(max_norm)
-        if self.tp is not None:
-            return clip_grad_norm_(self.model.parameters(), max_norm, self.tp)
-        if self.grid is not None:
-            return clip_grad_norm3d_(self.model.parameters(), max_norm, self.grid)
-        if self.experts is not None:
-            ep_group, ep_dp_group = self.experts
-            expert_parallel.reduce_expert_gradients(self.model, ep_dp_group, self.dp_size)
-            return expert_parallel.clip_grad_norm_(self.model, max_norm, ep_group)
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def _no_sync(self) -> contextlib.AbstractContextManager:
-        if isinstance(self.train_model, DistributedDataParallel):
-            return self.train_model.no_sync()
-        return contextlib.nullcontext()
-
-    def _sync_gradients_after_backward(self) -> None:
-        """The no-overlap baseline: one all-reduce of all gradients, flattened, after backward."""
-        if self.dp is None or self.dp.size == 1 or self.train_model is not self.model:
-            return
-        grads = [
-            p.grad
-            for name, p in self.model.named_parameters()
-            if p.grad is not None and name not in self.expert_names
-        ]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp.size)
-        comm.all_reduce(flat, self.dp)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         if self.dp is not None and self.dp.size > 1:
@@ -327,7 +194,6 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean held-out loss over `eval_batches` batches, averaged over data-parallel ranks."""
-        self.model.eval()
         total, rows = torch.zeros((), device=self.device), 0
         # batches of the serial size: the evaluated windows do not depend on the rank count
         for x, y in eval_batches(
@@ -337,14 +203,12 @@ class Trainer:
             self.dp_rank,
             self.dp_size,
         ):
-            # whole micro-batches for a pipeline, rows split evenly over tp3d's z (both 1 else)
-            unit = self.plan.micro_batches * (self.plan.tp3d[2] if self.plan.tp3d else 1)
-            usable = len(x) - len(x) % unit
+            usable = len(x) - len(x) % self.plan.batch_rows_unit
             x, y = x[:usable], y[:usable]
             if not usable:
                 continue
             x, y = x.to(self.device), y.to(self.device)
-            loss = self.pipeline.evaluate(x, y) if self.pipeline else self.model(x, y)[1]
+            loss = self.parallel.evaluate(x, y)
             total += loss * len(x)
             rows += len(x)
         return self._dp_mean(total / rows)
@@ -383,7 +247,7 @@ class Trainer:
         """Record this step's pipeline timeline to `trace` if it is `step`."""
         if self.trace is None or self.step != step:
             return contextlib.nullcontext()
-        return trace_to_file(self.pipeline, self.trace, self.optimizer)
+        return trace_to_file(self.parallel.pipeline, self.trace, self.optimizer)
 
     def save(self) -> Path:
         """Checkpoint the current step under `<out>/checkpoints/` (collective)."""
@@ -401,7 +265,7 @@ class Trainer:
             self.optimizer,
             meta,
             self.config.keep_checkpoints,
-            self.shard_keys,
+            self.parallel.checkpoint_keys,
         )
 
     def _progress_bar(self):
@@ -440,7 +304,7 @@ class Trainer:
             "train_tokens": self.setup.data.split,
             "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
             "wall_time_s": seconds,
-            "parallel": getattr(self.model, "parallel_report", []),
+            "parallel": self.parallel.report,
             **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:

@@ -7,44 +7,72 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from interlace.config_args import option
 from interlace.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A training run's settings.
+    """A training run's settings. Each field's help says what it means; `interlace train` offers
+    every field as an option (`global_batch` → `--global-batch`) with that help."""
 
-    global_batch: sequences per optimizer step over all data-parallel ranks.
-    micro_batch: sequences per rank per forward pass (None = global_batch / dp, no
-        accumulation); gradient accumulation = global_batch / (dp · micro_batch).
-    seq_len: tokens per sequence (None = the preset's).
-    ckpt_every: save a checkpoint every N steps (0 = only at the end); checkpoints go to
-        `out/checkpoints/`.
-    split_points / layers_per_stage (pp > 1): override the partitioner's split — the module
-        names that begin stages 1, 2, … ("blocks.4"), or the layer count of every stage.
-    """
-
-    model: str = "demo"
-    data: str | None = None
-    tokenizer: str = "byte"
-    steps: int = 400
-    global_batch: int = 32
-    micro_batch: int | None = None
-    seq_len: int | None = None
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    ckpt_every: int = 0
-    keep_checkpoints: int = 2
-    seed: int = 0
-    out: str | None = "runs/latest"
-    progress: bool = True
-    split_points: tuple[str, ...] = ()
-    layers_per_stage: tuple[int, ...] = ()
+    model: str = option(
+        "demo",
+        "model preset, or a .json file of GPTConfig fields; see `interlace plan --list`",
+        metavar="PRESET",
+        aliases=("--preset",),
+    )
+    data: str | None = option(
+        None,
+        "text file or folder of .txt/.md/.rst files; None: the Python documentation shipped "
+        "with Python (pydoc_data.topics)",
+        metavar="PATH",
+    )
+    tokenizer: str = option(
+        "byte",
+        "byte-level (256 ids) or a BPE trained on the data (needs interlace[hf])",
+        choices=("byte", "bpe"),
+    )
+    steps: int = option(400, "optimizer steps of the whole run (when resuming: the new total)")
+    global_batch: int = option(32, "sequences per optimizer step over all ranks")
+    micro_batch: int | None = option(
+        None,
+        "sequences per rank per forward pass; each step accumulates the gradients of "
+        "global batch / (dp x micro batch) passes; None: global batch / dp, no accumulation",
+    )
+    seq_len: int | None = option(None, "tokens per sequence; None: the preset's")
+    lr: float = option(2e-3, "peak learning rate")
+    min_lr_ratio: float = option(
+        0.1, "final learning rate as a fraction of the peak (cosine decay)"
+    )
+    warmup_steps: int = option(20, "steps of linear learning-rate warmup from 0")
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices and embeddings only)")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)")
+    eval_every: int = option(50, "held-out evaluation every N steps and at the end (0 = never)")
+    eval_batches: int = option(4, "held-out batches (of global batch sequences) per evaluation")
+    ckpt_every: int = option(
+        0, "save a checkpoint in out/checkpoints/ every N steps (0 = only at the end)"
+    )
+    keep_checkpoints: int = option(2, "newest checkpoints to keep; older ones are deleted")
+    seed: int = option(0, "seed of the initial weights and of the data order")
+    out: str | None = option(
+        "runs/latest",
+        "run folder: metrics.jsonl, report.json, loss.png, checkpoints/ (None: no files)",
+        metavar="DIR",
+    )
+    progress: bool = option(True, "show a progress bar")
+    split_points: tuple[str, ...] = option(
+        (),
+        "with pp > 1: the modules that begin stages 1, 2, ..., e.g. blocks.3,blocks.6, instead "
+        "of the partitioner's split",
+        metavar="NAMES",
+    )
+    layers_per_stage: tuple[int, ...] = option(
+        (),
+        "with pp > 1: the layer count of every stage, e.g. 3,3,2, instead of the partitioner's "
+        "split",
+        metavar="COUNTS",
+    )
 
     def validate(self) -> TrainConfig:
         """Raise ConfigError for values that cannot work; returns self."""

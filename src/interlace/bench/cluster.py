@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -32,17 +31,6 @@ HUB = f"{PREFIX}hub"
 SUBNET = "10.77.0"
 LOOPBACK = "loopback (not bandwidth-shaped)"
 _LOCK = Path("/tmp/interlace-cluster.lock")
-_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def parse_rate(text: str) -> float:
-    """'1gbit' / '500mbit' / '100kbit' → bits per second. ConfigError otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(kbit|mbit|gbit)\s*", text.lower())
-    if not match or float(match.group(1)) <= 0:
-        raise ConfigError(
-            f"bandwidth '{text}' is not a rate like 1gbit, 500mbit or 100kbit (or 'loopback')"
-        )
-    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 def shaping_unavailable() -> str | None:

@@ -14,7 +14,7 @@ projection runs, the gate weights are the router's softmax probabilities at the 
 all-gather, dispatch, replicas, combine and backward are the unmodified expert-parallel layer.
 So the load is exactly the workload's while the compute and communication are real. Tokens
 are sampled per source rank from the workload's popularity: `skewed` is the Zipf-like
-drifting generator of `interlace.moe.routing_workloads` (ranks see it tilted by a per-rank
+drifting generator of `interlace.bench.moe_routing_workloads` (ranks see it tilted by a per-rank
 preference), `recorded` replays the per-step, per-layer counts of a few real training steps of
 the built-in MoE-GPT preset `recorded_model` on the built-in corpus (recorded on rank 0 and
 broadcast; every rank replays the same popularity; the recorded model's experts set E; on a
@@ -61,6 +61,12 @@ from interlace.bench.moe_calibrate import layer_cost, measure_expert, measure_li
 from interlace.bench.moe_forced import forced_layer
 from interlace.bench.moe_overlap import measure_hidden_share, probe_routing
 from interlace.bench.moe_report import headline, key_numbers, plot, table, targets
+from interlace.bench.moe_routing_workloads import (
+    RecordedRouting,
+    SkewedRouting,
+    record_routing,
+    sample_assignments,
+)
 from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.models.presets import get_preset
@@ -72,12 +78,6 @@ from interlace.moe.balance import (
     device_loads,
     layer_time,
     make_balancer,
-)
-from interlace.moe.routing_workloads import (
-    RecordedRouting,
-    SkewedRouting,
-    record_routing,
-    sample_assignments,
 )
 from interlace.parallel.expert.layer import ExpertParallelMoE, schedule_transfers
 

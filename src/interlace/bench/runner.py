@@ -25,9 +25,10 @@ import torch
 from interlace import __version__
 from interlace.bench import get_benchmark
 from interlace.bench.base import Benchmark
-from interlace.bench.cluster import Cluster, parse_rate
+from interlace.bench.cluster import Cluster
 from interlace.bench.cpu_quota import CpuQuota
 from interlace.errors import ConfigError
+from interlace.rates import parse_rate
 
 
 class BenchFailed(RuntimeError):

@@ -21,10 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from interlace import comm
 from interlace.bench.base import Benchmark, RankContext, check_names
+from interlace.bench.compress_workloads import Workload, click_workload, gpt_workload
 from interlace.bench.timing import median, slowest
 from interlace.compress import make_comm_hook, sketch
-from interlace.compress.workloads import Workload, click_workload, gpt_workload
 from interlace.errors import ConfigError
+from interlace.parallel.data.apply import SINGLE_BUCKET_MB
 from interlace.plotting import new_figure, save_figure
 
 MODES = ("dense", "powersgd", "topk", "sketch")
@@ -49,7 +50,7 @@ def _mean_over_ranks(value: torch.Tensor, group: comm.Group) -> float:
 def _train(ctx: RankContext, workload: str, mode: str) -> dict[str, Any]:
     group, options = ctx.group, ctx.options
     work: Workload = WORKLOADS[workload](rank=group.rank, seed=options["seed"])
-    bucket_mb = 1e6 if mode == "powersgd" else options["bucket_mb"]
+    bucket_mb = SINGLE_BUCKET_MB if mode == "powersgd" else options["bucket_mb"]
     ddp = DistributedDataParallel(work.model, process_group=group.pg, bucket_cap_mb=bucket_mb)
     state, hook = make_comm_hook(mode, group, **_mode_options(mode, options))
     ddp.register_comm_hook(state, hook)
@@ -59,7 +60,7 @@ def _train(ctx: RankContext, workload: str, mode: str) -> dict[str, Any]:
         batch = next(work.batches)
         dist.barrier(group=group.pg)
         sent, start = ctx.tx_bytes(), time.perf_counter()
-        _, loss = ddp(*batch)
+        loss = work.loss(ddp, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -86,7 +87,7 @@ def _codec_times(workload: str, options: dict[str, Any]) -> dict[str, float]:
     """Encode (bitmap + hashes + sketch) and decode (peel schedule + peel) seconds on this
     rank's flat gradient after one backward."""
     work = WORKLOADS[workload](seed=options["seed"])
-    _, loss = work.model(*next(work.batches))
+    loss = work.loss(work.model, next(work.batches))
     loss.backward()
     flat = torch.cat([p.grad.reshape(-1) for p in work.model.parameters()])
     start = time.perf_counter()

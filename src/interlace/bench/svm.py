@@ -1,7 +1,8 @@
 """`svm`: the nonconvex ADMM SVM (each penalty) vs LIBLINEAR's ℓ1 and ℓ2 SVMs; single process.
 
-The measurement itself lives in `interlace.svm.benchmark`; this module registers it with the
-bench runner so it gets the same JSON, PNG and BENCHMARKS.md section as the others.
+The measurement itself lives in `svm_benchmark` (imported only when it runs: it needs the `svm`
+extra); this module registers it with the bench runner so it gets the same JSON, PNG and
+BENCHMARKS.md section as the others.
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from interlace.bench.base import Benchmark
 
 
 def _run(options: dict[str, Any]) -> dict[str, Any]:
-    from interlace.svm.benchmark import run_svm_benchmark
+    from interlace.bench.svm_benchmark import run_svm_benchmark
 
     return run_svm_benchmark(quick=options["quick"])
 
 
 def _table(doc: dict[str, Any]) -> str:
-    from interlace.svm.benchmark import svm_table
+    from interlace.bench.svm_benchmark import svm_table
 
     return svm_table(doc["result"])
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
-    from interlace.svm.benchmark import plot_svm
+    from interlace.bench.svm_benchmark import plot_svm
 
     plot_svm(doc["result"], path)
 

@@ -37,9 +37,11 @@ from interlace.bench.timing import median, sample, slowest
 from interlace.bench.tp_megatron import megatron_tp, unavailable
 from interlace.comm import Group
 from interlace.errors import ConfigError
+from interlace.loss import CrossEntropy, cross_entropy
 from interlace.models.gpt import build_model
 from interlace.parallel.detect import find_structure
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.planner.calibrate import hidden_fraction
 
@@ -101,22 +103,42 @@ def _batch(options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _stepper(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], losses: list[float]):
+def _stepper(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    losses: list[float],
+    scores: CrossEntropy = cross_entropy,
+):
+    """One training step's forward and backward of `model` on `batch` = (x, y), its logits
+    scored by `scores` (interlace's split head: the vocabulary-parallel cross-entropy)."""
+    x, y = batch
+
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        _, loss = model(*batch)
+        loss = scores(model(x), y)
         loss.backward()
         losses.append(loss.item())
 
     return step
 
 
-def _measure(ctx: RankContext, model: nn.Module, batch, metered: bool) -> dict[str, Any]:
+def _split_vocab_loss(group: Group) -> CrossEntropy:
+    """The loss of interlace's 1D tensor-parallel GPT, whose head gives this rank's vocabulary."""
+    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
+
+
+def _measure(
+    ctx: RankContext,
+    model: nn.Module,
+    batch,
+    metered: bool,
+    scores: CrossEntropy = cross_entropy,
+) -> dict[str, Any]:
     group, steps = ctx.group, ctx.options["steps"]
     losses: list[float] = []
-    step = _stepper(model, batch, losses)
+    step = _stepper(model, batch, losses, scores)
     step_s = sample(step, group, min_samples=steps, min_seconds=0)
-    forward_s = sample(lambda: model(*batch), group, min_samples=steps, min_seconds=0)
+    forward_s = sample(lambda: model(batch[0]), group, min_samples=steps, min_seconds=0)
     dist.barrier(group=group.pg)
     comm.meter.reset()
     sent = ctx.tx_bytes()
@@ -161,9 +183,9 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     compute: dict[str, float] = {}
     for name, sub in (("plain", 1), ("overlapped", k)):
         local = _interlace_tp(options, solo, sub)
-        step = _stepper(local, batch, [])
+        step = _stepper(local, batch, [], _split_vocab_loss(solo))
         compute[name] = median(sample(step, group, min_samples=options["steps"], min_seconds=0))
-        forward = sample(lambda m=local: m(*batch), group, min_samples=options["steps"])
+        forward = sample(lambda m=local: m(batch[0]), group, min_samples=options["steps"])
         compute[f"{name}_forward"] = median(forward)
         del local
     # communication alone: the collectives of one plain TP step, replayed back to back
@@ -171,16 +193,18 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     recorder, saved = _RecordingMeter(), comm.meter
     comm.meter = recorder
     try:
-        _stepper(plain, batch, [])()
+        _stepper(plain, batch, [], _split_vocab_loss(tp))()
     finally:
         comm.meter = saved
     replay = _replay(recorder.calls, tp)
     comm_s = median(sample(replay, group, min_samples=options["steps"], min_seconds=0))
-    modes = {"plain_tp": _measure(ctx, plain, batch, metered=True)}
+    modes = {"plain_tp": _measure(ctx, plain, batch, True, _split_vocab_loss(tp))}
     del plain
     for boundary, suffix in ((True, ""), (False, "_in_block")):
         overlapped = _interlace_tp(options, tp, k, block_boundary=boundary)
-        modes[f"overlapped_tp_k{k}{suffix}"] = _measure(ctx, overlapped, batch, metered=True)
+        modes[f"overlapped_tp_k{k}{suffix}"] = _measure(
+            ctx, overlapped, batch, True, _split_vocab_loss(tp)
+        )
         del overlapped
     modes["dtensor_tp"] = _measure(ctx, _dtensor_tp(options, p), batch, metered=False)
     skipped = {}

@@ -91,14 +91,16 @@ def _measure(
     )
     cfg = gpt_config(options)
     torch.manual_seed(0)
-    model = parallelize(build_model(cfg), plan, build_mesh(plan))
+    par = parallelize(build_model(cfg), plan, build_mesh(plan))
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (options["batch"], cfg.seq_len + 1), generator=g)
     losses: list[float] = []
 
+    x, y = par.rows(tokens[:, :-1]), par.rows(tokens[:, 1:])
+
     def step() -> None:
-        model.zero_grad(set_to_none=True)
-        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        par.model.zero_grad(set_to_none=True)
+        loss = par.loss(par.model(x), y)
         loss.backward()
         losses.append(loss.item())
 
@@ -119,7 +121,7 @@ def _measure(
     else:
         z_params = sum(
             p.numel()
-            for p in model.parameters()
+            for p in par.model.parameters()
             if (spec := shard3d_spec(p)) is None or "z" not in spec.axes
         )
         row["formula"], row["predicted"] = predicted_3d(cfg, per_rank_tokens, grid, z_params)

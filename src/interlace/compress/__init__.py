@@ -7,7 +7,7 @@ Kinds: "sketch" (the S2 Reducer: bitmap union + count-sketch all-reduce, `hook.p
 `sketch.py`), "topk" (top-k with all-gather, `topk.py`), "dense" (the metered default
 all-reduce, `interlace.comm.ddp_allreduce_hook`) and "powersgd" (torch's PowerSGD hook; it is
 not metered, and on gloo in torch 2.13 it hangs with more than one DDP bucket — give DDP a
-`bucket_cap_mb` larger than the model). `workloads.py` builds models whose gradients are sparse.
+`bucket_cap_mb` larger than the model).
 """
 
 from __future__ import annotations

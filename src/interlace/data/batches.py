@@ -17,6 +17,7 @@ here a global batch may span two epochs and any step can be produced directly.
 import torch
 
 from interlace.data.tokens import TokenData
+from interlace.divisors import divisors
 from interlace.errors import CheckpointError, DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -188,7 +189,7 @@ def _check_rank(dp_rank: int, dp_size: int) -> None:
 
 def _divisibility_hint(global_batch_size: int, dp_size: int, accum: int) -> str:
     if global_batch_size % dp_size:
-        sizes = _divisors(global_batch_size)
+        sizes = divisors(global_batch_size)
         return (
             f"use a global_batch_size that is a multiple of {dp_size * accum}, "
             f"or a dp_size that divides {global_batch_size} (one of {sizes})"
@@ -196,9 +197,5 @@ def _divisibility_hint(global_batch_size: int, dp_size: int, accum: int) -> str:
     per_rank = global_batch_size // dp_size
     return (
         f"use a global_batch_size that is a multiple of {dp_size * accum}, "
-        f"or with dp_size={dp_size} an accum that divides {per_rank} (one of {_divisors(per_rank)})"
+        f"or with dp_size={dp_size} an accum that divides {per_rank} (one of {divisors(per_rank)})"
     )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

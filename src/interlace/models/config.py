@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from interlace.divisors import divisors
 from interlace.errors import ConfigError
 
 
@@ -164,5 +165,5 @@ def _nearest_multiple(value: int, step: int) -> int:
 
 def _nearest_divisor(value: int, target: int) -> int:
     """The divisor of `value` nearest to `target` (the smaller one on a tie)."""
-    divisors = [k for k in range(1, value + 1) if value % k == 0]
-    return min(divisors, key=lambda k: (abs(k - target), k))
+    fits = divisors(value)
+    return min(fits, key=lambda k: (abs(k - target), k))

@@ -79,10 +79,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 language model; `forward(idx, targets)` → (logits [B, T, V], loss or None).
+    """GPT-2 language model; `forward(idx)` → logits [B, T, V]. The loss is the training loop's
+    (`interlace.loss.causal_lm_loss(logits, targets, model)`).
 
     `aux_loss` holds the last forward's summed MoE load-balancing loss (0 for a dense model):
-    every block FFN that sets an `aux_loss` attribute in its forward contributes to it.
+    every block FFN that sets an `aux_loss` attribute in its forward contributes to it, and the
+    loss adds `config.aux_loss_coef` times it.
     """
 
     def __init__(self, config: GPTConfig):
@@ -121,14 +123,13 @@ class GPT(nn.Module):
             if name.endswith(("out_proj.weight", "down.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids idx [B, T] (T <= seq_len) → (logits [B, T, vocab_size], loss).
+    @property
+    def aux_loss_coef(self) -> float:
+        """Weight of `aux_loss` in the training loss."""
+        return self.config.aux_loss_coef
 
-        loss = mean cross-entropy against targets [B, T] + aux_loss_coef · aux_loss when
-        targets are given, else None.
-        """
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids idx [B, T] (T <= seq_len) → logits [B, T, vocab_size]; sets `aux_loss`."""
         length = idx.shape[1]
         if length > self.config.seq_len:
             raise ConfigError(
@@ -144,10 +145,7 @@ class GPT(nn.Module):
 
         aux_losses = [b.mlp.aux_loss for b in self.blocks if hasattr(b.mlp, "aux_loss")]
         self.aux_loss = sum(aux_losses, torch.zeros((), device=logits.device))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss + self.config.aux_loss_coef * self.aux_loss
+        return logits
 
 
 def build_model(config: GPTConfig | str, device: torch.device | str | None = None) -> GPT:

@@ -1,75 +1,67 @@
-"""The gradient norm of a model split over ranks, and clipping by it.
+"""The gradient norm of a model split over ranks, and clipping by it: one `clip_grad_norm_` for
+every plan.
 
 Every split works the same way: a rank's parameter either holds a piece of the full gradient
-that no other rank of the groups holds, or a copy that `h` ranks of the groups hold alike
-(replicated parameters, grouped-query kv pieces, replicated biases). Dividing each squared
-norm by its number of holders and summing over the groups counts every piece exactly once:
+that no other rank of a group holds, or a copy that `h` ranks of the group hold alike
+(replicated parameters, grouped-query kv pieces, replicated biases, the two ends of a tied
+embedding). Each model-parallel dimension contributes a `NormShare`: its group and, per
+parameter, how many of the group's ranks hold that gradient. Dividing each squared norm by the
+product of its holders over all shares and summing over every share's group counts every piece
+exactly once:
 
-    ‖g‖² = Σ_groups Σ_p ‖g_p‖² / holders(p)
+    ‖g‖² = Σ_ranks Σ_p ‖g_p‖² / Π_shares holders_s(p)
 
-`grad_norm` and `clip_grad_norm_` are the 1D tensor-parallel case; expert parallelism
-(`interlace.parallel.expert.layer`) and 3D tensor parallelism (`interlace.parallel.tensor3d`) pass
-their own `holders`.
+The groups must be distinct axes of the mesh (tp; tp_x, tp_y, tp_z; ep; pp): the squares are
+all-reduced over one after the other. Data parallel replicas hold equal gradients after their
+reduction and are not a share.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from interlace import comm
 from interlace.comm import Group
-from interlace.parallel.tensor.shard import shard_spec
 
 
-def split_grad_norm(
-    parameters: Iterable[torch.Tensor],
-    holders: Callable[[torch.Tensor], int],
-    groups: Sequence[Group],
-) -> torch.Tensor:
-    """Global L2 norm (a 0-d tensor, equal on every rank) of the gradients of this rank's
-    `parameters`, each squared norm divided by `holders(p)` (ranks of `groups` holding the same
-    gradient) and summed over `groups`. Collective over every group of more than one rank."""
+@dataclass(frozen=True)
+class NormShare:
+    """One model-parallel group, and for each parameter the number of its ranks holding the same
+    gradient (1: a piece no other rank of the group holds; group.size: replicated)."""
+
+    group: Group
+    holders: Callable[[torch.Tensor], int]
+
+
+def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = ()) -> torch.Tensor:
+    """Global L2 norm (a 0-d fp32 tensor, equal on every rank) of the whole model's gradient,
+    from this rank's `parameters`; collective over every share's group (every rank calls it)."""
     params = [p for p in parameters if p.grad is not None]
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), device=device)
     for p in params:
-        total += p.grad.detach().float().pow(2).sum() / holders(p)
-    for group in groups:
-        if group.size > 1:
-            comm.all_reduce(total, group)
+        held = math.prod(share.holders(p) for share in shares)
+        total += p.grad.detach().float().pow(2).sum() / held
+    for share in shares:
+        if share.group.size > 1:
+            comm.all_reduce(total, share.group)
     return total.sqrt()
 
 
-def clip_to_norm_(parameters: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale the gradients in place by min(1, max_norm / norm), as
-    `torch.nn.utils.clip_grad_norm_` does once it has the norm."""
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in parameters:
-        if p.grad is not None:
-            p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
-
-
-def grad_norm(parameters: Iterable[torch.Tensor], group: Group | None) -> torch.Tensor:
-    """Global L2 norm of the gradients of a 1D tensor-parallel model: sharded pieces summed over
-    `group` (kv pieces held by several ranks counted once), replicated ones counted once.
-    Collective over `group`: every rank must call it."""
-    size = group.size if group is not None else 1
-
-    def holders(p: torch.Tensor) -> int:
-        spec = shard_spec(p)
-        return size if spec is None else spec.replicas
-
-    return split_grad_norm(parameters, holders, [group] if group is not None else [])
-
-
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, group: Group | None
+    parameters: Iterable[torch.Tensor], max_norm: float, shares: Sequence[NormShare] = ()
 ) -> torch.Tensor:
-    """Scale gradients in place so their global norm (`grad_norm`) is at most `max_norm`, as
-    `torch.nn.utils.clip_grad_norm_` does for one process; returns the norm before clipping."""
+    """Scale the gradients in place by min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
+    does for one process, with ‖g‖ the `grad_norm` over `shares`; returns ‖g‖ before clipping
+    (max_norm = inf: only measure it)."""
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params, group)
-    clip_to_norm_(params, norm, max_norm)
+    norm = grad_norm(params, shares)
+    if math.isfinite(max_norm):
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
     return norm

@@ -1,122 +1,286 @@
-"""`parallelize(model, plan, mesh)`: turn a model into its parallel form for a Plan, in place.
+"""`parallelize(model, plan, mesh)`: a model in its parallel form for a Plan, and everything the
+training loop needs to run it.
 
-The steps run in a fixed order, each the work of one module under `interlace/parallel/`:
+Every plan goes through the same steps in the same order, each one `apply_*` of its dimension:
 
-    1. tensor parallel, 1D (`plan.tp`, mesh group "tp")    parallel/tensor.py
-       + sub-batch overlap (`plan.overlap.tp_subbatches`)  parallel/tensor_overlap.py
-       or 3D (`plan.tp3d`, groups "tp_x", "tp_y", "tp_z")  parallel/tensor3d.py
-    2. expert parallel (`plan.ep`, `plan.moe_balance`;      parallel/expert.py
-       groups "ep" / "ep_dp" carved from "dp")              parallel/expert_groups.py
+    1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/
+                or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/
+    2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/
+    3. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
+    4. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
 
-Pipeline parallelism cuts the result into stages (`interlace.parallel.pipeline.PipelineRunner`),
-and data parallelism (DDP over the mesh's "dp" group) wraps it; the Trainer applies both, in that
-order, after this function. 3D tensor parallelism (`plan.tp3d`, mesh groups "tp_x", "tp_y",
-"tp_z"; parallel/tensor3d.py) takes the place of step 1.
+Steps 1 and 2 change the model in place; 3 keeps this rank's stages; 4 wraps what is left. The
+result, `Parallelized`, owns what differs between plans — the module to run, the loss of its
+logits (vocabulary-parallel under a split head, averaged over tp3d's z), the gradient
+reduction after the last micro-batch, the gradient norm over every split, the checkpoint keys of
+sharded parameters and the report — so a training loop has no branch per dimension.
 
 Every part is found by module structure (`interlace.parallel.detect`); what is not recognised
-stays replicated, and `model.parallel_report` (also logged on "interlace.parallel") lists, one
-line per module, what was split and what was left replicated and why.
+stays replicated, and the report (also logged on "interlace.parallel") lists, one line per
+module, what was split and what was left replicated and why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
+from interlace.comm import Group
 from interlace.errors import PlanError
+from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
 from interlace.mesh import Mesh
-from interlace.parallel.detect import find_structure
+from interlace.parallel.data.apply import DataParallel, apply_data_parallel
+from interlace.parallel.detect import Structure, find_structure
 from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.grads import (
+    expert_norm_share,
+    expert_parameter_names,
+    reduce_expert_gradients,
+)
 from interlace.parallel.expert.groups import build_expert_groups
+from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.grad_norm import NormShare, clip_grad_norm_
+from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
+from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.moe import check_expert_blocks
 from interlace.parallel.tensor.overlap import apply_tp_overlap, check_tp_overlap
-from interlace.parallel.tensor3d.apply import apply_tensor3d, check_tensor3d
-from interlace.parallel.tensor3d.shard import Grid
+from interlace.parallel.tensor.shard import sharded_parameter_names, tensor_norm_share
+from interlace.parallel.tensor3d.apply import apply_tensor3d, check_tensor3d, z_rows
+from interlace.parallel.tensor3d.comm import mean_over
+from interlace.parallel.tensor3d.shard import Grid, shard3d_keys, tensor3d_norm_shares
 from interlace.plan import Plan
 
 logger = logging.getLogger("interlace.parallel")
 
 
-def parallelize(
-    model: nn.Module, plan: Plan, mesh: Mesh, *, sequence_parallel: bool | None = None
-) -> nn.Module:
-    """Apply `plan`'s parallel dimensions to `model` on `mesh` and return it (same object).
+class Parallelized:
+    """A model split by `parallelize`, with what the training loop needs to run it.
 
-    With `plan.tp > 1`, attention and feed-forward blocks become column → row parallel, the
-    token embedding and LM head vocab-parallel, over the mesh's "tp" group (see
-    `interlace.parallel.tensor.layers`); `sequence_parallel` (default: `plan.sequence_parallel`)
-    also splits the activations between blocks along the sequence;
-    `plan.overlap.tp_subbatches = k > 1` runs every layer in k interleaved sub-batches so their
-    all-reduces overlap compute (`parallel/tensor_overlap.py`).
-    With `plan.tp3d = (x, y, z)`, the block linears and norms of a dense decoder found by
-    structure (the built-in GPT, HF GPT-2 and Llama) become 3D-parallel over the mesh's "tp_x",
-    "tp_y", "tp_z" groups (`interlace.parallel.tensor3d`), their weights all-gathered over z one
-    layer ahead unless `plan.overlap.tp3d_prefetch` is False; it then returns the logits of this
-    rank's z slice of the batch [B/z, T, V] and the full loss (HF: the ModelOutput's `loss`).
-    Every rank must pass the same full model (same seed). The built-in GPT then returns (this
-    rank's logits [B, T, V/tp], full loss); other models return full logits. Raises PlanError,
-    before modifying anything, if the plan asks for a dimension not implemented here or a model
-    size is not divisible by `plan.tp`.
+    `model`: this rank's part under the full model's parameter names (a pipeline rank's stages),
+    for the optimizer and checkpoints. `module`: what to call (`model`, or its DDP wrapper).
+    `report`: one line per split module. `checkpoint_keys`: {parameter name: key} for pieces
+    that differ between ranks of a split (`.tp1`, `.x0.y1`), so every piece is saved.
     """
-    if sequence_parallel is None:
-        sequence_parallel = plan.sequence_parallel
-    _check_supported(plan, mesh, sequence_parallel)
-    report: list[str] = []
-    if plan.tp > 1:
-        try:
-            structure = find_structure(model)
-        except ValueError as exc:
-            raise PlanError(f"tp={plan.tp}: {exc}") from None
-        check_divisible(structure, plan.tp)
+
+    def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
+        self.model = model
+        self.module = model
+        self.plan = plan
+        self.scores = scores
+        self.report: list[str] = []
+        self.checkpoint_keys: dict[str, str] = {}
+        self.norm_shares: list[NormShare] = []
+        self.expert_groups: tuple[Group, Group] | None = None
+        self.pipeline: PipelineRunner | None = None
+        self.data: DataParallel | None = None
+        self.z: Group | None = None
+
+    # ------------------------------------------------------------------ one step
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a batch-major tensor [B, ...] (tp3d: its slice over z)."""
+        return batch if self.z is None else z_rows(batch, self.z)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of this rank's logits against its targets [b, T]: mean cross-entropy (over
+        the split vocabulary, the mean over tp3d's z) plus the model's auxiliary loss."""
+        return causal_lm_loss(logits, targets, self.model, self.scores)
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0, sync: bool = True
+    ) -> torch.Tensor:
+        """Forward and backward of token ids x [B, T] against targets y [B, T] (this rank's
+        data-parallel rows); gradients of `loss_scale` · loss accumulate in `.grad`. `sync` on
+        the last micro-batch of a step (data parallel reduction, tied embeddings). Returns the
+        loss, detached, equal on every rank of the model-parallel groups."""
+        if self.pipeline is not None:
+            return self.pipeline.step(x, y, loss_scale=loss_scale, sync=sync).detach()
+        self.module.train()
+        deferred = self.data.no_sync() if self.data is not None and not sync else None
+        with deferred or contextlib.nullcontext():
+            loss = self.loss(self.module(self.rows(x)), self.rows(y))
+            (loss * loss_scale).backward()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of x [B, T] against y [B, T], forward only (B a multiple of
+        `plan.batch_rows_unit`)."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(x, y)
+        self.model.eval()
+        return self.loss(self.model(self.rows(x)), self.rows(y))
+
+    def sync_gradients(self) -> None:
+        """After a step's last backward: gradients averaged over the data parallel ranks where
+        backward did not (no DDP), expert gradients over their replicas."""
+        if self.data is not None:
+            self.data.sync_gradients()
+        if self.expert_groups is not None:
+            _, ep_dp = self.expert_groups
+            reduce_expert_gradients(self.model, ep_dp, self.plan.dp)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm` by the whole model's gradient norm, counted once over every split;
+        returns that norm before clipping (equal on every rank)."""
+        return clip_grad_norm_(self.model.parameters(), max_norm, self.norm_shares)
+
+    def metrics(self) -> dict[str, Any]:
+        """What the plan's dimensions log per step: the gradient compression ratio so far,
+        each expert-parallel layer's balance summary."""
+        row: dict[str, Any] = {}
+        if self.data is not None and self.data.compression is not None:
+            row["compression_ratio"] = self.data.compression.summary()["ratio"]
+        layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelMoE)]
+        if layers:
+            row["moe"] = [m.balance_summary() for m in layers]
+        return row
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh | None,
+    *,
+    sequence_parallel: bool | None = None,
+    gather_logits: bool = False,
+    split_points: Sequence[str] | None = None,
+    layers_per_stage: Sequence[int] | None = None,
+) -> Parallelized:
+    """Apply `plan` to `model` on `mesh` (None: one process, nothing to split) in the fixed
+    order of the module docstring; returns the `Parallelized` result.
+
+    Every rank must pass the same full model (same seed). `sequence_parallel` overrides the
+    plan's; `gather_logits`: a 1D-split head all-gathers full logits [..., V] (for a model's own
+    loss or `generate`) instead of leaving this rank's [..., V/tp] to the vocabulary-parallel
+    loss; `split_points` / `layers_per_stage` override the pipeline partitioner. Raises
+    PlanError before modifying anything if the plan does not fit the mesh or the model.
+    """
+    if sequence_parallel is not None:
+        plan = dataclasses.replace(plan, sequence_parallel=sequence_parallel)
+    plan.validate(1 if mesh is None else mesh.device_mesh.size())
+    if mesh is None:
+        return Parallelized(model, plan, cross_entropy)
+    _check_mesh(plan, mesh)
+    result = Parallelized(model, plan, cross_entropy)
+    apply_tensor(result, mesh, gather_logits)
+    apply_expert(result, mesh)
+    apply_pipeline(result, mesh, split_points, layers_per_stage)
+    apply_data(result, mesh)
+    for line in result.report:
+        logger.info(line)
+    return result
+
+
+def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
+    """Step 1: 1D tensor parallelism over "tp" (with sub-batch overlap), or 3D over
+    "tp_x", "tp_y", "tp_z"; sets the loss's scorer and the norm's shares."""
+    model, plan = result.model, result.plan
+    sequence_parallel = plan.sequence_parallel
+    if plan.tensor_parallel:
+        structure = _structure(model, f"tp={plan.tp}")
         subbatches = plan.overlap.tp_subbatches
+        check_divisible(structure, plan.tp)
         check_expert_blocks(model, structure, plan.tp, subbatches)
         check_tp_overlap(structure, subbatches, sequence_parallel)
-        report += apply_tensor_parallel(model, structure, mesh.group("tp"), sequence_parallel)
-        report += apply_tp_overlap(
+        tp = mesh.group("tp")
+        result.report += apply_tensor_parallel(
+            model, structure, tp, sequence_parallel, gather_logits
+        )
+        result.report += apply_tp_overlap(
             model, structure, subbatches, sequence_parallel, plan.overlap.tp_block_boundary
         )
-    if plan.tp3d is not None and plan.tp_size > 1:
-        try:
-            structure = find_structure(model)
-        except ValueError as exc:
-            raise PlanError(f"tp3d: {exc}") from None
-        check_tensor3d(model, structure, plan.tp3d)
-        grid, prefetch = Grid.from_mesh(mesh), plan.overlap.tp3d_prefetch
-        report += apply_tensor3d(model, structure, grid, prefetch)
-    if plan.ep > 1 or plan.moe_balance != "none":
-        ep_group, ep_dp_group = build_expert_groups(mesh, plan.ep)  # collective
-        report += parallelize_experts(model, ep_group, plan.moe_balance)
-        model.expert_groups = (ep_group, ep_dp_group)
-    for line in report:
-        logger.info(line)
-    model.parallel_report = report
-    return model
-
-
-def _check_supported(plan: Plan, mesh: Mesh, sequence_parallel: bool) -> None:
-    pending = [
-        (plan.ep > 1 and plan.tp_size > 1, f"ep={plan.ep} with tensor parallelism"),
-        (plan.tp3d is not None and sequence_parallel, "sequence_parallel with tp3d"),
-    ]
-    for active, what in pending:
-        if active:
-            raise PlanError(f"parallelize does not apply {what} yet; drop it from the plan")
-    if plan.overlap.tp_subbatches > 1 and plan.tp == 1:
-        raise PlanError(
-            f"tp_subbatches={plan.overlap.tp_subbatches} overlaps tensor parallel all-reduces; "
-            "use it with tp > 1, or tp_subbatches=1"
-        )
-    if plan.tp3d is not None:
-        grid = tuple(mesh.size(f"tp_{a}") if f"tp_{a}" in mesh.dims else 0 for a in "xyz")
-        if grid != plan.tp3d:
-            raise PlanError(
-                f"plan tp3d={'x'.join(map(str, plan.tp3d))} but the mesh's tp_x, tp_y, tp_z "
-                f"sizes are {grid}; build the mesh from the same plan (build_mesh(plan))"
+        if not gather_logits:
+            result.scores = lambda logits, targets: vocab_parallel_cross_entropy(
+                logits, targets, tp
             )
-    if plan.tp > 1 and mesh.size("tp") != plan.tp:
-        raise PlanError(
-            f"plan tp={plan.tp} but the mesh's tp group has {mesh.size('tp')} ranks; build the "
-            "mesh from the same plan (build_mesh(plan))"
-        )
+        result.norm_shares.append(tensor_norm_share(tp))
+        result.checkpoint_keys = {
+            name: f"{name}.tp{tp.rank}" for name in sharded_parameter_names(model)
+        }
+    if plan.tensor3d_parallel:
+        structure = _structure(model, "tp3d")
+        check_tensor3d(model, structure, plan.tp3d)  # type: ignore[arg-type]
+        grid = Grid.from_mesh(mesh)
+        result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
+        if grid.z.size > 1:
+            z = result.z = grid.z
+            result.scores = lambda logits, targets: mean_over(cross_entropy(logits, targets), z)
+        result.norm_shares += tensor3d_norm_shares(grid)
+        result.checkpoint_keys = shard3d_keys(model, grid)
+
+
+def apply_expert(result: Parallelized, mesh: Mesh) -> None:
+    """Step 2: experts split over "ep" (carved out of "dp"; collective), reduced over "ep_dp"."""
+    plan = result.plan
+    if not plan.expert_parallel:
+        return
+    ep, ep_dp = build_expert_groups(mesh, plan.ep)
+    result.report += parallelize_experts(result.model, ep, plan.moe_balance)
+    result.expert_groups = (ep, ep_dp)
+    result.norm_shares.append(expert_norm_share(result.model, ep))
+
+
+def apply_pipeline(
+    result: Parallelized,
+    mesh: Mesh,
+    split_points: Sequence[str] | None,
+    layers_per_stage: Sequence[int] | None,
+) -> None:
+    """Step 3: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
+    plan = result.plan
+    if not plan.pipelined:
+        return
+    runner = PipelineRunner(
+        result.model,
+        plan,
+        mesh,
+        result.scores,
+        split_points=split_points,
+        layers_per_stage=layers_per_stage,
+    )
+    result.pipeline = runner
+    result.model = result.module = runner.module
+    result.norm_shares.append(runner.norm_share())
+    result.checkpoint_keys = {
+        name: key
+        for name, key in result.checkpoint_keys.items()
+        if name in dict(runner.module.named_parameters(remove_duplicate=False))
+    }
+    result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
+
+
+def apply_data(result: Parallelized, mesh: Mesh) -> None:
+    """Step 4: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
+    skip = expert_parameter_names(result.model)
+    result.data = apply_data_parallel(result.model, result.plan, mesh.group("dp"), skip)
+    result.module = result.data.module
+
+
+def _structure(model: nn.Module, what: str) -> Structure:
+    try:
+        return find_structure(model)
+    except ValueError as exc:
+        raise PlanError(f"{what}: {exc}") from None
+
+
+def _check_mesh(plan: Plan, mesh: Mesh) -> None:
+    """The mesh must be the plan's (`build_mesh(plan)`)."""
+    sizes = {"pp": plan.pp, "dp": plan.dp}
+    if plan.tp3d is not None:
+        sizes |= dict(zip(("tp_x", "tp_y", "tp_z"), plan.tp3d, strict=True))
+    else:
+        sizes["tp"] = plan.tp
+    for name, size in sizes.items():
+        have = mesh.size(name) if name in mesh.dims else 1
+        if have != size:
+            raise PlanError(
+                f"plan {name}={size} but the mesh's {name} group has {have} ranks; build the "
+                "mesh from the same plan (build_mesh(plan))"
+            )

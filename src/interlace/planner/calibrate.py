@@ -42,6 +42,7 @@ import torch.distributed as dist
 from interlace import comm
 from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
+from interlace.loss import causal_lm_loss
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
 from interlace.planner.bytes import OPTIMIZER_BYTES_PER_PARAM
@@ -189,7 +190,7 @@ def measure_model_efficiency(
 
         def step() -> float:
             start = time.perf_counter()
-            model(ids[:, :-1], ids[:, 1:])[1].backward()
+            causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], model).backward()
             return time.perf_counter() - start
 
         step()  # warm-up

@@ -17,7 +17,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from interlace.bench.cluster import parse_rate
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
@@ -28,6 +27,7 @@ from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 from interlace.planner.simulate import simulate
+from interlace.rates import parse_rate
 from interlace.timeline import plot_timeline, write_chrome_trace
 
 SPEC_KEYS = {

@@ -43,14 +43,14 @@ def data_terms(
     backward is 2/3; see the module docstring)."""
     tp, dpn = plan.tp_size, hardware.devices_per_node
     exposed = hidden = 0.0
-    if plan.dp > 1:
+    if plan.data_parallel:
         dense_params = max(st.params - st.expert_params for st in stages) / tp
         if plan.tp3d is not None:
             dense_params = max(st.layer_params / tp + st.params - st.layer_params for st in stages)
         grad = dense_params * GRAD_BYTES
         inside = group_inside_node(plan.dp, tp, dpn)
         exposed = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
-        if plan.overlap.dp_overlap and plan.pp == 1 and plan.tp3d is None:
+        if plan.dp_overlapped:
             bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
             last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
             full, backward = exposed, 2 / 3 * plan.micro_batches * compute

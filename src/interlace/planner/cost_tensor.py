@@ -43,7 +43,7 @@ def tensor_terms(
     """The 1D tensor parallel collectives of `stage` per micro-batch of `tokens` tokens of width
     `d` at `act_bytes` bytes per element, the sub-batched all-reduces hidden under `work`'s
     compute (see the module docstring); empty without 1D tensor parallelism."""
-    if plan.tp == 1:
+    if not plan.tensor_parallel:
         return CommTerms()
     tp = plan.tp_size
     count = 4 * stage.n_layers + int(stage.has_embed) + int(stage.has_head)

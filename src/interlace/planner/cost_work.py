@@ -52,7 +52,7 @@ def stage_work(
     if plan.tp3d is not None:  # the embedding and head are replicated: only z splits them
         ends = stage.flops - stage.layer_flops
         compute = 3 * (stage.layer_flops / tp + ends / batch_split) * tokens / rate
-    subbatches = plan.overlap.tp_subbatches if plan.tp > 1 else 1
+    subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
     if subbatches > 1:  # each layer runs on tokens / s rows at a time
         sub_rate = hardware.matmul_flops(dtype, tokens / subbatches)
         compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)

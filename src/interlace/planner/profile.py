@@ -209,7 +209,7 @@ def stage_memory(
             else shard.activations / z
             for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
         )
-    if plan.pp > 1:
+    if plan.pipelined:
         in_flight = micro_batches_in_flight(plan.schedule, s, plan.pp, plan.micro_batches, v)
     else:
         in_flight = 1.0

@@ -24,7 +24,7 @@ from dataclasses import replace
 from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
-from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
+from interlace.parallel.pipeline.schedule_rules import check_schedule, virtual_stages_for
 from interlace.plan import Overlap, Plan
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
@@ -66,7 +66,7 @@ def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool 
     if plan.world_size != n_devices:
         raise PlanError(f"plan '{plan}' needs {plan.world_size} ranks, not {n_devices}")
     try:
-        plan._check_spec(spec)
+        plan.check_model(spec)
     except PlanError as exc:
         if NOT_IMPLEMENTED not in str(exc):
             raise

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
@@ -30,28 +29,9 @@ from interlace.planner.profile import ModelProfile, Stage, model_profile
 
 
 def micro_batch_rows(plan: Plan, global_batch: int) -> int:
-    """Sequences per micro-batch: global_batch / (dp · micro_batches); PlanError if uneven."""
-    if global_batch < 1:
-        raise PlanError(f"global batch {global_batch} must be a positive number of sequences")
-    if global_batch % plan.dp:
-        raise PlanError(
-            f"global batch {global_batch} is not divisible by dp={plan.dp}; use a global batch "
-            f"that is a multiple of {plan.dp}, e.g. {plan.dp * max(1, global_batch // plan.dp)}"
-        )
-    per_dp = global_batch // plan.dp
-    if per_dp % plan.micro_batches:
-        raise PlanError(
-            f"the {per_dp} sequences per data parallel rank (global batch {global_batch} / "
-            f"dp={plan.dp}) do not split into micro_batches={plan.micro_batches}; use "
-            f"micro_batches dividing {per_dp}"
-        )
-    rows = per_dp // plan.micro_batches
-    if plan.overlap.tp_subbatches > 1 and rows % plan.overlap.tp_subbatches:
-        raise PlanError(
-            f"tp_subbatches={plan.overlap.tp_subbatches} must divide the {rows} sequences of a "
-            "micro-batch"
-        )
-    return rows
+    """Sequences per micro-batch: global_batch / (dp · micro_batches), the runtime's rule
+    (`Plan.micro_batch_rows`, no accumulation); PlanError if uneven."""
+    return plan.micro_batch_rows(global_batch)
 
 
 @dataclass(frozen=True)
@@ -111,7 +91,7 @@ class StepTerms:
             work += (self.forward + self.backward + self.recompute) / self.idle_speedup
             breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * work
             breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
-        if plan.dp > 1:
+        if plan.data_parallel:
             breakdown["dp.all_reduce"] = self.dp_exposed
             if self.dp_hidden:
                 hidden["dp.all_reduce"] = self.dp_hidden

@@ -2,7 +2,8 @@
 
 `NonconvexSVC` is the scikit-learn estimator; `regularization_path` fits a decreasing λ sequence
 with warm starts; `interlace.svm.consensus.fit_consensus` splits the rows across torch.distributed
-ranks. Needs the `svm` extra (scikit-learn, scipy).
+ranks; `SVMSettings` holds the settings that the last two and `admm.solve` take. Needs the `svm`
+extra (scikit-learn, scipy).
 """
 
 try:
@@ -16,5 +17,6 @@ except ModuleNotFoundError as missing:  # pragma: no cover - depends on the envi
 from interlace.svm.estimator import NonconvexSVC
 from interlace.svm.path import RegularizationPath, regularization_path
 from interlace.svm.penalties import PENALTIES
+from interlace.svm.settings import SVMSettings
 
-__all__ = ["PENALTIES", "NonconvexSVC", "RegularizationPath", "regularization_path"]
+__all__ = ["PENALTIES", "NonconvexSVC", "RegularizationPath", "SVMSettings", "regularization_path"]

@@ -25,7 +25,7 @@ Known limits, measured on the LIBSVM files in shared/data/svm:
 - The relative-change rule stops wherever progress per iteration is small, not only at a
   minimum. With the paper's heart_scale setting (ρ1 = 1.5, ρ2 = 10) each iteration can move a
   slack by at most 1/(n·ρ2), so on the full heart_scale it stops after 4 iterations at an
-  objective 46 % above the best found; hence the default ρ2 = 1/n (see `default_rho2`).
+  objective 46 % above the best found; hence the default ρ2 = 1/n (see `interlace.svm.settings`).
 - SCAD, MCP and capped-ℓ1 are bounded, so on (nearly) separable data the objective keeps falling
   as w grows and has no minimiser; the stopping rule then ends a slow drift.
 - The problem is nonconvex: different ρ, warm starts or row splits may end at different
@@ -41,9 +41,9 @@ import numpy as np
 import scipy.sparse as sp
 from sklearn.exceptions import ConvergenceWarning
 
-from interlace.errors import ConfigError
 from interlace.svm.linsolve import GramSolver
-from interlace.svm.penalties import check_number, check_penalty, penalty_value, prox
+from interlace.svm.penalties import penalty_value, prox
+from interlace.svm.settings import DEFAULTS, SVMSettings
 
 Matrix = np.ndarray | sp.spmatrix | sp.sparray
 
@@ -80,35 +80,6 @@ class ADMMResult:
     state: ADMMState = field(repr=False)
 
 
-def check_params(
-    penalty: str,
-    lam: float,
-    theta: float | None,
-    rho1: float,
-    rho2: float | None,
-    max_iter: int,
-    tol: float,
-) -> float:
-    """Validate solver settings before any work; return the penalty's shape parameter to use.
-
-    Raises ConfigError (a ValueError) naming the bad value and what would be valid.
-    """
-    theta = check_penalty(penalty, lam, theta)
-    check_number("rho1", rho1, positive=True)
-    if rho2 is not None:
-        check_number("rho2", rho2, positive=True)
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
-        raise ConfigError(f"max_iter={max_iter!r} must be an integer >= 1")
-    check_number("tol", tol, positive=False)
-    return theta
-
-
-def default_rho2(n: int) -> float:
-    """ρ2 = 1/n, the default: the margin constraints' multipliers are the hinge weights α_i/n
-    with α_i ∈ [0, 1], so ρ2 ∝ 1/n keeps the scaled dual u2 of order 1 whatever n is."""
-    return 1.0 / n
-
-
 def signed_rows(A: Matrix, y: np.ndarray) -> Matrix:
     """H = diag(y)·A [n, d], kept sparse (CSR) when A is sparse."""
     if sp.issparse(A):
@@ -132,29 +103,21 @@ def relative_change(new: float, old: float) -> float:
 def solve(
     A: Matrix,
     y: np.ndarray,
+    settings: SVMSettings = DEFAULTS,
     *,
-    penalty: str = "scad",
-    lam: float = 2**-6,
-    theta: float | None = None,
-    rho1: float = 0.5,
-    rho2: float | None = None,
-    max_iter: int = 1000,
-    tol: float = 1e-4,
-    fit_intercept: bool = True,
     state: ADMMState | None = None,
     gram: GramSolver | None = None,
 ) -> ADMMResult:
-    """Run ADMM on A [n, d] (dense or sparse) with labels y [n] in {−1, +1}.
+    """Run ADMM with `settings` on A [n, d] (dense or sparse) with labels y [n] in {−1, +1}.
 
-    `rho2=None` means `default_rho2(n)` = 1/n.
     `state` warm-starts from a previous result's state; `gram` reuses a factorisation of
     HᵀH + (rho1/rho2)I for H = diag(y)·A (a regularisation path shares one). Warns with
     ConvergenceWarning when `max_iter` is reached before the stopping rule fires.
     """
-    theta = check_params(penalty, lam, theta, rho1, rho2, max_iter, tol)
+    penalty, lam, theta = settings.penalty, settings.lam, settings.shape
     y = np.asarray(y, dtype=float)
     n, d = A.shape
-    rho2 = default_rho2(n) if rho2 is None else float(rho2)
+    rho1, rho2 = settings.rho1, settings.rho2_for(n)
     rho = rho1 / rho2
     if gram is None:
         gram = GramSolver(signed_rows(A, y), rho)
@@ -172,6 +135,7 @@ def solve(
         )
     x, z, u1, xi, s, u2, b = st.x, st.z, st.u1, st.xi, st.s, st.u2, st.b
     slack_step = 1.0 / (n * rho2)
+    max_iter, tol = settings.max_iter, settings.tol
     history = np.empty(max_iter)
     converged = False
     k = 0
@@ -179,7 +143,7 @@ def solve(
         target = 1.0 + s - xi - u2  # what Hx + b·y should equal
         x = gram.solve(rho * (z - u1) + H.T @ (target - b * y))
         Hx = H @ x
-        if fit_intercept:
+        if settings.fit_intercept:
             b = float(y @ (target - Hx)) / n
         z = prox(x + u1, penalty, lam, theta, rho1)
         margin = Hx + b * y

@@ -8,57 +8,26 @@ DataError, each one line and before any fitting.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 import warnings
 
 import numpy as np
 from sklearn.exceptions import ConvergenceWarning
 
+from interlace.config_args import add_dataclass_args, dataclass_from_args
 from interlace.errors import DataError
-from interlace.svm import admm
 from interlace.svm.estimator import NonconvexSVC, binary_labels
 from interlace.svm.io import load_libsvm
-from interlace.svm.penalties import DEFAULT_THETA, PENALTIES
+from interlace.svm.settings import SVMSettings
 
 
 def add_svm_args(parser: argparse.ArgumentParser) -> None:
-    """Declare the `svm` command's arguments on `parser`."""
+    """Declare the `svm` command's arguments on `parser`: the files, then every SVMSettings
+    field."""
     parser.add_argument("train", metavar="TRAIN", help="training data, LIBSVM format")
     parser.add_argument("--test", metavar="TEST", help="held-out data, LIBSVM format")
-    parser.add_argument(
-        "--penalty",
-        default="scad",
-        help=f"nonconvex penalty: {', '.join(PENALTIES)} (default: scad)",
-    )
-    parser.add_argument(
-        "--lam", type=float, default=2**-6, help="penalty strength λ >= 0 (default: 2^-6)"
-    )
-    defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_THETA.items())
-    parser.add_argument(
-        "--theta",
-        type=float,
-        default=None,
-        help=f"penalty shape: SCAD a, MCP γ, LSP θ, capped-ℓ1 θ (default: {defaults})",
-    )
-    parser.add_argument(
-        "--rho1", type=float, default=0.5, help="ADMM penalty of x = z (default: 0.5)"
-    )
-    parser.add_argument(
-        "--rho2",
-        type=float,
-        default=None,
-        help="ADMM penalty of the margin constraint (default: 1/n_samples)",
-    )
-    parser.add_argument(
-        "--max-iter", type=int, default=1000, help="iteration limit (default: 1000)"
-    )
-    parser.add_argument(
-        "--tol",
-        type=float,
-        default=1e-4,
-        help="stop when the objective's relative change is below this (default: 1e-4)",
-    )
-    parser.add_argument("--no-intercept", action="store_true", help="fit no intercept (b = 0)")
+    add_dataclass_args(parser, SVMSettings)
 
 
 def run_svm(args: argparse.Namespace) -> int:
@@ -66,9 +35,7 @@ def run_svm(args: argparse.Namespace) -> int:
 
     Returns 0. Raises ConfigError for bad settings and DataError for bad files or labels.
     """
-    theta = admm.check_params(
-        args.penalty, args.lam, args.theta, args.rho1, args.rho2, args.max_iter, args.tol
-    )
+    settings = dataclass_from_args(SVMSettings, args)
     paths = [args.train] + ([args.test] if args.test else [])
     data = load_libsvm(*paths)
     X, y = data[0]
@@ -83,16 +50,7 @@ def run_svm(args: argparse.Namespace) -> int:
                 f"{args.test}: labels {unknown.tolist()} do not occur in {args.train} "
                 f"(its classes are {classes.tolist()}); use the same label encoding in both"
             )
-    model = NonconvexSVC(
-        penalty=args.penalty,
-        lam=args.lam,
-        theta=args.theta,
-        rho1=args.rho1,
-        rho2=args.rho2,
-        max_iter=args.max_iter,
-        tol=args.tol,
-        fit_intercept=not args.no_intercept,
-    )
+    model = NonconvexSVC(**dataclasses.asdict(settings))
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConvergenceWarning)
@@ -100,10 +58,10 @@ def run_svm(args: argparse.Namespace) -> int:
     hit_limit = any(issubclass(w.category, ConvergenceWarning) for w in caught)
     seconds = time.perf_counter() - start
     n, d = X.shape
-    rho2 = "1/n" if args.rho2 is None else f"{args.rho2:g}"
+    rho2 = "1/n" if settings.rho2 is None else f"{settings.rho2:g}"
     print(
-        f"{args.train}: {n} rows x {d} features; penalty={args.penalty} lam={args.lam:g} "
-        f"theta={theta:g} rho1={args.rho1:g} rho2={rho2}"
+        f"{args.train}: {n} rows x {d} features; penalty={settings.penalty} "
+        f"lam={settings.lam:g} theta={settings.shape:g} rho1={settings.rho1:g} rho2={rho2}"
     )
     print(f"train accuracy  {100 * model.score(X, y):6.2f} %  ({n} rows)")
     if args.test:

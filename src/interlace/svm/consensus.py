@@ -42,6 +42,7 @@ from interlace import comm
 from interlace.svm import admm
 from interlace.svm.linsolve import GramSolver
 from interlace.svm.penalties import penalty_value, prox
+from interlace.svm.settings import DEFAULTS, SVMSettings
 
 
 class ConsensusResult(NamedTuple):
@@ -53,27 +54,17 @@ class ConsensusResult(NamedTuple):
 
 
 def fit_consensus(
-    X_local,
-    y_local,
-    group: comm.Group,
-    *,
-    penalty: str = "scad",
-    lam: float = 2**-6,
-    theta: float | None = None,
-    rho1: float = 0.5,
-    rho2: float | None = None,
-    max_iter: int = 1000,
-    tol: float = 1e-4,
-    fit_intercept: bool = True,
+    X_local, y_local, group: comm.Group, settings: SVMSettings = DEFAULTS
 ) -> ConsensusResult:
-    """Fit the penalised SVM on rows split across the ranks of `group`; call on every rank.
+    """Fit the penalised SVM with `settings` on rows split across the ranks of `group`; call on
+    every rank.
 
     X_local [n_k, d] (dense or sparse; d equal on all ranks, n_k ≥ 1), y_local [n_k] in
-    {−1, +1}. Settings mean what they mean for `NonconvexSVC`; `rho2=None` is 1/n for the global
-    n. Returns the same `ConsensusResult` on every rank. Bad input raises ValueError on every rank
-    (the ranks agree on the check first, so none is left waiting).
+    {−1, +1}. `settings.rho2=None` is 1/n for the global n. Returns the same `ConsensusResult` on
+    every rank. Bad input raises ValueError on every rank (the ranks agree on the check first, so
+    none is left waiting).
     """
-    theta = admm.check_params(penalty, lam, theta, rho1, rho2, max_iter, tol)
+    penalty, lam, theta = settings.penalty, settings.lam, settings.shape
     try:
         A = check_array(X_local, accept_sparse="csr", dtype=np.float64, ensure_min_samples=0)
         y = np.asarray(y_local, dtype=float).ravel()
@@ -82,7 +73,7 @@ def fit_consensus(
         A, y, problem = np.zeros((0, 0)), np.zeros(0), _UNREADABLE
     n_k, d = A.shape
     n = _agree_on_input(n_k, d, problem, group)
-    rho2 = admm.default_rho2(n) if rho2 is None else float(rho2)
+    rho1, rho2 = settings.rho1, settings.rho2_for(n)
     rho = rho1 / rho2
     K = group.size
 
@@ -100,7 +91,7 @@ def fit_consensus(
     while True:
         x = gram.solve(rho * (z - u1) + H.T @ (1.0 + s - xi - u2 - b * y))
         Hx = H @ x
-        if fit_intercept:
+        if settings.fit_intercept:
             b = (rho * (beta - v) + float(y @ (1.0 + s - xi - u2 - Hx))) / (rho + n_k)
         shared[:d] = torch.from_numpy(x + u1)
         shared[d] = b + v
@@ -109,13 +100,13 @@ def fit_consensus(
         total = shared.numpy()
         if t > 0:
             history.append(total[d + 1] / n + float(penalty_value(z, penalty, lam, theta).sum()))
-            if t > 1 and admm.relative_change(history[-1], history[-2]) < tol:
+            if t > 1 and admm.relative_change(history[-1], history[-2]) < settings.tol:
                 converged = True
                 break
-            if t == max_iter:
+            if t == settings.max_iter:
                 break
         z = prox(total[:d] / K, penalty, lam, theta, K * rho1)
-        beta = float(total[d]) / K if fit_intercept else 0.0
+        beta = float(total[d]) / K if settings.fit_intercept else 0.0
         xi = np.maximum(0.0, 1.0 + s - u2 - Hx - b * y - 1.0 / (n * rho2))
         s = np.maximum(0.0, Hx + xi - 1.0 + u2 + b * y)
         u1 = u1 + x - z
@@ -124,8 +115,8 @@ def fit_consensus(
         t += 1
     if not converged:
         warnings.warn(
-            f"consensus ADMM stopped at max_iter={max_iter} before the objective's relative "
-            f"change fell below tol={tol}; raise max_iter or tol",
+            f"consensus ADMM stopped at max_iter={settings.max_iter} before the objective's "
+            f"relative change fell below tol={settings.tol}; raise max_iter or tol",
             ConvergenceWarning,
             stacklevel=2,
         )

@@ -13,6 +13,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from interlace.svm import admm
+from interlace.svm.settings import DEFAULTS, SVMSettings
 
 
 def binary_labels(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -45,18 +46,9 @@ class NonconvexSVC(ClassifierMixin, BaseEstimator):
     Minimises (1/n) Σ max(0, 1 − y_i(x_iᵀw + b)) + Σ_j p(w_j) with p one of "scad", "mcp",
     "lsp", "capped_l1" (see `interlace.svm.penalties`); the weights come out exactly sparse.
 
-    Parameters: `lam` the penalty strength λ; `theta` its shape (SCAD a, MCP γ, LSP θ,
-    capped-ℓ1 θ; None picks the penalty's default); `rho1`, `rho2` the ADMM penalties of the
-    constraint x = z and of the margin constraint (rho2=None: 1/n_samples); `max_iter`, `tol` the
-    stopping rule (relative change of the objective); `fit_intercept` whether to fit b.
-
-    Defaults: λ = 2⁻⁶ and SCAD a = 3.7 as in the paper's heart_scale run. Its ρ1 = 1.5, ρ2 = 10
-    are not the defaults: the hinge term carries weight 1/n, so a fixed ρ2 that large makes each
-    iteration move the slacks by at most 1/(n·ρ2), and the relative-change rule then stops
-    early, far from a minimum (after 4 iterations on the full heart_scale). ρ2 = 1/n with
-    ρ1 = 0.5 stopped within 3 % of the best objective found on the four LIBSVM files here, but
-    up to 19 % above it on scikit-learn's standardised breast-cancer set (30 correlated
-    features), where lowering `tol` or raising `max_iter` helps.
+    Parameters: the fields of `interlace.svm.settings.SVMSettings`, with their defaults and
+    meanings (`penalty`, `lam`, `theta`, `rho1`, `rho2`, `max_iter`, `tol`, `fit_intercept`);
+    as scikit-learn asks, they are kept as given and checked when `fit` runs.
 
     Fitted attributes: `coef_` [1, n_features], `intercept_` [1], `classes_` [2] (the class
     mapped to the positive side is `classes_[1]`), `n_iter_`, `objective_history_` [n_iter_],
@@ -65,14 +57,14 @@ class NonconvexSVC(ClassifierMixin, BaseEstimator):
 
     def __init__(
         self,
-        penalty: str = "scad",
-        lam: float = 2**-6,
-        theta: float | None = None,
-        rho1: float = 0.5,
-        rho2: float | None = None,
-        max_iter: int = 1000,
-        tol: float = 1e-4,
-        fit_intercept: bool = True,
+        penalty: str = DEFAULTS.penalty,
+        lam: float = DEFAULTS.lam,
+        theta: float | None = DEFAULTS.theta,
+        rho1: float = DEFAULTS.rho1,
+        rho2: float | None = DEFAULTS.rho2,
+        max_iter: int = DEFAULTS.max_iter,
+        tol: float = DEFAULTS.tol,
+        fit_intercept: bool = DEFAULTS.fit_intercept,
     ) -> None:
         self.penalty = penalty
         self.lam = lam
@@ -91,24 +83,11 @@ class NonconvexSVC(ClassifierMixin, BaseEstimator):
 
     def fit(self, X, y) -> NonconvexSVC:
         """Fit on X [n, d] (dense or sparse) and labels y [n] of exactly two classes."""
-        admm.check_params(
-            self.penalty, self.lam, self.theta, self.rho1, self.rho2, self.max_iter, self.tol
-        )
+        settings = SVMSettings(**self.get_params(deep=False))
         X, y = validate_data(self, X, y, accept_sparse="csr", dtype=np.float64)
         check_classification_targets(y)
         self.classes_, y_pm = binary_labels(y)
-        result = admm.solve(
-            X,
-            y_pm,
-            penalty=self.penalty,
-            lam=self.lam,
-            theta=self.theta,
-            rho1=self.rho1,
-            rho2=self.rho2,
-            max_iter=self.max_iter,
-            tol=self.tol,
-            fit_intercept=self.fit_intercept,
-        )
+        result = admm.solve(X, y_pm, settings)
         self.coef_ = result.coef[None, :]
         self.intercept_ = np.array([result.intercept])
         self.n_iter_ = result.n_iter

@@ -8,7 +8,7 @@ little more than one cold fit. Use it to pick λ by validation, or to draw accur
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from sklearn.exceptions import ConvergenceWarning
@@ -18,6 +18,7 @@ from interlace.errors import ConfigError
 from interlace.svm import admm
 from interlace.svm.estimator import binary_labels
 from interlace.svm.linsolve import GramSolver
+from interlace.svm.settings import DEFAULTS, SVMSettings
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,13 @@ def regularization_path(
     *,
     n_lams: int = 20,
     lam_ratio: float = 1e-2,
-    penalty: str = "scad",
-    theta: float | None = None,
-    rho1: float = 0.5,
-    rho2: float | None = None,
-    max_iter: int = 1000,
-    tol: float = 1e-4,
-    fit_intercept: bool = True,
+    settings: SVMSettings = DEFAULTS,
 ) -> RegularizationPath:
     """Fit X [n, d] (dense or sparse), labels y [n] (two classes) at every λ in `lams`.
 
-    `lams` is sorted decreasing; without it, `default_lams(n_lams, lam_ratio)` is used. Other
-    arguments mean what they mean for `NonconvexSVC`. Warns once, with the count, if some points
-    hit `max_iter`.
+    `lams` is sorted decreasing; without it, `default_lams(n_lams, lam_ratio)` is used. Every
+    point uses `settings` with its own λ in place of `settings.lam`. Warns once, with the count,
+    if some points hit `max_iter`.
     """
     X, y = check_X_y(X, y, accept_sparse="csr", dtype=np.float64)
     classes, y_pm = binary_labels(y)
@@ -90,29 +85,21 @@ def regularization_path(
     lams = np.sort(np.asarray(lams, dtype=float).ravel())[::-1]
     if lams.size == 0 or not np.all(np.isfinite(lams)) or lams[-1] < 0:
         raise ConfigError(f"lams={lams!r} must be a non-empty list of finite numbers >= 0")
-    admm.check_params(penalty, float(lams[0]), theta, rho1, rho2, max_iter, tol)
-    rho2 = admm.default_rho2(X.shape[0]) if rho2 is None else float(rho2)
-    gram = GramSolver(admm.signed_rows(X, y_pm), rho1 / rho2)
-    settings = dict(penalty=penalty, theta=theta, rho1=rho1, rho2=rho2, max_iter=max_iter, tol=tol)
+    rho = settings.rho1 / settings.rho2_for(X.shape[0])
+    gram = GramSolver(admm.signed_rows(X, y_pm), rho)
     results, state = [], None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         for lam in lams:
-            result = admm.solve(
-                X,
-                y_pm,
-                lam=float(lam),
-                fit_intercept=fit_intercept,
-                state=state,
-                gram=gram,
-                **settings,
-            )
+            point = replace(settings, lam=float(lam))
+            result = admm.solve(X, y_pm, point, state=state, gram=gram)
             results.append(result)
             state = result.state
     converged = np.array([r.converged for r in results])
     if not converged.all():
         warnings.warn(
-            f"{(~converged).sum()} of {len(lams)} path points stopped at max_iter={max_iter}",
+            f"{(~converged).sum()} of {len(lams)} path points stopped at "
+            f"max_iter={settings.max_iter}",
             ConvergenceWarning,
             stacklevel=2,
         )

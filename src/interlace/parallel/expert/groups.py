@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from interlace.comm import Group
+from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
 
@@ -34,10 +35,10 @@ def build_expert_groups(mesh: Mesh, ep: int) -> tuple[Group, Group]:
     `ep`. Raises PlanError if `ep` does not divide the mesh's dp size."""
     dp = mesh.size("dp")
     if ep < 1 or dp % ep:
-        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        fits = divisors(dp)
         raise PlanError(
             f"ep={ep} must divide dp={dp} (expert groups are carved out of the data parallel "
-            f"groups); use ep in {divisors}"
+            f"groups); use ep in {fits}"
         )
     ranks = mesh.device_mesh.mesh
     dp_groups = ranks.movedim(mesh.dims.index("dp"), -1).reshape(-1, dp).tolist()

@@ -90,6 +90,7 @@ from torch.func import functional_call
 
 from interlace import comm
 from interlace.comm import Group
+from interlace.divisors import divisors
 from interlace.errors import ConfigError, PlanError
 from interlace.moe.balance import (
     BackgroundSearch,
@@ -113,7 +114,7 @@ class ExpertParallelMoE(nn.Module):
     router it takes over and of whose experts it keeps this rank's E/D, registered under their
     global index in `experts` (an nn.ModuleDict). Any module with a `router` (tokens [N, d] →
     `Routing`; attributes `d_model`, `dropless`) and a list of `experts` ([n, d] → [n, d]) will
-    do: `expert_fused.py` builds one from a block with fused experts (HF Mixtral). `balance`
+    do: `fused.py` builds one from a block with fused experts (HF Mixtral). `balance`
     is a strategy name or a `Balancer`; one that forces dropless routing sets the router's
     `dropless` flag.
 
@@ -144,7 +145,7 @@ class ExpertParallelMoE(nn.Module):
         if n_experts % group.size:
             raise PlanError(
                 f"{n_experts} experts cannot be split over ep={group.size} ranks; use ep in "
-                f"{[d for d in range(1, n_experts + 1) if n_experts % d == 0]}"
+                f"{divisors(n_experts)}"
             )
         if history < 1:
             raise ConfigError(f"history={history} must be >= 1 (iterations of routing counts)")

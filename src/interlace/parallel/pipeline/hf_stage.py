@@ -197,7 +197,7 @@ class HFStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
-        last all-reduce to the next (`tp_interleave.deferral_scope`); none is left on return."""
+        last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
         with deferral_scope():
             for piece, checkpointed in self.pieces():
                 x = checkpoint(piece, x, use_reentrant=False) if checkpointed else piece(x)

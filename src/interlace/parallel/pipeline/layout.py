@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from interlace.errors import PlanError
+from interlace.errors import ConfigError, PlanError
 from interlace.parallel.pipeline.partition import (
     Partition,
     describe_stages,
@@ -30,7 +30,7 @@ from interlace.parallel.pipeline.partition import (
     partition,
 )
 from interlace.parallel.pipeline.recompute import ratio_for_budget, recompute_ratios
-from interlace.parallel.pipeline.schedule import check_schedule, virtual_stages_for
+from interlace.parallel.pipeline.schedule_rules import check_schedule, virtual_stages_for
 from interlace.plan import Plan
 
 
@@ -120,3 +120,19 @@ def pipeline_layout(
     part = split(formula)
     rank_ratios = tuple(max(r, fitting(part, rank)) for rank, r in enumerate(formula))
     return PipelineLayout(plan, part, v, rank_ratios)
+
+
+def check_split(
+    model: nn.Module,
+    plan: Plan,
+    split_points: Sequence[str] | None,
+    layers_per_stage: Sequence[int] | None,
+) -> None:
+    """PlanError/ConfigError before any rank starts for a user's pipeline split that cannot be
+    used on `model` (a meta-device copy will do): a split point naming no layer, counts that do
+    not add up, a split without pp > 1. Nothing to check without a split."""
+    if not (split_points or layers_per_stage):
+        return
+    if not plan.pipelined:
+        raise ConfigError("split_points / layers_per_stage split a pipeline: use them with pp > 1")
+    pipeline_layout(model, plan, split_points=split_points, layers_per_stage=layers_per_stage)

@@ -2,7 +2,8 @@
 
     runner = PipelineRunner(model, plan, mesh)     # every rank passes the same full model
     loss = runner.step(x, y)                       # x, y [B, T]; grads in runner.parameters()
-    runner.clip_grad_norm_(1.0); optimizer.step(); runner.zero_grad()
+    clip_grad_norm_(runner.parameters(), 1.0, [runner.norm_share()])  # + tp's share under tp
+    optimizer.step(); runner.zero_grad()
 
 Construction (identical on every rank): partition the layers into pp · v stages
 (`partition`; v = virtual stages per rank, 2 by default for interleaved 1F1B), choose each
@@ -29,16 +30,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from interlace import comm
 from interlace.errors import ConfigError, PlanError
+from interlace.loss import cross_entropy
 from interlace.mesh import Mesh
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT, build_model
-from interlace.parallel.grad_norm import grad_norm as tensor_grad_norm
+from interlace.parallel.grad_norm import NormShare
 from interlace.parallel.pipeline.hf_stage import DecoderParts, HFStage, hf_local_module
 from interlace.parallel.pipeline.layout import pipeline_layout
 from interlace.parallel.pipeline.partition import Partition
@@ -46,15 +47,10 @@ from interlace.parallel.pipeline.recompute import checkpointed_layers
 from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
-from interlace.parallel.tensor.layers import VocabParallelHead, vocab_parallel_cross_entropy
+from interlace.parallel.tensor.layers import VocabParallelHead
 from interlace.plan import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of logits [b, T, V] against targets [b, T] (the GPT's loss)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class PipelineRunner:
@@ -64,7 +60,8 @@ class PipelineRunner:
     it with the same seed), or a GPTConfig to build a GPT from the current RNG state. Only
     this rank's stages are kept; drop other references to the full model to free the rest.
     loss_fn(logits [b, T, V], targets [b, T]) → mean loss of one micro-batch (default:
-    cross-entropy). Options (each overrides the default the Plan implies):
+    `interlace.loss.cross_entropy`; under tp the vocabulary-parallel loss, which `parallelize`
+    passes). Options (each overrides the default the Plan implies):
     layers_per_stage / split_points: see `partition.partition` (one entry per virtual stage);
     virtual_stages: stages per rank for schedule=interleaved (default 2);
     recompute: a list of per-rank checkpoint ratios instead of `plan.recompute`;
@@ -90,13 +87,18 @@ class PipelineRunner:
             model = build_model(model, device=mesh.device)
         self.hf = _check_model(model, plan, mesh)  # a HF decoder's parts; None for the GPT
         self.plan, self.mesh = plan, mesh
-        self.tp = mesh.group("tp") if plan.tp > 1 else None
-        self.loss_fn = loss_fn or self._default_loss()
+        if plan.tensor_parallel and loss_fn is None:
+            raise PlanError(
+                f"plan tp={plan.tp}: the last stage gives this rank's slice of the vocabulary, "
+                "which only a vocabulary-parallel loss can score; build the pipeline with "
+                "interlace.parallelize(model, plan, mesh), which passes it"
+            )
+        self.loss_fn = loss_fn or cross_entropy
         self.pp = mesh.group("pp")
         self.device = mesh.device
         self.seq_len = model.config.seq_len if self.hf is None else self.hf.seq_len
         # the partitioner reads layer shapes; under tp it reads those of the unsplit model
-        shapes = model if plan.tp == 1 else build_model(model.config, device="meta")
+        shapes = model if not plan.tensor_parallel else build_model(model.config, device="meta")
         self.layout = pipeline_layout(
             shapes,
             plan,
@@ -130,13 +132,6 @@ class PipelineRunner:
         self._loss_scale = 1.0
 
     # ------------------------------------------------------------------ construction
-    def _default_loss(self) -> LossFn:
-        """Cross-entropy of full logits, or of this rank's vocabulary slice under tp."""
-        if self.tp is None:
-            return cross_entropy_loss
-        tp = self.tp
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
-
     def _stage(self, model: nn.Module, index: int, n_stages: int, tied: bool) -> GPTStage | HFStage:
         start, stop = self.partition.bounds[index]
         layers = range(start, stop)
@@ -266,27 +261,19 @@ class PipelineRunner:
         """Drop every local gradient (set to None)."""
         self.module.zero_grad(set_to_none=True)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale local gradients so the whole model's gradient norm is at most `max_norm`;
-        returns that norm (before clipping), equal on every pipeline rank. Squared norms are
-        summed over the "pp" group (and tensor parallel shards over "tp"), the tied embedding
-        counted once. Call after `step`'s sync."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p for p in self.parameters() if p is not self._tied_copy]
-        square = tensor_grad_norm(counted, self.tp).pow(2)
-        comm.all_reduce(square, self.pp)
-        norm = square.sqrt()
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(scale.to(g.dtype))
-        return norm
+    def norm_share(self) -> NormShare:
+        """The pipeline's share of the gradient norm: each stage's parameters are its rank's
+        alone in "pp", but the tied embedding's two copies (first and last rank, equal after
+        `step`'s sync) count once."""
+        tied = self.tied.param if self.tied is not None else None
+        return NormShare(self.pp, lambda p: 2 if p is tied else 1)
 
 
 def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | None:
     """Refuse what the runner cannot run; return a HF decoder's parts (None for the GPT)."""
     parts = None
     if not isinstance(model, GPT):
-        if plan.tp > 1:
+        if plan.tensor_parallel:
             raise PlanError(
                 f"pipeline × tensor parallelism runs the built-in GPT only; got "
                 f"{type(model).__name__} with tp={plan.tp}: use tp=1 for Hugging Face models"
@@ -297,12 +284,8 @@ def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | Non
             "pp>1 with Mixture-of-Experts layers is not supported yet (the load-balancing "
             "loss would be lost between stages); use pp=1 or a dense model"
         )
-    if plan.tp3d is not None or plan.ep > 1:
-        raise PlanError(
-            "pipeline parallelism composes with 1D tensor parallelism only; use tp=... (no "
-            "tp3d) and ep=1 with pp>1"
-        )
-    if plan.tp > 1 and not isinstance(model.lm_head, VocabParallelHead):
+    plan.validate(mesh.device_mesh.size())  # the supported combinations
+    if plan.tensor_parallel and not isinstance(model.lm_head, VocabParallelHead):
         raise PlanError(
             f"plan tp={plan.tp} but the model is not tensor parallel; split it first with "
             "interlace.parallelize(model, plan, mesh), then build the PipelineRunner"

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from interlace.comm import Group
 from interlace.parallel.pipeline.hf_stage import HFStage
 from interlace.parallel.pipeline.stage import GPTStage
-from interlace.parallel.tensor.comm import ReductionReplay
+from interlace.parallel.tensor.reduction import ReductionReplay
 
 
 def shifted_order(stage: int, pp: int, micro_batches: int) -> list[tuple[str, int]]:

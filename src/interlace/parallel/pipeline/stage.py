@@ -33,9 +33,9 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
-from interlace.parallel.tensor.comm import ReductionReplay
 from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import VocabParallelHead
+from interlace.parallel.tensor.reduction import ReductionReplay
 from interlace.parallel.tensor.shard import copy_shard_spec
 
 TIED_GROUP_NAME = "pp_ends"
@@ -48,7 +48,7 @@ class GPTStage(nn.Module):
     forward: idx [b, T] (first) or hidden [b, T, d] → hidden [b, T, d], or logits [b, T, V]
     (last). Layers whose global index is in `checkpointed` run under activation checkpointing
     (non-reentrant); under tensor parallelism their recomputation reuses the forward's
-    all-reduced outputs instead of reducing again (`tp_comm.ReductionReplay`). `head_copy`
+    all-reduced outputs instead of reducing again (`reduction.ReductionReplay`). `head_copy`
     makes the last stage's LM head an own Parameter copied from the tied embedding (see the
     module docstring); otherwise the model's `lm_head` is used.
     """
@@ -76,7 +76,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
-        last all-reduce to the next (`tp_interleave.deferral_scope`); none is left on return."""
+        last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
         with deferral_scope():
             for piece, checkpointed in self.pieces():
                 if checkpointed:  # the replay reuses the forward's tensor parallel reductions

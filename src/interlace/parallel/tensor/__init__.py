@@ -15,11 +15,10 @@ With p ranks in the tensor parallel group and rank r:
 - **Vocab-parallel embedding**: rank r holds rows [r·V/p, (r+1)·V/p); other ids look up zeros;
   the sum over ranks is all-reduced. The LM head holds the same rows (tied weights stay one
   Parameter) and gives this rank's logits [..., V/p].
-- **Loss**: the built-in GPT keeps its logits sharded — `model(idx, targets)` returns
-  (local logits [B, T, V/p], full mean cross-entropy) through `vocab_parallel_cross_entropy`,
-  which all-reduces only row maxima and two sums. Every other model (Hugging Face included) gets
-  its head output all-gathered to full logits [..., V], so its own loss (HF's `loss_function`),
-  `generate` and metrics work unchanged, at one all-gather of B·T·V/p elements per rank.
+- **Loss**: the model returns this rank's logits [B, T, V/p] and the loop scores them with
+  `vocab_parallel_cross_entropy`, which all-reduces only row maxima and two sums. With
+  `gather_logits` the head all-gathers full logits [..., V] instead (one all-gather of B·T·V/p
+  elements per rank), for a Hugging Face model's own `labels` loss or `generate`.
 - **Sequence parallel** (`sequence_parallel=True`): between blocks the residual stream is split
   along the sequence, [B, T/p, d], and LayerNorms run on shards. A block's entry all-gathers the
   sequence (backward reduce-scatter) and its row-parallel exit reduce-scatters (backward

@@ -6,12 +6,10 @@ change."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch import nn
 
 from interlace.comm import Group
+from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
 from interlace.parallel.detect import Attention, FeedForward, Structure, linear_shape
 from interlace.parallel.heads import heads_held, set_local_heads
@@ -22,8 +20,8 @@ from interlace.parallel.tensor.layers import (
     VocabParallelHead,
     enter_block,
     replace_hidden,
-    vocab_parallel_cross_entropy,
 )
+from interlace.parallel.tensor.moe import shard_expert_block
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter, shard_spec
 
 
@@ -33,18 +31,12 @@ def check_divisible(structure: Structure, tp: int) -> None:
     feed-forward width."""
     if tp == 1:
         return
-    checks: list[tuple[str, str, int]] = [("the model", "d_model", structure.d_model)]
+    sizes = [("the model's d_model", structure.d_model)]
     if structure.vocab is not None:
-        checks.append((structure.vocab.embedding, "vocab_size", structure.vocab.vocab))
-    checks += [(a.name, "n_heads", a.n_heads) for a in structure.attentions]
-    checks += [(f.name, "ffn_dim", f.ffn_dim) for f in structure.feed_forwards]
-    for where, what, value in checks:
-        if value % tp:
-            fits = [k for k in range(1, value + 1) if value % k == 0][:8]
-            raise PlanError(
-                f"{where}: {what}={value} is not divisible by the tensor parallel degree "
-                f"tp={tp}; use tp in {fits}"
-            )
+        sizes.append((f"{structure.vocab.embedding}: vocab_size", structure.vocab.vocab))
+    sizes += [(f"{a.name}: n_heads", a.n_heads) for a in structure.attentions]
+    sizes += [(f"{f.name}: ffn_dim", f.ffn_dim) for f in structure.feed_forwards]
+    check_divides(tp, "tensor parallel degree", sizes)
     for a in structure.attentions:
         if a.n_kv_heads % tp and (tp % a.n_kv_heads or a.fused):
             raise PlanError(
@@ -54,11 +46,7 @@ def check_divisible(structure: Structure, tp: int) -> None:
 
 
 def _fitting_kv(a: Attention) -> list[int]:
-    return [
-        k
-        for k in range(1, a.n_heads + 1)
-        if a.n_heads % k == 0 and (a.n_kv_heads % k == 0 or k % a.n_kv_heads == 0)
-    ]
+    return [k for k in divisors(a.n_heads) if a.n_kv_heads % k == 0 or k % a.n_kv_heads == 0]
 
 
 def apply_tensor_parallel(
@@ -66,9 +54,15 @@ def apply_tensor_parallel(
     structure: Structure,
     group: Group,
     sequence_parallel: bool = False,
+    gather_logits: bool = False,
 ) -> list[str]:
     """Split `model` in place over `group` as `structure` (from `find_structure`) describes;
-    return the report lines. Call `check_divisible` first (nothing is modified when it raises)."""
+    return the report lines. Call `check_divisible` first (nothing is modified when it raises).
+
+    The LM head gives this rank's vocabulary slice of the logits [..., V/p], to be scored by
+    `vocab_parallel_cross_entropy`; `gather_logits` all-gathers them to [..., V] instead (one
+    all-gather of B·T·V/p elements per rank), for code that needs the full distribution (a
+    Hugging Face model's own `labels` loss, `generate`)."""
     if sequence_parallel:
         _check_sequence_parallel(structure)
     modules = dict(model.named_modules())
@@ -80,11 +74,9 @@ def apply_tensor_parallel(
     for f in structure.feed_forwards:
         lines.append(_shard_feed_forward(modules[f.name], f, group, sequence_parallel))
         enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
-    from interlace.parallel.tensor.moe import shard_expert_block  # it builds on this module
-
     for b in structure.expert_blocks:
         lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
-    lines.append(_shard_vocab(model, structure, group, sequence_parallel))
+    lines.append(_shard_vocab(model, structure, group, sequence_parallel, gather_logits))
     if sequence_parallel:
         lines.append(_shard_sequence(model, structure, group))
     return lines + structure.notes
@@ -150,7 +142,9 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def _shard_vocab(model: nn.Module, structure: Structure, group: Group, sp: bool) -> str:
+def _shard_vocab(
+    model: nn.Module, structure: Structure, group: Group, sp: bool, gather: bool
+) -> str:
     vocab = structure.vocab
     assert vocab is not None
     embedding = model.get_submodule(vocab.embedding)
@@ -169,51 +163,13 @@ def _shard_vocab(model: nn.Module, structure: Structure, group: Group, sp: bool)
     head_bias = head.bias
     if head_bias is not None:
         head_bias = shard_parameter(head_bias, ShardSpec(0), group)
-    local_logits = _has_builtin_loss(model)
-    _set_module(
-        model,
-        vocab.head,
-        VocabParallelHead(head_weight, head_bias, group, not local_logits, sp),
-    )
-    if local_logits:
-        _install_vocab_parallel_loss(model, group)
-        output = "local logits [..., V/p], loss by vocab_parallel_cross_entropy"
-    else:
+    _set_module(model, vocab.head, VocabParallelHead(head_weight, head_bias, group, gather, sp))
+    if gather:
         output = "logits all-gathered to [..., V]"
+    else:
+        output = "this rank's logits [..., V/p], scored by vocab_parallel_cross_entropy"
     tied = " (tied)" if vocab.tied else ""
     return f"{vocab.embedding}, {vocab.head}{tied}: vocab-parallel; {output}"
-
-
-def _has_builtin_loss(model: nn.Module) -> bool:
-    from interlace.models.gpt import GPT
-
-    return isinstance(model, GPT)
-
-
-def _install_vocab_parallel_loss(model: nn.Module, group: Group) -> None:
-    """Make the built-in GPT's `forward(idx, targets)` compute its loss from sharded logits:
-    the targets are withheld from the forward (which then returns (logits, None)) and the loss
-    is cross-entropy + aux_loss_coef · aux_loss, as in `GPT.forward`."""
-    pending: list[torch.Tensor | None] = []
-
-    def take_targets(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        kwargs = dict(kwargs)
-        targets = kwargs.pop("targets", None)
-        if len(args) > 1:
-            args, targets = args[:1], args[1]
-        pending.append(targets)
-        return args, kwargs
-
-    def add_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        targets = pending.pop()
-        logits, _ = output
-        if targets is None:
-            return output
-        loss = vocab_parallel_cross_entropy(logits, targets, group)
-        return logits, loss + module.config.aux_loss_coef * module.aux_loss
-
-    model.register_forward_pre_hook(take_targets, with_kwargs=True)
-    model.register_forward_hook(add_loss, with_kwargs=True)
 
 
 def _shard_sequence(model: nn.Module, structure: Structure, group: Group) -> str:

@@ -16,6 +16,11 @@ and `vocab_parallel_cross_entropy_per_token` computes the cross-entropy of logit
 is split over the group without gathering them: the row maximum and the sums
 Σ_v exp(l_v − max) and l_target − max are all-reduced (one MAX of [N] and one SUM of [2, N]).
 
+`copy_to_tp` and `reduce_from_tp` take the function that computes the sum (`all_reduced` by
+default): the layers pass `reduction.scheduled_reduce`, which lets overlapped sub-batches take
+turns during the all-reduce and recomputation replay the forward's result (`reduction.py`);
+the functions here know nothing of either.
+
 Sequence-sharded activations are [B, T/p, ...] (rank r holds tokens [r·T/p, (r+1)·T/p)), the
 layout of interlace's models; Megatron keeps [T, B, ...] instead. Every collective goes through
 `interlace.comm` so the meter counts it: that is why these are written here rather than taken
@@ -24,9 +29,7 @@ from DTensor's redistribution, whose collectives the meter cannot see.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,8 +38,12 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.errors import PlanError
 
+Reduce = Callable[[torch.Tensor, Group], torch.Tensor]
+"""How a sum over the group is computed: (x, group) → Σ_ranks x, a new tensor."""
 
-def _all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
+
+def all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Σ over `group` of x (any shape), as a new tensor: one metered all-reduce."""
     out = x.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(out, group)
     return out
@@ -76,131 +83,28 @@ def _slice_dim1(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 class _CopyToTP(torch.autograd.Function):
+    """f: forward identity, backward all-reduce (by `reduce`)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: Group, reduce: Reduce) -> torch.Tensor:
+        ctx.group, ctx.reduce = group, reduce
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduced_yielding(grad, ctx.group), None
-
-
-_yield_point = threading.local()
-
-
-def set_reduce_yield(switch: Callable[[], None] | None) -> None:
-    """Install (None: remove) this thread's yield point for the all-reduces of 1D TP — the
-    forward one of `reduce_from_tp` and the backward one of `copy_to_tp`: while one is set,
-    the all-reduce is issued asynchronously, `switch()` runs (other sub-batches compute
-    meanwhile; see `interlace.parallel.tensor.overlap`), and only then is the result waited on."""
-    _yield_point.switch = switch
-
-
-def _all_reduced_yielding(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """`_all_reduced`, handing the thread's turn over while the reduction flies (if a yield
-    point is installed on this thread)."""
-    switch = getattr(_yield_point, "switch", None)
-    if switch is None:
-        return _all_reduced(x, group)
-    out = x.clone(memory_format=torch.contiguous_format)
-    work = comm.all_reduce(out, group, async_op=True)
-    switch()
-    work.wait()
-    return out
-
-
-_replay_state = threading.local()
-
-
-class ReductionReplay:
-    """The results of the forward all-reduces (`reduce_from_tp`) of one checkpointed forward,
-    so that its recomputation replays them instead of communicating again: Oases' rule that
-    recomputation never repeats a forward all-reduce. It keeps one reduced [.., d] tensor per
-    reduction (two per block), the memory Oases spends on it.
-
-        replay = ReductionReplay()
-        with replay.recording():
-            out = forward(x)       # reduces as usual, keeps each result
-        with replay.replaying():
-            out = forward(x)       # the same results in the same order, no communication
-
-    `contexts()` gives the pair for `torch.utils.checkpoint`'s `context_fn`. The state is per
-    thread: reductions on other threads (overlapped sub-batches) communicate in both runs.
-    """
-
-    def __init__(self) -> None:
-        self._kept: list[tuple[torch.Tensor, int]] = []
-        self._next = 0
-
-    @classmethod
-    def contexts(
-        cls,
-    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """(recording, replaying) context managers of a fresh replay: a checkpoint `context_fn`."""
-        replay = cls()
-        return replay.recording(), replay.replaying()
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Reduce as usual and keep every result, in order."""
-        with self._active("record"):
-            yield
-
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        """Hand out the kept results instead of reducing; all of them must be used."""
-        with self._active("replay"):
-            yield
-        if self._next != len(self._kept):
-            raise RuntimeError(
-                f"recomputation issued {self._next} tensor parallel reductions, the forward "
-                f"{len(self._kept)}: the replayed forward must take the same path"
-            )
-        self._kept, self._next = [], 0
-
-    @contextlib.contextmanager
-    def _active(self, mode: str) -> Iterator[None]:
-        previous = getattr(_replay_state, "active", None)
-        _replay_state.active = (self, mode)
-        try:
-            yield
-        finally:
-            _replay_state.active = previous
-
-    def _keep(self, out: torch.Tensor) -> None:
-        kept = out.detach()
-        self._kept.append((kept, kept._version))
-
-    def _take(self, x: torch.Tensor) -> torch.Tensor:
-        if self._next >= len(self._kept):
-            raise RuntimeError(
-                "recomputation issued more tensor parallel reductions than the forward"
-            )
-        kept, version = self._kept[self._next]
-        self._next += 1
-        if kept.shape != x.shape or kept._version != version:
-            raise RuntimeError(
-                "a replayed reduction does not match the forward's (other shape, or its result "
-                "was modified in place since)"
-            )
-        return kept
+        return ctx.reduce(grad, ctx.group), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce (by `reduce`), backward identity."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        active = getattr(_replay_state, "active", None)
-        if active is not None and active[1] == "replay":
-            return active[0]._take(x)
-        out = _all_reduced_yielding(x, group)
-        if active is not None:
-            active[0]._keep(out)
-        return out
+    def forward(ctx, x: torch.Tensor, group: Group, reduce: Reduce) -> torch.Tensor:
+        return reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -252,15 +156,17 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.narrow(-1, ctx.group.rank * n, n).contiguous(), None
 
 
-def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Enter the tensor parallel region: x unchanged; its gradient is all-reduced over `group`
-    (each rank's column-parallel layers see only their slice of the features)."""
-    return _CopyToTP.apply(x, group)
+def copy_to_tp(x: torch.Tensor, group: Group, reduce: Reduce = all_reduced) -> torch.Tensor:
+    """f, entering the tensor parallel region: y = x; ∂L/∂x = Σ_r ∂L_r/∂y (all-reduced over
+    `group` by `reduce`: each rank's column-parallel layers see only their slice of the
+    features, so each holds a partial input gradient). Any shape."""
+    return _CopyToTP.apply(x, group, reduce)
 
 
-def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Leave the tensor parallel region: sum the ranks' partial x (any shape); gradient as is."""
-    return _ReduceFromTP.apply(x, group)
+def reduce_from_tp(x: torch.Tensor, group: Group, reduce: Reduce = all_reduced) -> torch.Tensor:
+    """g, leaving the tensor parallel region: y = Σ_r x_r (the ranks' partial sums, all-reduced
+    over `group` by `reduce`); ∂L/∂x_r = ∂L/∂y, as is. Any shape."""
+    return _ReduceFromTP.apply(x, group, reduce)
 
 
 def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -292,7 +198,7 @@ def all_reduce_grad_hook(group: Group):
     and row-parallel biases)."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        return _all_reduced(grad, group)
+        return all_reduced(grad, group)
 
     return hook
 

@@ -4,7 +4,7 @@ leaves running for the next one: the scheduling under overlapped tensor parallel
 
 `interleave(calls)` runs each call on its own thread, one at a time. A baton passes
 round-robin among the unfinished threads, and the only place it is handed over is a 1D TP
-all-reduce (`tp_comm.set_reduce_yield`): the thread issues the reduction asynchronously, passes
+all-reduce (`reduction.set_reduce_yield`): the thread issues the reduction asynchronously, passes
 the baton, and waits on the result when the baton comes back.
 
 **The tail (block-boundary overlap, Merak's third level).** When deferral is allowed, the last
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from interlace.parallel.tensor.comm import set_reduce_yield
+from interlace.parallel.tensor.reduction import set_reduce_yield
 
 _COND = threading.Condition()
 
@@ -246,7 +246,7 @@ class _ThreadState:
 def _carried_hooks() -> tuple[Callable, Callable] | None:
     """The caller's saved-tensor hooks to install in the seats, except torch's activation
     checkpoint's: a checkpoint recomputes once per autograd graph task, and each seat's
-    backward is one, so its seats checkpoint themselves (`tensor_overlap._checkpointed`)."""
+    backward is one, so its seats checkpoint themselves (`overlap._checkpointed`)."""
     hooks = saved_tensor_hooks()
     return None if hooks is None or hooks[0].__module__ == "torch.utils.checkpoint" else hooks
 

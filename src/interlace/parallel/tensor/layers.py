@@ -20,11 +20,24 @@ from interlace.parallel.tensor.comm import (
     reduce_scatter_sequence,
     vocab_parallel_cross_entropy_per_token,
 )
+from interlace.parallel.tensor.reduction import scheduled_reduce, yielding_reduce
 
 # ----------------------------------------------------------------------------- shard specs
 
 
 # ----------------------------------------------------------------------------- modules
+
+
+def enter_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """`copy_to_tp` as the layers run it: its backward all-reduce hands the turn to another
+    sub-batch while it flies (`reduction.yielding_reduce`). Any shape."""
+    return copy_to_tp(x, group, yielding_reduce)
+
+
+def leave_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """`reduce_from_tp` as the layers run it: yielding to other sub-batches, and replayed in a
+    recomputed forward (`reduction.scheduled_reduce`). Any shape."""
+    return reduce_from_tp(x, group, scheduled_reduce)
 
 
 class RowParallelLinear(nn.Module):
@@ -58,7 +71,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, self.group)
         else:
-            y = reduce_from_tp(partial, self.group)
+            y = leave_tp(partial, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -97,7 +110,7 @@ class VocabParallelEmbedding(nn.Module):
         miss = (local < 0) | (local >= self.weight.shape[0])
         local = local.masked_fill(miss, 0)
         out = F.embedding(local, self.weight, self._local_padding_idx)
-        return reduce_from_tp(out.masked_fill(miss.unsqueeze(-1), 0.0), self.group)
+        return leave_tp(out.masked_fill(miss.unsqueeze(-1), 0.0), self.group)
 
     def extra_repr(self) -> str:
         rows = f"rows [{self.vocab_start}, {self.vocab_end})"
@@ -128,7 +141,7 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d] → [..., V/p] (or [..., V] when gathering)."""
         if not self.sequence_parallel:  # sequence parallel: the final norm's gather did it
-            x = copy_to_tp(x, self.group)
+            x = enter_tp(x, self.group)
         logits = F.linear(x, self.weight, self.bias)
         return gather_last_dim(logits, self.group) if self.gather_output else logits
 
@@ -176,7 +189,7 @@ def replace_hidden(
 def enter_block(module: nn.Module, d: int, group: Group, sp: bool) -> None:
     """Route a block's input into the tensor parallel region (all-gather of the sequence under
     sequence parallel, else identity whose gradient is all-reduced)."""
-    enter = gather_sequence if sp else copy_to_tp
+    enter = gather_sequence if sp else enter_tp
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return replace_hidden(args, kwargs, d, lambda x: enter(x, group))

@@ -3,7 +3,7 @@ Hugging Face Mixtral, Qwen2-MoE, any block of the same structure).
 
 Every expert is a SwiGLU feed-forward, y = down_e · (act(gate_e · x) ⊙ (up_e · x)), its
 weights stored for all E experts at once: gate|up [E, 2F, d] and down [E, d, F]. With p ranks
-and rank r, each expert is split as a dense feed-forward is (`tensor.py`), along F:
+and rank r, each expert is split as a dense feed-forward is (`apply.py`), along F:
 
 - gate|up keeps rows [r·F/p, (r+1)·F/p) of the gate half and of the up half (`ShardSpec(1,
   segments=2)`: the local tensor is [E, 2F/p, d], still gate rows then up rows, so the block's
@@ -20,11 +20,11 @@ and rank r, each expert is split as a dense feed-forward is (`tensor.py`), along
   parallelism these are the sequence all-gather and reduce-scatter instead.
 - The replicated router and shared gate see full tokens but only this rank's partial outputs,
   so their gradients are partial: a hook sums them over the group (under sequence parallelism
-  the sequence pass of `tensor.py` hooks every replicated parameter of the layers already).
+  the sequence pass of `apply.py` hooks every replicated parameter of the layers already).
 
 The block's own forward runs unchanged (its routing, its expert loop or grouped matmul); only
 parameters are replaced, by their shards, under the same names, with their ShardSpec recorded
-as `tensor.py` does (checkpoints and `shard_of` work on them).
+as `apply.py` does (checkpoints and `shard_of` work on them).
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ from typing import Any
 from torch import nn
 
 from interlace.comm import Group
+from interlace.divisors import check_divides
 from interlace.errors import PlanError
 from interlace.parallel.detect import ExpertBlock, Structure
-from interlace.parallel.tensor.comm import (
-    all_reduce_grad_hook,
-    reduce_from_tp,
-    reduce_scatter_sequence,
-)
-from interlace.parallel.tensor.layers import enter_block
+from interlace.parallel.tensor.comm import all_reduce_grad_hook, reduce_scatter_sequence
+from interlace.parallel.tensor.layers import enter_block, leave_tp
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter
 
 FFN_WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "ffn_dim")
@@ -70,13 +67,7 @@ def check_expert_blocks(model: nn.Module, structure: Structure, tp: int, subbatc
                     f"{b.shared.name}.{b.shared.down}: a shared expert's down projection with "
                     "a bias cannot join the block's single all-reduce; build it without bias"
                 )
-        for where, width in widths:
-            if width % tp:
-                fits = [k for k in range(1, width + 1) if width % k == 0][:8]
-                raise PlanError(
-                    f"{where}: ffn width {width} is not divisible by the tensor parallel "
-                    f"degree tp={tp}; use tp in {fits}"
-                )
+        check_divides(tp, "tensor parallel degree", [(f"{w}: ffn width", n) for w, n in widths])
 
 
 def shard_expert_block(
@@ -109,7 +100,7 @@ def shard_expert_block(
             for param in part.parameters():
                 param.register_hook(all_reduce_grad_hook(group))
     enter_block(module, block.d_model, group, sequence_parallel)
-    leave = reduce_scatter_sequence if sequence_parallel else reduce_from_tp
+    leave = reduce_scatter_sequence if sequence_parallel else leave_tp
 
     def exit_hook(mod: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, tuple):

@@ -3,9 +3,9 @@ another's compute (`plan.overlap.tp_subbatches = k >= 2`).
 
 Every transformer layer of the layer list (found by `detect`) is made to split its input along
 the batch dimension into k sub-batches and run its own, unchanged forward once per sub-batch,
-the k runs interleaved (`tp_interleave`): each run executes on its own thread, but only one
+the k runs interleaved (`interleave`): each run executes on its own thread, but only one
 thread computes at a time; a baton passes round-robin, and the only place it is handed over is
-the forward all-reduce of a row-parallel layer (`tp_comm.reduce_from_tp`), which, while a
+the forward all-reduce of a row-parallel layer (`comm.reduce_from_tp`), which, while a
 baton is held, issues the all-reduce asynchronously (c10d `async_op=True`), passes the baton,
 and waits on its result only when the baton comes back. With k = 2 in a pre-norm block:
 
@@ -16,7 +16,7 @@ which is the block-level schedule (attention of every sub-batch, then each one's
 others' reductions fly). At the block boundary, inside the model's forward, the last
 sub-batch parks with its reduction in flight and the layer returns outputs whose last rows
 are pending; the next layer adopts the parked thread just before its own last sub-batch, so
-that reduction flies under the next layer's first compute (`tp_interleave`'s tail). Because
+that reduction flies under the next layer's first compute (`interleave`'s tail). Because
 the hand-over points are the same on every rank, all ranks issue their collectives in the same
 order. The all-reduced bytes are those of plain TP, in k times as many calls.
 
@@ -34,7 +34,7 @@ the forward is interleaved.
 Threads rather than a rewritten forward: the layer's own code (built-in GPT, Hugging Face GPT-2,
 Llama, any model `detect` understands) runs untouched, with no per-model schedule. Not
 overlapped: the last sub-batch's input-gradient reduction of each layer, at the block
-boundary in backward (see `tp_interleave`); and on CUDA the backward's hand-over only happens
+boundary in backward (see `interleave`); and on CUDA the backward's hand-over only happens
 where the autograd engine runs the backward on the calling thread (CPU), elsewhere the
 reductions run synchronously.
 
@@ -50,8 +50,8 @@ Activation checkpointing: a layer called inside torch's checkpoint (`recompute=f
 backward is one, so the caller's checkpoint could not serve them; it is left with nothing
 saved. Each sub-batch's recomputation runs inside its backward, on its thread, while the
 other sub-batches' input-gradient all-reduces fly, and replays its forward's all-reduced
-outputs instead of communicating (`tp_comm.ReductionReplay`, Oases). Each sub-batch draws
-random numbers (dropout) from a stream of its own (`tp_interleave`), so its recomputation
+outputs instead of communicating (`reduction.ReductionReplay`, Oases). Each sub-batch draws
+random numbers (dropout) from a stream of its own (`interleave`), so its recomputation
 draws the same masks as its forward whatever order the sub-batches took turns in.
 """
 
@@ -66,9 +66,22 @@ from torch.utils.checkpoint import checkpoint
 
 from interlace.errors import PlanError
 from interlace.parallel.detect import Structure
-from interlace.parallel.tensor import interleave as tp_interleave
-from interlace.parallel.tensor.comm import ReductionReplay
-from interlace.parallel.tensor.interleave import interleave, run_interleaved, saved_tensor_hooks
+from interlace.parallel.tensor.interleave import (
+    Pending,
+    Seat,
+    Tail,
+    deferral_allowed,
+    enter_deferral,
+    finish_seat,
+    finish_tail,
+    interleave,
+    leave_deferral,
+    run_interleaved,
+    saved_tensor_hooks,
+    set_pending,
+    take_pending,
+)
+from interlace.parallel.tensor.reduction import ReductionReplay
 
 _PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -81,7 +94,7 @@ def _under_checkpoint() -> bool:
 
 def _checkpointed(forward: Callable) -> Callable:
     """`forward` under torch's activation checkpoint of its own, recomputation replaying its
-    all-reduces (`tp_comm.ReductionReplay`): how each sub-batch of a layer called inside a
+    all-reduces (`reduction.ReductionReplay`): how each sub-batch of a layer called inside a
     checkpoint keeps only its inputs. torch recomputes once per autograd graph task, and each
     sub-batch's backward is one, so the caller's checkpoint cannot serve the sub-batches; it
     is left with nothing saved (and recomputes nothing), as the layer's outer graph node saves
@@ -189,7 +202,7 @@ class _SubBatchRun:
         base_forward: Callable,
         args: tuple,
         kwargs: dict,
-        tail: tp_interleave.Tail | None,
+        tail: Tail | None,
         may_park: bool,
     ):
         batch = _batch_size(args, kwargs, layer._interlace_d_model)
@@ -308,10 +321,10 @@ def _row_sizes(batch: int, k: int) -> list[int]:
 
 def _merge_or_defer(
     outputs: list[Any],
-    parked: tp_interleave.Seat | None,
+    parked: Seat | None,
     batch: int,
     on_tail: Callable[[Any], None] | None,
-) -> tuple[Any, tp_interleave.Seat | None]:
+) -> tuple[Any, Seat | None]:
     """The merged outputs of a run, and the seat still to write their last rows (None when
     complete). With a `parked` seat, outputs whose tensors are all cut along the batch get
     full-batch buffers: the rows known now are copied in, the seat writes its own (through
@@ -325,7 +338,7 @@ def _merge_or_defer(
     )
     if parked is not None and not (cut and _tensors(outputs[0])):
         parked.on_finish = on_tail
-        outputs[-1] = tp_interleave.finish_seat(parked)
+        outputs[-1] = finish_seat(parked)
         parked = None
     if parked is None:
         with torch.no_grad():
@@ -351,14 +364,14 @@ def _merge_or_defer(
     return _with_tensors(outputs[0], iter(buffers)), parked
 
 
-def _leave_tail(result: Any, parked: tp_interleave.Seat | None, batch: int, k: int) -> Any:
+def _leave_tail(result: Any, parked: Seat | None, batch: int, k: int) -> Any:
     """`result` as the caller receives it: with a `parked` seat, its tensors become `Pending`
-    aliases registered as the pending tail (see `tp_interleave`)."""
+    aliases registered as the pending tail (see `interleave`)."""
     if parked is None:
         return result
-    pending = [t.as_subclass(tp_interleave.Pending) for t in _tensors(result)]
+    pending = [t.as_subclass(Pending) for t in _tensors(result)]
     start = batch - _row_sizes(batch, k)[-1]
-    tp_interleave.set_pending(tp_interleave.Tail(parked, pending, start, batch))
+    set_pending(Tail(parked, pending, start, batch))
     return _with_tensors(result, iter(pending))
 
 
@@ -388,18 +401,18 @@ class _SubBatched:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         base_forward = super().forward  # type: ignore[misc]
-        tail = tp_interleave.take_pending(_tensors((args, kwargs)))
+        tail = take_pending(_tensors((args, kwargs)))
         batch = _batch_size(args, kwargs, self._interlace_d_model)
         k = min(self._interlace_tp_subbatches, batch or 0)
         split = k >= 2 and _splittable((args, kwargs))
         if tail is not None and not (
             split and tail.rows() == (batch - _row_sizes(batch, k)[-1], batch)
         ):
-            tp_interleave.finish_tail(tail)
+            finish_tail(tail)
             tail = None
         if not split:
             return base_forward(*args, **kwargs)
-        may_park = self._interlace_defer and tp_interleave.deferral_allowed()
+        may_park = self._interlace_defer and deferral_allowed()
         if not torch.is_grad_enabled():
             pieces = _split((args, kwargs), batch, k)
             calls = [lambda p=p: base_forward(*p[0], **p[1]) for p in pieces]
@@ -468,8 +481,8 @@ def apply_tp_overlap(
         module._interlace_d_model = structure.d_model
         module._interlace_defer = defer
     if defer:
-        model.register_forward_pre_hook(lambda *_: tp_interleave.enter_deferral(), prepend=True)
-        model.register_forward_hook(lambda *_: tp_interleave.leave_deferral(), always_call=True)
+        model.register_forward_pre_hook(lambda *_: enter_deferral(), prepend=True)
+        model.register_forward_hook(lambda *_: leave_deferral(), always_call=True)
     where = structure.layers if structure.layers is not None else "attention and feed-forward"
     boundary = ", each layer's last one under the next layer's first compute" if defer else ""
     return [

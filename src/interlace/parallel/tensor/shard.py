@@ -17,6 +17,7 @@ from torch import nn
 from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.detect import linear_shape
+from interlace.parallel.grad_norm import NormShare
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,14 @@ def shard_column(layer: nn.Module, segments: int, replicas: int, group: Group) -
         layer.out_features = local
     else:
         layer.nf = local
+
+
+def tensor_norm_share(group: Group) -> NormShare:
+    """1D tensor parallelism's share of the gradient norm: a sharded piece is held by
+    `spec.replicas` ranks of `group` (1 unless a grouped-query kv head), the rest by all."""
+
+    def holders(param: torch.Tensor) -> int:
+        spec = shard_spec(param)
+        return group.size if spec is None else spec.replicas
+
+    return NormShare(group, holders)

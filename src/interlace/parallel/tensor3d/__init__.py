@@ -3,11 +3,9 @@
 Ranks form a grid of groups "tp_x", "tp_y", "tp_z" (x fastest). The layout, per rank (X, Y, Z
 its indices):
 
-- **Tokens** are split over Z: every batch-major input of the model's forward (≥ 2-D, as many
-  rows as the first tensor: ids, targets or HF `labels`, attention mask) becomes rows
-  [Z·B/z, (Z+1)·B/z) on entry; the loss (the built-in GPT's (logits, loss), or a Hugging Face
-  ModelOutput's `loss` from its own `labels` loss) is the mean over Z of the slices' mean
-  losses: the serial mean when every slice counts as many tokens (no uneven padding).
+- **Tokens** are split over Z: the loop feeds the model rows [Z·B/z, (Z+1)·B/z) of every batch
+  (`z_rows`), and the loss is the mean over Z of the slices' mean losses (`comm.mean_over`):
+  the serial mean when every slice counts as many tokens (no uneven padding).
 - **Residual stream** between blocks: [B/z, T, d/x], hidden features [X·d/x, (X+1)·d/x),
   replicated over Y. The first block splits the embedding output over X (backward all-gather);
   the final norm's input is all-gathered over X (backward slice) for the final norm and head.

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -16,9 +14,9 @@ from interlace.parallel.tensor.comm import all_reduce_grad_hook
 from interlace.parallel.tensor.layers import replace_hidden
 from interlace.parallel.tensor3d.comm import (
     gather_last,
-    mean_over,
     split_last_dim,
 )
+from interlace.parallel.tensor3d.grid_rules import check_grid
 from interlace.parallel.tensor3d.layers import LayerNorm3D, Linear3D, RMSNorm3D, rms_norm_eps
 from interlace.parallel.tensor3d.prefetch import attach_prefetcher
 from interlace.parallel.tensor3d.shard import Grid, shard3d_spec
@@ -44,30 +42,12 @@ def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int,
                 f"{where} needs {what} to split the residual stream over x; none was found in "
                 f"{type(model).__name__}; use tp=N for this model"
             )
-    d = structure.d_model
-    sizes = [("the model", "d_model", d, x), ("the model", "d_model / x", d // x, z)]
-    for a in structure.attentions:
-        kv_local = a.n_kv_heads // y if a.n_kv_heads % y == 0 else 1
-        sizes += [
-            (a.name, "n_heads", a.n_heads, y),
-            (a.name, "query width / y", a.n_heads * a.head_dim // y, z),
-            (a.name, "kv width per y rank", kv_local * a.head_dim, z),
-        ]
-    for f in structure.feed_forwards:
-        sizes += [(f.name, "ffn_dim", f.ffn_dim, y), (f.name, "ffn_dim / y", f.ffn_dim // y, z)]
-    for part, what, value, k in sizes:
-        if value % k:
-            fits = [n for n in range(1, value + 1) if value % n == 0][:8]
-            raise PlanError(
-                f"{part}: {what}={value} is not divisible by {k} as {where} needs; "
-                f"use a grid whose factor there is in {fits}"
-            )
-    for a in structure.attentions:
-        if a.n_kv_heads % y and y % a.n_kv_heads:
-            raise PlanError(
-                f"{a.name}: n_kv_heads={a.n_kv_heads} is not divisible by {where}'s y={y}, nor "
-                f"y by it; use y dividing or divided by {a.n_kv_heads}"
-            )
+    check_grid(
+        tp3d,
+        structure.d_model,
+        [(a.name, a.n_heads, a.head_dim, a.n_kv_heads) for a in structure.attentions],
+        [(f.name, f.ffn_dim) for f in structure.feed_forwards],
+    )
     _block_norms(model, structure)
 
 
@@ -100,14 +80,16 @@ def apply_tensor3d(
         f"{structure.vocab.embedding}, {structure.final_norm} and the LM head replicated"  # type: ignore[union-attr]
     )
     if z > 1:
-        _split_tokens(model, grid.z)
         synced = 0
         for param in model.parameters():
             spec = shard3d_spec(param)
             if param.requires_grad and (spec is None or "z" not in spec.axes):
                 param.register_hook(all_reduce_grad_hook(grid.z))
                 synced += 1
-        lines.append(f"batch split over z; gradients of {synced} parameters all-reduced over z")
+        lines.append(
+            f"batch rows split over z (the loop feeds this rank's rows, `z_rows`); gradients "
+            f"of {synced} parameters all-reduced over z"
+        )
         if prefetch:
             linears = [m for m in model.modules() if isinstance(m, Linear3D)]
             attach_prefetcher(model, linears, grid.z)
@@ -174,40 +156,13 @@ def _split_residual(model: nn.Module, structure: Structure, x: Group) -> None:
     norm.register_forward_pre_hook(gather, with_kwargs=True)
 
 
-def _split_tokens(model: nn.Module, z: Group) -> None:
-    """The model's forward on this rank's rows of every batch-major input; loss averaged over
-    Z: the built-in GPT's (logits, loss), or the `loss` of a Hugging Face ModelOutput."""
-
-    def take_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if not tensors:
-            return args, kwargs
-        batch = tensors[0].shape[0]
-        if batch % z.size:
-            raise PlanError(
-                f"batch of {batch} rows is not divisible by tp3d's z={z.size}; use a batch "
-                f"that is a multiple of {z.size}"
-            )
-        n = batch // z.size
-
-        def rows(t: Any) -> Any:
-            batch_major = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch
-            return t.narrow(0, z.rank * n, n) if batch_major else t
-
-        return tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
-
-    def average_loss(module: nn.Module, args: tuple, output: Any) -> Any:
-        if hasattr(output, "loss"):  # Hugging Face ModelOutput: HF's own loss from `labels`
-            if output.loss is not None:
-                output.loss = mean_over(output.loss, z)
-            return output
-        logits, loss = output
-        if loss is not None and loss.dim() != 0:
-            raise PlanError(
-                f"tp3d z={z.size} averages the loss of a (logits, loss) or ModelOutput result; "
-                f"{type(module).__name__} returned another tuple (use return_dict=True)"
-            )
-        return logits, None if loss is None else mean_over(loss, z)
-
-    model.register_forward_pre_hook(take_rows, with_kwargs=True)
-    model.register_forward_hook(average_loss)
+def z_rows(x: torch.Tensor, z: Group) -> torch.Tensor:
+    """This rank's rows of a batch-major x [B, ...]: [z.rank·B/z, (z.rank+1)·B/z), [B/z, ...]."""
+    batch = x.shape[0]
+    if batch % z.size:
+        raise PlanError(
+            f"batch of {batch} rows is not divisible by tp3d's z={z.size}; use a batch that is "
+            f"a multiple of {z.size}"
+        )
+    n = batch // z.size
+    return x.narrow(0, z.rank * n, n)

@@ -20,11 +20,11 @@ The other conjugate pairs of the layout:
     sum_over          forward: all-reduce (sum)                     backward: all-reduce (sum)
     mean_over         forward: all-reduce / p                       backward: gradient / p
 
-(`gather_last_dim` of `tp_comm` is the inverse of `split_last_dim`.) Every collective passes the
-comm meter (`interlace.comm`); a group of one rank issues none.
+(`gather_last_dim` of `parallel.tensor.comm` is the inverse of `split_last_dim`.) Every
+collective passes the comm meter (`interlace.comm`); a group of one rank issues none.
 
 Each all-gather of W is synchronous here, unless the layer passes its own `gather`: a
-`tensor3d_prefetch.WeightPrefetcher` then hands over a block it all-gathered asynchronously one
+`prefetch.WeightPrefetcher` then hands over a block it all-gathered asynchronously one
 layer ahead, and `start_gather` is the async all-gather it issues.
 """
 

@@ -2,7 +2,7 @@
 issued asynchronously while the current layer computes.
 
 A `Linear3D` holds only its Z piece of a weight block and all-gathers the block over Z each
-time it is used: once in forward and once more in backward (`tensor3d_comm.linear3d`). Which
+time it is used: once in forward and once more in backward (`comm.linear3d`). Which
 layer gathers next is fixed by the model, identical on every rank and the same every step, so a
 `WeightPrefetcher` shared by a model's 3D linears learns it and gathers one layer ahead:
 

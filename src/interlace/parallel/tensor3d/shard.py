@@ -4,8 +4,6 @@ piece once."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +11,7 @@ from torch import nn
 
 from interlace.comm import Group
 from interlace.mesh import Mesh
-from interlace.parallel.grad_norm import clip_to_norm_, split_grad_norm
+from interlace.parallel.grad_norm import NormShare
 from interlace.parallel.tensor.shard import ShardSpec, shard_of
 
 AXES = ("x", "y", "z")
@@ -105,23 +103,20 @@ def _piece_index(spec: Shard3D, axis: str, grid: Grid) -> int:
     return rank // spec.replicas if axis == spec.rows else rank
 
 
-def grad_norm3d(parameters: Iterable[torch.Tensor], grid: Grid) -> torch.Tensor:
-    """Global L2 norm of the gradients of a 3D-parallel model: each piece's square counted once
-    (divided by the ranks holding it), summed over X, Y and Z. Collective over the grid."""
+def tensor3d_norm_shares(grid: Grid) -> list[NormShare]:
+    """3D tensor parallelism's shares of the gradient norm, one per axis: a piece split over an
+    axis is held by one of its ranks (by `spec.replicas` of them along `spec.rows`: grouped-query
+    kv pieces), anything else by all of them."""
 
-    def holders(param: torch.Tensor) -> int:
-        spec = shard3d_spec(param)
-        held = math.prod(grid.axis(a).size for a in AXES if spec is None or a not in spec.axes)
-        return held * (1 if spec is None else spec.replicas)
+    def axis_share(axis: str) -> NormShare:
+        group = grid.axis(axis)
 
-    return split_grad_norm(parameters, holders, [grid.x, grid.y, grid.z])
+        def holders(param: torch.Tensor) -> int:
+            spec = shard3d_spec(param)
+            if spec is None or axis not in spec.axes:
+                return group.size
+            return spec.replicas if axis == spec.rows else 1
 
+        return NormShare(group, holders)
 
-def clip_grad_norm3d_(
-    parameters: Iterable[torch.Tensor], max_norm: float, grid: Grid
-) -> torch.Tensor:
-    """Scale gradients in place so `grad_norm3d` is at most `max_norm`; returns the norm."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm3d(params, grid)
-    clip_to_norm_(params, norm, max_norm)
-    return norm
+    return [axis_share(axis) for axis in AXES]

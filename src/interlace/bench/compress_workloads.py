@@ -1,8 +1,9 @@
 """Workloads with really sparse gradients, for the compression hooks and their benchmark.
 
 Each builder returns a `Workload`: the model (same initial weights on every rank for the same
-`seed`) and an endless iterator of batches (different on each `rank`); `model(*batch)` returns
-(output, loss). Ids follow a Zipf law (P(id = k) ∝ (k + 1)^−s), as tokens and item ids do.
+`seed`), an endless iterator of batches (different on each `rank`) and the loss of a batch,
+`loss(module, batch)` (module: the model or its DDP wrapper, whose forward must run). Ids
+follow a Zipf law (P(id = k) ∝ (k + 1)^−s), as tokens and item ids do.
 
 - `gpt_workload`: the built-in GPT with a large vocabulary and small width. Only the embedding
   rows of the batch's tokens get gradient — but our GPT ties `lm_head` to `wte`, and the LM head's
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from interlace.loss import causal_lm_loss
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 
@@ -35,10 +37,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class Workload:
-    """A model and an endless iterator of its batches; `model(*batch)` → (output, loss)."""
+    """A model, an endless iterator of its batches, and `loss(module, batch)`: the mean loss on
+    one batch (a 0-d tensor to back-propagate) of `module`, the model or a wrapper of it."""
 
     model: nn.Module
     batches: Iterator[Batch]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
 
 
 class Zipf:
@@ -92,13 +96,18 @@ def gpt_workload(
             tokens = ids.sample((batch_size, seq_len + 1), gen)
             yield tokens[:, :-1], tokens[:, 1:]
 
-    return Workload(model, batches())
+    def loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return causal_lm_loss(module(x), y, model)
+
+    return Workload(model, batches(), loss)
 
 
 class ClickModel(nn.Module):
     """Click-through model: one embedding per id feature, concatenated, then an MLP.
 
-    forward(ids [B, F], labels [B] in {0, 1} or None) → (logits [B], mean BCE loss or None).
+    forward(ids [B, F]) → click logits [B]; the loss is binary cross-entropy against labels
+    in {0, 1}.
     """
 
     def __init__(self, table_rows: tuple[int, ...], dim: int = 16, hidden: int = 64) -> None:
@@ -108,15 +117,10 @@ class ClickModel(nn.Module):
             nn.Linear(len(table_rows) * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)
         )
 
-    def forward(
-        self, ids: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [B, F] → (logits [B], loss)."""
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, F] → logits [B]."""
         features = torch.cat([table(ids[:, f]) for f, table in enumerate(self.tables)], dim=1)
-        logits = self.mlp(features).squeeze(1)
-        if labels is None:
-            return logits, None
-        return logits, F.binary_cross_entropy_with_logits(logits, labels)
+        return self.mlp(features).squeeze(1)
 
 
 def click_workload(
@@ -151,7 +155,11 @@ def click_workload(
             labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
             yield ids, labels
 
-    return Workload(model, batches())
+    def loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+        ids, labels = batch
+        return F.binary_cross_entropy_with_logits(module(ids), labels)
+
+    return Workload(model, batches(), loss)
 
 
 def grad_density(model: nn.Module) -> dict[str, float]:

@@ -1,0 +1,72 @@
+"""The rules of the pipeline schedules, without torch: which schedules exist, their virtual
+stages per rank, and what each can run (`build_schedule` in `schedule.py` makes them).
+
+The schedules (torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B, and our own):
+
+torch's schedules already run micro-batches in these orders, with the activation and gradient
+send/recv between neighbouring stages issued inside torch (`PipelineStage`; that point-to-point
+traffic does not pass interlace's comm meter). This module only maps a Plan onto them and
+checks, before any work, that the combination can run:
+
+- gpipe: all forwards, then all backwards; any number of micro-batches M.
+- 1f1b: after a warm-up of P − s forwards, stage s alternates one forward, one backward;
+  needs M ≥ P.
+- interleaved: 1F1B over v virtual stages per rank (stage i on rank i mod P, torch's loop
+  placement), a smaller bubble for v× more point-to-point messages; needs v ≥ 2, at least
+  P·v layers, and M a multiple of max(1, M // P) (torch's rounds).
+- shifted: Merak's shifted critical path (`shifted.py`, our own executor: torch has no
+  recompute action to place before a gradient receive); needs M ≥ P, one stage per rank.
+"""
+
+from __future__ import annotations
+
+from interlace.errors import PlanError
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
+"""Every schedule a Plan can name; `build_schedule` makes the first three (torch's)."""
+
+
+def virtual_stages_for(schedule: str, requested: int | None) -> int:
+    """Stages per rank: `requested` (default 2) for interleaved, 1 for every other schedule."""
+    if schedule == "interleaved":
+        v = 2 if requested is None else requested
+        if v < 2:
+            raise PlanError(
+                f"schedule=interleaved needs at least 2 virtual stages per rank, got {v}; "
+                "use 2, or schedule=1f1b"
+            )
+        return v
+    if requested not in (None, 1):
+        raise PlanError(
+            f"{requested} virtual stages per rank need schedule=interleaved (got "
+            f"schedule={schedule})"
+        )
+    return 1
+
+
+def check_schedule(
+    schedule: str, pp: int, micro_batches: int, n_layers: int, virtual_stages: int = 1
+) -> None:
+    """Raise PlanError, naming the fix, if torch's `schedule` cannot run `micro_batches` over
+    `pp` ranks × `virtual_stages` for a model of `n_layers` layers."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PlanError(f"schedule={schedule!r} is not one of gpipe, 1f1b, interleaved, shifted")
+    stages = pp * virtual_stages
+    if n_layers < stages:
+        raise PlanError(
+            f"{stages} pipeline stages (pp={pp} × {virtual_stages} per rank) need at least "
+            f"{stages} layers, the model has {n_layers}; use fewer stages"
+        )
+    if schedule in ("1f1b", "shifted") and micro_batches < pp:
+        raise PlanError(
+            f"schedule={schedule} needs micro_batches >= pp; got micro_batches={micro_batches} "
+            f"with pp={pp}: use micro_batches={pp} or more, or schedule=gpipe"
+        )
+    if schedule == "interleaved":
+        rounds = max(1, micro_batches // pp)
+        if micro_batches % rounds:
+            raise PlanError(
+                f"schedule=interleaved with pp={pp} needs micro_batches a multiple of "
+                f"{rounds} (torch's rounds of micro_batches // pp); got {micro_batches}: use "
+                f"micro_batches={rounds * (micro_batches // rounds)}"
+            )

@@ -1,0 +1,70 @@
+"""What the test modules share (pytest puts tests/ on sys.path: `from helpers import ...`): the
+gradient criterion `assert_grads_close` and `SVM_DATA`, the LIBSVM files shipped with the tests.
+
+Gradients are compared relative to each tensor's own scale, not with one absolute tolerance:
+in the tiny test models the largest entry of a tensor ranges from ~1 (output biases) down to
+~5e-5 (attention query weights and biases), where an absolute 1e-5 lets a 20 % error through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+SVM_DATA = Path(__file__).parent / "data" / "svm"
+"""heart_scale, heart_scale.tr and heart_scale.t (origin: data/svm/README.md)."""
+
+GRAD_RTOL = 1e-4
+"""Default tolerance of `assert_grads_close`, relative to each expected tensor's largest entry:
+float32 gradients summed in another order (over ranks, over split matmuls) agree to a few 1e-7
+of it; 1e-4 still catches any dropped scale factor or mean taken as a sum."""
+
+GRAD_FLOOR = 1e-7
+"""Slack on top of the relative tolerance, as a fraction of the largest entry of all the expected
+tensors compared together: a gradient that is zero in exact arithmetic (a key projection's bias:
+softmax ignores a shift common to a row's scores) comes out as float32 rounding noise, a few
+1e-10 of the largest gradients, which no relative criterion on its own scale can match."""
+
+
+def assert_grads_close(
+    actual: Mapping[str, torch.Tensor] | torch.Tensor,
+    expected: Mapping[str, torch.Tensor] | torch.Tensor,
+    rtol: float = GRAD_RTOL,
+    floor: float = GRAD_FLOOR,
+    what: str = "",
+) -> None:
+    """Each tensor of `actual` ({name: tensor}, or one tensor) within `rtol` of its `expected`
+    counterpart relative to that tensor's own scale: max|a - e| <= rtol · max|e| + floor · m,
+    m the largest |entry| of all the expected tensors.
+
+    Raises AssertionError naming every tensor off (and its relative error), and any name in one
+    mapping but not the other. `what` prefixes the message (a rank, a step)."""
+    if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+        actual, expected = {"tensor": actual}, {"tensor": expected}
+    prefix = f"{what}: " if what else ""
+    missing = sorted(set(expected) ^ set(actual))
+    assert not missing, f"{prefix}names in only one of actual, expected: {missing}"
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, f"{prefix}{name}: shape {got.shape} != {want.shape}"
+    scales = {name: _diff_and_scale(actual[name], want) for name, want in expected.items()}
+    slack = floor * max((scale for _, scale in scales.values()), default=0.0)
+    bad = []
+    for name, (diff, scale) in scales.items():
+        if not diff <= rtol * scale + slack:  # `not <=`: NaN fails too
+            relative = diff / scale if scale > 0 else float("inf")
+            bad.append(
+                f"{name}: max|Δ| {diff:.3g} is {relative:.3g} of max|expected| {scale:.3g}"
+                f" (rtol {rtol:g})"
+            )
+    assert not bad, prefix + f"{len(bad)} of {len(expected)} tensors differ:\n  " + "\n  ".join(bad)
+
+
+def _diff_and_scale(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(max |actual - expected|, max |expected|)."""
+    if expected.numel() == 0:
+        return 0.0, 0.0
+    a, e = actual.detach().double(), expected.detach().double().to(actual.device)
+    return float((a - e).abs().max()), float(e.abs().max())
