@@ -111,10 +111,24 @@ def dp2_step_by_hand(config, global_batch: int, matmul_flops: float, calibration
     return compute + all_reduce + 32 * params / calibration["memory_bandwidth_Bps"]
 
 
+NOMINAL_CALIBRATION = {
+    "link_latency_s": 1e-5,
+    "link_bandwidth_Bps": 1e9,
+    "matmul_efficiency": 1.0,
+    "matmul_half_rows": 0.0,
+    "overlap_efficiency": 1.0,
+    "memory_bandwidth_Bps": 1e10,
+    "idle_speedup": 1.0,
+}
+"""Stands in for the calibration where only memory is checked: the memory model reads no rate."""
+
+
 def _memory_rank(options, plans):
     import interlace.bench.planner as bench_planner
 
-    bench_planner.DENSE_PLANS[2] = plans  # this forked rank's copy only
+    # this forked rank's copies only
+    bench_planner.DENSE_PLANS[2] = plans
+    bench_planner._calibrate = lambda ctx: NOMINAL_CALIBRATION
     return _rank(options)
 
 

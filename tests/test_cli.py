@@ -236,16 +236,6 @@ def test_a_field_without_a_command_line_form_is_refused():
         add_dataclass_args(argparse.ArgumentParser(), Odd)
 
 
-def test_the_command_line_loads_no_benchmark_code():
-    code = (
-        "import sys; from interlace.cli import build_parser; build_parser(); "
-        "print(sorted(m for m in sys.modules if m.startswith('interlace.bench')))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
-
-
 def test_plan_describes_gpt3_on_eight_data_parallel_ranks(capsys):
     assert main(["plan", "--model", "gpt3-175b", "--plan", "dp=8", "--nproc", "8"]) == 0
     out = capsys.readouterr().out

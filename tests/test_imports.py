@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import interlace
 
 ROOT = Path(interlace.__file__).parent
@@ -110,15 +112,23 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 _IMPORT_EACH = """
 import importlib, os, sys, traceback
-# the libraries it uses load once, here; each interlace module then imports in its own child
+# the libraries it uses load once, here; each interlace module then imports in its own child,
+# as many children at a time as there are cores
 libraries, modules = sys.argv[1].split(","), sys.argv[2:]
 for lib in libraries:
     try:
         importlib.import_module(lib)
     except Exception:
         pass
-failed = []
+running, failed = {}, []
+def reap():
+    pid, status = os.wait()
+    if status != 0:
+        failed.append(running[pid])
+    del running[pid]
 for name in modules:
+    if len(running) >= (os.cpu_count() or 1):
+        reap()
     pid = os.fork()
     if pid == 0:
         try:
@@ -127,9 +137,21 @@ for name in modules:
             traceback.print_exc()
             os._exit(1)
         os._exit(0)
-    if os.waitpid(pid, 0)[1] != 0:
-        failed.append(name)
-print("FAILED:" + ",".join(failed))
+    running[pid] = name
+while running:
+    reap()
+print("FAILED:" + ",".join(sorted(failed)))
+# the command line's parser, built in a child too: which benchmark modules did it load?
+read, write = os.pipe()
+if os.fork() == 0:
+    from interlace.cli import build_parser
+    build_parser()
+    loaded = sorted(m for m in sys.modules if m.startswith("interlace.bench"))
+    os.write(write, ("CLI_LOADS:" + ",".join(loaded)).encode())
+    os._exit(0)
+os.close(write)
+os.wait()
+print(os.read(read, 1 << 16).decode())
 """
 
 PEERS = {"interlace.bench.tp_megatron": "megatron", "interlace.bench.moe_deepspeed": "deepspeed"}
@@ -144,19 +166,31 @@ def _libraries(module: str) -> set[str]:
     return {n for n in names if n and n.split(".")[0] not in ("interlace", "__future__")}
 
 
-def test_every_module_imports_alone():
-    """Each module imports first, in a fresh child of an interpreter that has loaded the
-    libraries they use and no interlace module (an import that works only after another
-    interlace module's fails here)."""
+@pytest.fixture(scope="module")
+def fresh_imports() -> subprocess.CompletedProcess:
+    """One run of `_IMPORT_EACH` over every module (those needing an absent peer left out)."""
     modules = [
         m for m in _modules() if m not in PEERS or importlib.util.find_spec(PEERS[m]) is not None
     ]
     libraries = sorted(set().union(*(_libraries(m) for m in modules)))
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH, ",".join(libraries), *modules],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    failed = result.stdout.rpartition("FAILED:")[2].strip()
-    assert result.returncode == 0 and not failed, f"{failed}\n{result.stderr[-3000:]}"
+
+
+def test_every_module_imports_alone(fresh_imports):
+    """Each module imports first, in a fresh child of an interpreter that has loaded the
+    libraries they use and no interlace module (an import that works only after another
+    interlace module's fails here)."""
+    failed = fresh_imports.stdout.partition("FAILED:")[2].splitlines()[0].strip()
+    assert fresh_imports.returncode == 0 and not failed, f"{failed}\n{fresh_imports.stderr[-3000:]}"
+
+
+def test_the_command_line_loads_no_benchmark_code(fresh_imports):
+    """Building `interlace`'s parser imports no module of interlace.bench (they load only when
+    `interlace bench` runs)."""
+    assert fresh_imports.returncode == 0, fresh_imports.stderr[-3000:]
+    assert fresh_imports.stdout.rpartition("CLI_LOADS:")[2].strip() == ""
