@@ -37,6 +37,7 @@ from interlace.parallel.parallelize import parallelize
 from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
+from interlace.precision import resolve_precision
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.train_config import TrainConfig
 
@@ -50,6 +51,7 @@ class RunSetup:
     model_config: GPTConfig
     data: TokenData
     corpus: str
+    precision: str
 
 
 def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
@@ -76,13 +78,16 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     )
     data = TokenData.from_text(text, tokenizer, model_config.seq_len)
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
-    return RunSetup(config, plan, model_config, data, describe_corpus(config.data))
+    precision = resolve_precision(config.precision, default_device())
+    return RunSetup(config, plan, model_config, data, describe_corpus(config.data), precision)
 
 
 def run_identity(setup: RunSetup) -> dict[str, Any]:
-    """What a checkpoint must share with a run to resume it: plan, model, data and sampling."""
+    """What a checkpoint must share with a run to resume it: plan, precision, model, data and
+    sampling."""
     return {
         "plan": setup.plan.to_dict(),
+        "precision": setup.precision,
         "model": setup.model_config.to_dict(),
         "data": {
             "fingerprint": setup.data.fingerprint,
@@ -121,6 +126,7 @@ class Trainer:
             mesh,
             split_points=self.config.split_points or None,
             layers_per_stage=self.config.layers_per_stage or None,
+            precision=setup.precision,
         )
         self.model = self.parallel.model  # this rank's parameters, under the full model's names
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
@@ -165,8 +171,8 @@ class Trainer:
             loss_sum += self.parallel.forward_backward(x, y, 1 / self.accum, sync=last)
         self.parallel.sync_gradients()
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        grad_norm = self.parallel.clip_grad_norm_(max_norm)
-        self.optimizer.step()
+        grad_norm = self.parallel.clip_grad_norm_(max_norm, self.optimizer)
+        self.parallel.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
         seconds = time.perf_counter() - start
@@ -298,6 +304,7 @@ class Trainer:
             "train": self.config.to_dict(),
             "world_size": self.plan.world_size,
             "device": str(self.device),
+            "precision": self.setup.precision,
             "torch": torch.__version__,
             "interlace": __version__,
             "corpus": self.setup.corpus,

@@ -9,6 +9,7 @@ from typing import Any
 
 from interlace.config_args import option
 from interlace.errors import ConfigError
+from interlace.precision import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class TrainConfig:
         "global batch / (dp x micro batch) passes; None: global batch / dp, no accumulation",
     )
     seq_len: int | None = option(None, "tokens per sequence; None: the preset's")
+    precision: str = option(
+        "auto",
+        "the dtype the forward computes in, by autocast over fp32 weights and optimizer states "
+        "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU",
+        choices=("auto", *PRECISIONS),
+    )
     lr: float = option(2e-3, "peak learning rate")
     min_lr_ratio: float = option(
         0.1, "final learning rate as a fraction of the peak (cosine decay)"

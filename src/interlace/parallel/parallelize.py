@@ -6,10 +6,13 @@ Every plan goes through the same steps in the same order, each one `apply_*` of 
     1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/
                 or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/
     2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/
-    3. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
-    4. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
+    3. precision (`precision`: bf16, fp16 or fp32)                interlace/precision.py
+    4. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
+    5. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
 
-Steps 1 and 2 change the model in place; 3 keeps this rank's stages; 4 wraps what is left. The
+Steps 1 and 2 change the model in place; 3 runs the model's forward under autocast over the
+unchanged fp32 master weights (with a gradient scaler for fp16); 4 keeps this rank's stages,
+which run under the same precision; 5 wraps what is left. The
 result, `Parallelized`, owns what differs between plans — the module to run, the loss of its
 logits (vocabulary-parallel under a split head, averaged over tp3d's z), the gradient
 reduction after the last micro-batch, the gradient norm over every split, the checkpoint keys of
@@ -56,6 +59,7 @@ from interlace.parallel.tensor3d.apply import apply_tensor3d, check_tensor3d, z_
 from interlace.parallel.tensor3d.comm import mean_over
 from interlace.parallel.tensor3d.shard import Grid, shard3d_keys, tensor3d_norm_shares
 from interlace.plan import Plan
+from interlace.precision import forward_in_precision, grad_scaler
 
 logger = logging.getLogger("interlace.parallel")
 
@@ -71,6 +75,8 @@ class Parallelized:
 
     def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
         self.model = model
+        self.precision = "fp32"
+        self.scaler: torch.amp.GradScaler | None = None
         self.module = model
         self.plan = plan
         self.scores = scores
@@ -93,12 +99,20 @@ class Parallelized:
         return causal_lm_loss(logits, targets, self.model, self.scores)
 
     def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0, sync: bool = True
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        loss_scale: float | torch.Tensor = 1.0,
+        sync: bool = True,
     ) -> torch.Tensor:
         """Forward and backward of token ids x [B, T] against targets y [B, T] (this rank's
         data-parallel rows); gradients of `loss_scale` · loss accumulate in `.grad`. `sync` on
         the last micro-batch of a step (data parallel reduction, tied embeddings). Returns the
-        loss, detached, equal on every rank of the model-parallel groups."""
+        loss, detached, equal on every rank of the model-parallel groups. Under fp16 the
+        gradients are those of the loss times the gradient scaler's scale until
+        `clip_grad_norm_` unscales them."""
+        if self.scaler is not None:
+            loss_scale = self.scaler.scale(torch.tensor(loss_scale, device=x.device))
         if self.pipeline is not None:
             return self.pipeline.step(x, y, loss_scale=loss_scale, sync=sync).detach()
         self.module.train()
@@ -126,10 +140,26 @@ class Parallelized:
             _, ep_dp = self.expert_groups
             reduce_expert_gradients(self.model, ep_dp, self.plan.dp)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
         """Clip to `max_norm` by the whole model's gradient norm, counted once over every split;
-        returns that norm before clipping (equal on every rank)."""
+        returns that norm before clipping (equal on every rank). Under fp16 `optimizer`'s
+        gradients are first divided by the scaler's scale (required then)."""
+        if self.scaler is not None:
+            if optimizer is None:
+                raise ValueError("fp16: clip_grad_norm_ needs the optimizer to unscale")
+            self.scaler.unscale_(optimizer)
         return clip_grad_norm_(self.model.parameters(), max_norm, self.norm_shares)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.step()`; under fp16 through the gradient scaler, which skips the step on
+        every rank when any rank's gradients overflowed, and adapts its scale."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
     def metrics(self) -> dict[str, Any]:
         """What the plan's dimensions log per step: the gradient compression ratio so far,
@@ -152,6 +182,7 @@ def parallelize(
     gather_logits: bool = False,
     split_points: Sequence[str] | None = None,
     layers_per_stage: Sequence[int] | None = None,
+    precision: str = "fp32",
 ) -> Parallelized:
     """Apply `plan` to `model` on `mesh` (None: one process, nothing to split) in the fixed
     order of the module docstring; returns the `Parallelized` result.
@@ -159,18 +190,21 @@ def parallelize(
     Every rank must pass the same full model (same seed). `sequence_parallel` overrides the
     plan's; `gather_logits`: a 1D-split head all-gathers full logits [..., V] (for a model's own
     loss or `generate`) instead of leaving this rank's [..., V/tp] to the vocabulary-parallel
-    loss; `split_points` / `layers_per_stage` override the pipeline partitioner. Raises
+    loss; `split_points` / `layers_per_stage` override the pipeline partitioner; `precision`:
+    "bf16", "fp16" or "fp32" (`interlace.precision`). Raises
     PlanError before modifying anything if the plan does not fit the mesh or the model.
     """
     if sequence_parallel is not None:
         plan = dataclasses.replace(plan, sequence_parallel=sequence_parallel)
     plan.validate(1 if mesh is None else mesh.device_mesh.size())
-    if mesh is None:
-        return Parallelized(model, plan, cross_entropy)
-    _check_mesh(plan, mesh)
     result = Parallelized(model, plan, cross_entropy)
+    if mesh is None:
+        apply_precision(result, precision)
+        return result
+    _check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
     apply_expert(result, mesh)
+    apply_precision(result, precision)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
     apply_data(result, mesh)
     for line in result.report:
@@ -227,13 +261,25 @@ def apply_expert(result: Parallelized, mesh: Mesh) -> None:
     result.norm_shares.append(expert_norm_share(result.model, ep))
 
 
+def apply_precision(result: Parallelized, precision: str) -> None:
+    """Step 3: the model's forward runs under autocast to `precision` (a pipeline's stages, built
+    next, run under it too); fp16 adds a gradient scaler that agrees over all ranks whether any
+    gradient overflowed."""
+    result.precision = precision
+    device_type = next(result.model.parameters()).device.type
+    forward_in_precision(result.model, precision, device_type)
+    result.scaler = grad_scaler(precision, device_type)
+    if precision != "fp32":
+        result.report.append(f"precision: {precision} autocast over fp32 weights")
+
+
 def apply_pipeline(
     result: Parallelized,
     mesh: Mesh,
     split_points: Sequence[str] | None,
     layers_per_stage: Sequence[int] | None,
 ) -> None:
-    """Step 3: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
+    """Step 4: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
     plan = result.plan
     if not plan.pipelined:
         return
@@ -244,6 +290,7 @@ def apply_pipeline(
         result.scores,
         split_points=split_points,
         layers_per_stage=layers_per_stage,
+        precision=result.precision,
     )
     result.pipeline = runner
     result.model = result.module = runner.module
@@ -257,7 +304,7 @@ def apply_pipeline(
 
 
 def apply_data(result: Parallelized, mesh: Mesh) -> None:
-    """Step 4: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
+    """Step 5: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(result.model, result.plan, mesh.group("dp"), skip)
     result.module = result.data.module

@@ -49,6 +49,7 @@ from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
 from interlace.parallel.tensor.layers import VocabParallelHead
 from interlace.plan import Plan
+from interlace.precision import forward_in_precision
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,7 +67,8 @@ class PipelineRunner:
     virtual_stages: stages per rank for schedule=interleaved (default 2);
     recompute: a list of per-rank checkpoint ratios instead of `plan.recompute`;
     memory_budget_bytes with micro_batch_tokens (b·T): derive stage-aware recomputation's
-    stage-0 ratio from the budget instead of 1.0.
+    stage-0 ratio from the budget instead of 1.0; precision: "bf16" or "fp16" runs every stage
+    forward (and its recomputation) under autocast (`interlace.precision`; default fp32).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class PipelineRunner:
         recompute: Sequence[float] | None = None,
         memory_budget_bytes: float | None = None,
         micro_batch_tokens: int | None = None,
+        precision: str = "fp32",
     ) -> None:
         if isinstance(model, GPTConfig):
             model = build_model(model, device=mesh.device)
@@ -118,6 +121,9 @@ class PipelineRunner:
         )
         tied = model.get_submodule(head).weight is model.get_submodule(embedding).weight
         self.stages = [self._stage(model, s, n_stages, tied) for s in self.stage_indices]
+        self.precision = precision
+        for stage in self.stages:
+            forward_in_precision(stage, precision, self.device.type)
         self.module = (local_module if self.hf is None else hf_local_module)(self.stages)
         self.holds_first = 0 in self.stage_indices
         self.holds_last = n_stages - 1 in self.stage_indices
@@ -157,6 +163,7 @@ class PipelineRunner:
                 self.plan.micro_batches,
                 self._micro_batch_loss,
                 self.device,
+                self.precision,
             )
         n_stages = self.layout.n_stages
         self.pipeline_stages = [

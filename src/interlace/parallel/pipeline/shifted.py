@@ -40,6 +40,7 @@ from interlace.comm import Group
 from interlace.parallel.pipeline.hf_stage import HFStage
 from interlace.parallel.pipeline.stage import GPTStage
 from interlace.parallel.tensor.reduction import ReductionReplay
+from interlace.precision import autocast
 
 
 def shifted_order(stage: int, pp: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -77,7 +78,8 @@ class ShiftedSchedule:
     ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran. `on_compute`, when set,
     is called as on_compute(kind "F" | "R" | "B", micro-batch, start, end) with
     `time.perf_counter` seconds around each action's computation (receives excluded); the
-    step timeline recorder (`trace.py`) sets it.
+    step timeline recorder (`trace.py`) sets it. Forwards and their replays run under
+    `precision`'s autocast (it calls the stage's pieces, not the stage).
     """
 
     def __init__(
@@ -88,8 +90,10 @@ class ShiftedSchedule:
         micro_batches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         device: torch.device,
+        precision: str = "fp32",
     ) -> None:
         self.stage, self.index, self.group = stage, index, group
+        self.precision = precision
         self.pp, self.micro_batches = group.size, micro_batches
         self.loss_fn, self.device = loss_fn, device
         pieces = stage.pieces()
@@ -137,7 +141,11 @@ class ShiftedSchedule:
             dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
             inputs.requires_grad_(keep_graph)
         rng, boundary, replay = None, None, None
-        with self._timed("F", i), torch.set_grad_enabled(keep_graph):
+        with (
+            self._timed("F", i),
+            torch.set_grad_enabled(keep_graph),
+            autocast(self.precision, self.device.type),
+        ):
             h = inputs
             if self.prefix and keep_graph:
                 rng = _rng_state(self.device)
@@ -161,7 +169,7 @@ class ShiftedSchedule:
             with self._timed("R", i), torch.random.fork_rng(devices=_rng_devices(self.device)):
                 _set_rng_state(kept.rng, self.device)
                 assert kept.replay is not None
-                with kept.replay.replaying():
+                with kept.replay.replaying(), autocast(self.precision, self.device.type):
                     replay = _run(self.prefix, kept.inputs)
         grad = None
         if not self.stage.is_last:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.tensor.comm import gather_last_dim
+from interlace.precision import autocast_in_force, compute_dtype
 
 _pending: list[tuple[dist.Work, torch.Tensor, torch.nn.Parameter]] = []
 """Weight gradients being reduce-scattered over Z: (work, output buffer, parameter)."""
@@ -55,23 +56,25 @@ def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z
     """Start the async reduce-scatter of a full block gradient `grad` [rows, cols] over Z into
     the gradient of `param` [rows/z, cols], finished at the end of this backward pass."""
     shard = torch.empty_like(param)
-    work = comm.reduce_scatter(shard, grad.contiguous(), z, async_op=True)
+    work = comm.reduce_scatter(shard, grad.to(param.dtype).contiguous(), z, async_op=True)
     assert work is not None
     if not _pending:
         torch.autograd.Variable._execution_engine.queue_callback(_finish_weight_gradients)
     _pending.append((work, shard, param))
 
 
-def _block_like(shard: torch.Tensor, z: Group) -> torch.Tensor:
-    """An empty block [z·rows, cols] for the all-gather of a piece [rows, cols] over Z."""
-    return shard.new_empty((z.size * shard.shape[0], shard.shape[1]))
+def _gathered(shard: torch.Tensor, z: Group, async_op: bool):
+    """All-gather over Z of a weight piece [rows, cols] into a block [z·rows, cols], in the
+    dtype the matmul computes in (under bf16 autocast the wire carries bf16)."""
+    piece = shard.detach().to(compute_dtype(shard)).contiguous()
+    block = piece.new_empty((z.size * piece.shape[0], piece.shape[1]))
+    return block, comm.all_gather(block, piece, z, async_op=async_op)
 
 
 def start_gather(shard: torch.Tensor, z: Group) -> tuple[torch.Tensor, dist.Work]:
     """Issue the async all-gather over Z (z.size > 1) of this rank's piece [rows/z, cols] of a
     weight block: (the block [rows, cols], valid once the returned work is waited on)."""
-    block = _block_like(shard, z)
-    work = comm.all_gather(block, shard.detach().contiguous(), z, async_op=True)
+    block, work = _gathered(shard, z, async_op=True)
     assert work is not None
     return block, work
 
@@ -80,9 +83,7 @@ def gather_weight(shard: torch.Tensor, z: Group) -> torch.Tensor:
     """This rank's Z piece [rows/z, cols] of a weight block → the block [rows, cols]."""
     if z.size == 1:
         return shard
-    block = _block_like(shard, z)
-    comm.all_gather(block, shard.detach().contiguous(), z)
-    return block
+    return _gathered(shard, z, async_op=False)[0]
 
 
 def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -103,11 +104,17 @@ class _Linear3D(torch.autograd.Function):
         ctx.groups = (in_group, out_group, z)
         ctx.block_grad_hook = block_grad_hook
         ctx.gather = gather
+        ctx.autocast = autocast_in_force(x.device.type)
         block = gather_weight(weight, z) if gather is None else gather()
         return _summed(torch.matmul(x, block.t()), in_group)
 
     @staticmethod
     def backward(ctx, grad_out):
+        with ctx.autocast:  # the forward's precision
+            return _Linear3D.backward_in_precision(ctx, grad_out)
+
+    @staticmethod
+    def backward_in_precision(ctx, grad_out):
         (x,), weight = ctx.saved_tensors, ctx.weight
         _, out_group, z = ctx.groups
         block = gather_weight(weight, z) if ctx.gather is None else ctx.gather()

@@ -1,0 +1,91 @@
+"""Mixed precision: the dtype a run computes in, by `torch.autocast` over fp32 master weights.
+
+Parameters, gradients and optimizer states stay fp32 in every precision; under bf16 or fp16 the
+forward of every module runs inside `torch.autocast`, so matmuls (and what torch's autocast
+tables list with them) compute in the low dtype and everything that flows between ranks in the
+forward — tensor-parallel reductions, pipeline activations, expert tokens — carries that dtype.
+The loss and softmax statistics stay fp32 (autocast's fp32 list; `interlace.loss` upcasts the
+logits). fp16 also scales the loss against underflow (`grad_scaler`); bf16 has fp32's range and
+needs no scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from interlace.errors import ConfigError
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+"""The precisions a run can compute in; `auto` picks bf16 on CUDA and fp32 on the CPU."""
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`precision` ("auto" or one of PRECISIONS) for a run on `device`: auto → bf16 on CUDA,
+    fp32 elsewhere. Raises ConfigError for an unknown name."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not one of auto, {', '.join(PRECISIONS)}")
+    return precision
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The context a forward runs in: torch.autocast to `precision`'s dtype on `device_type`
+    ("cuda", "cpu"), or nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[precision])
+
+
+def autocast_in_force(device_type: str) -> contextlib.AbstractContextManager:
+    """The autocast state in force now on `device_type`, as a context to enter later: a custom
+    autograd Function saves it in forward and runs its backward under it (what
+    `torch.amp.custom_bwd` does, for one device type fixed where the Function is defined)."""
+    return torch.autocast(
+        device_type,
+        dtype=torch.get_autocast_dtype(device_type),
+        enabled=torch.is_autocast_enabled(device_type),
+    )
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul with `tensor` computes in now: autocast's on its device when enabled
+    (and `tensor` is floating point), else its own."""
+    device_type = tensor.device.type
+    if tensor.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return tensor.dtype
+
+
+def forward_in_precision(module: nn.Module, precision: str, device_type: str) -> None:
+    """Make every call of `module` run its forward under `autocast(precision, device_type)`
+    (nothing for fp32). Its parameters keep their dtype; what callers of the module see —
+    DDP, a pipeline schedule — is unchanged."""
+    if precision == "fp32":
+        return
+    module.forward = functools.partial(_autocast_call, module.forward, precision, device_type)
+
+
+def grad_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None:
+    """fp16's dynamic loss scaler on `device_type` (None otherwise). With several processes it
+    is torch's ShardedGradScaler over every rank: a rank whose gradient piece overflowed makes
+    every rank skip the step, whatever the split (torch's plain GradScaler decides per rank)."""
+    if precision != "fp16":
+        return None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return ShardedGradScaler(device_type, process_group=dist.group.WORLD)
+    return torch.amp.GradScaler(device_type)
+
+
+def _autocast_call(forward: Callable, precision: str, device_type: str, *args, **kwargs):
+    with autocast(precision, device_type):
+        return forward(*args, **kwargs)

@@ -1,0 +1,154 @@
+"""Mixed precision: every parallel plan trained in bf16 follows the serial model trained in bf16
+(losses and pre-clipping gradient norms step by step), and its forward really computed in bf16.
+
+Tolerance: bf16 keeps 8 significant bits, and a split changes where partial results are
+rounded to it (a row-parallel matmul rounds each rank's partial sum before the all-reduce), so
+a plan and the serial run differ by rounding of the order of bf16 against fp32 (measured below
+1e-3 relative on these runs). LOSS_ATOL and NORM_RTOL allow 5× that; a gradient scale error (a
+sum over ranks for a mean, a dropped 1/accumulation) is ≥ 2× and fails.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from interlace.mesh import build_mesh
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+
+LOSS_ATOL = 5e-3
+NORM_RTOL = 5e-3
+
+BASE = TrainConfig(
+    model="tiny",
+    steps=3,
+    global_batch=8,
+    eval_every=0,
+    out=None,
+    progress=False,
+    warmup_steps=1,
+    lr=5e-4,
+    precision="bf16",
+)
+
+
+def _model_file(tmp_path, preset: str, **changes) -> str:
+    config = dataclasses.replace(get_preset(preset), **changes)
+    path = tmp_path / f"{preset}-changed.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return str(path)
+
+
+def _run(config: TrainConfig, plan_text: str, world_size: int) -> dict:
+    """Every step's (loss, grad_norm), and the dtypes of every module output in the forward."""
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan) if world_size > 1 else None
+    trainer = Trainer(prepare_run(config, plan, world_size), mesh)
+    dtypes: set[str] = set()
+    for module in trainer.model.modules():
+        module.register_forward_hook(
+            lambda m, i, out: dtypes.add(str(out.dtype)) if torch.is_tensor(out) else None
+        )
+    rows = [trainer.train_step() for _ in range(config.steps)]
+    return {"rows": [(r["loss"], r["grad_norm"]) for r in rows], "dtypes": dtypes}
+
+
+def _assert_follows(result: dict, serial: dict) -> None:
+    losses, norms = zip(*result["rows"], strict=True)
+    serial_losses, serial_norms = zip(*serial["rows"], strict=True)
+    assert losses == pytest.approx(serial_losses, abs=LOSS_ATOL)
+    assert norms == pytest.approx(serial_norms, rel=NORM_RTOL)
+    assert "torch.bfloat16" in result["dtypes"], result["dtypes"]
+
+
+DENSE_PLANS = [
+    "dp=2",
+    "dp=2,dp_overlap=false",
+    "tp=2",
+    "tp=2,sequence_parallel=true",
+    "tp=2,tp_subbatches=2",
+    "pp=2,micro_batches=2,schedule=gpipe",
+    "pp=2,micro_batches=2,schedule=1f1b",
+    "pp=2,micro_batches=4,schedule=interleaved",
+    "pp=2,micro_batches=4,schedule=shifted,recompute=full",
+    "pp=2,tp=2,micro_batches=2",
+    "tp3d=2x1x1",
+    "tp3d=1x1x2",
+]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    config = dataclasses.replace(
+        BASE, model=_model_file(tmp_path_factory.mktemp("dense"), "tiny", n_layers=4)
+    )
+    return config, _run(config, "dp=1", 1)
+
+
+@pytest.mark.parametrize("plan_text", DENSE_PLANS)
+def test_bf16_plan_follows_the_serial_bf16_run(dense, plan_text):
+    config, serial = dense
+    world_size = Plan.parse(plan_text).world_size
+    for result in run_ranks(world_size, _run, config, plan_text, world_size):
+        _assert_follows(result, serial)
+
+
+def test_bf16_expert_parallel_follows_the_serial_bf16_run(tmp_path):
+    # dropless and without the auxiliary loss: per-rank routing equals serial routing
+    model = _model_file(tmp_path, "moe-tiny", dropless=True, aux_loss_coef=0.0)
+    config = dataclasses.replace(BASE, model=model)
+    serial = _run(config, "dp=1", 1)
+    for result in run_ranks(2, _run, config, "dp=2,ep=2", 2):
+        _assert_follows(result, serial)
+
+
+def test_bf16_with_gradient_accumulation_follows_the_serial_bf16_run(dense):
+    config, serial = dense
+    for result in run_ranks(2, _run, dataclasses.replace(config, micro_batch=2), "dp=2", 2):
+        _assert_follows(result, serial)
+
+
+def test_bf16_and_fp16_runs_stay_close_to_fp32_and_fp32_computes_in_fp32(dense):
+    config, bf16 = dense
+    fp32 = _run(dataclasses.replace(config, precision="fp32"), "dp=1", 1)
+    fp16 = _run(dataclasses.replace(config, precision="fp16"), "dp=1", 1)
+    assert "torch.bfloat16" not in fp32["dtypes"] and "torch.float16" not in fp32["dtypes"]
+    assert "torch.float16" in fp16["dtypes"]
+    # fp16's scaled gradients are unscaled before the norm: otherwise it would be 65536x
+    for low in (bf16, fp16):
+        losses, norms = zip(*low["rows"], strict=True)
+        assert losses == pytest.approx([r[0] for r in fp32["rows"]], abs=LOSS_ATOL)
+        assert norms == pytest.approx([r[1] for r in fp32["rows"]], rel=NORM_RTOL)
+
+
+def test_fp16_gradient_scaler_agrees_over_model_parallel_ranks(dense):
+    """fp16 under tp=2 follows the serial fp32 run: each rank's scaled gradient piece is
+    unscaled before the norm, and every rank steps (or skips) together."""
+    config, _ = dense
+    serial = _run(dataclasses.replace(config, precision="fp32"), "dp=1", 1)
+    config = dataclasses.replace(config, precision="fp16")
+    for result in run_ranks(2, _run, config, "tp=2", 2):
+        losses, norms = zip(*result["rows"], strict=True)
+        assert losses == pytest.approx([r[0] for r in serial["rows"]], abs=LOSS_ATOL)
+        assert norms == pytest.approx([r[1] for r in serial["rows"]], rel=NORM_RTOL)
+        assert "torch.float16" in result["dtypes"]
+
+
+@pytest.mark.slow
+def test_demo_preset_trained_200_steps_in_bf16_ends_within_2_percent_of_fp32():
+    """The demo run (`make demo`'s model and data) for 200 steps, one process: the mean loss of
+    its last 20 steps and its held-out loss in bf16 within 2 % of fp32's."""
+    config = TrainConfig(steps=200, eval_every=200, out=None, progress=False)
+    ends = {}
+    for precision in ("fp32", "bf16"):
+        run = dataclasses.replace(config, precision=precision)
+        trainer = Trainer(prepare_run(run, Plan(), 1))
+        rows = [trainer.train_step() for _ in range(run.steps)]
+        ends[precision] = (sum(r["loss"] for r in rows[-20:]) / 20, trainer.evaluate())
+    for fp32, bf16 in zip(ends["fp32"], ends["bf16"], strict=True):
+        assert bf16 == pytest.approx(fp32, rel=0.02), ends
