@@ -44,7 +44,8 @@ def read_metrics(file: Path) -> list[dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Summary numbers of a run from its metric rows: first/final loss, last eval loss, mean
-    step time and tokens/s (first step excluded as warm-up), mean comm bytes per group, and
+    step time, tokens/s, model TFLOP/s per device and MFU (first step excluded as warm-up;
+    MFU None where the device's peak is unknown), peak device memory, mean comm bytes per group, and
     the mean expert load per MoE layer and rank (`moe_load`, None without expert parallelism)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -57,6 +58,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "mean_step_time_s": _mean([r["step_time_s"] for r in steady]),
         "mean_tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
+        "mean_model_tflops": _mean([r["model_tflops"] for r in steady if "model_tflops" in r]),
+        "mean_mfu": _mean([r["mfu"] for r in steady if "mfu" in r]),
+        "peak_memory_gib": max(
+            (r["peak_memory_gib"] for r in steady if "peak_memory_gib" in r), default=None
+        ),
         "comm_bytes_per_step": {
             g: _mean([r.get("comm_bytes", {}).get(g, 0) for r in steady]) for g in groups
         },

@@ -39,6 +39,12 @@ from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
 from interlace.precision import resolve_precision
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
+from interlace.throughput import (
+    device_peak_tflops,
+    model_flops_per_token,
+    peak_memory_gib,
+    synchronize,
+)
 from interlace.train_config import TrainConfig
 
 
@@ -135,6 +141,10 @@ class Trainer:
         self.step = 0
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
+        self.flops_per_token = model_flops_per_token(setup.model_config)
+        self.peak_tflops = self.config.peak_tflops or device_peak_tflops(
+            self.device, setup.precision
+        )
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
@@ -166,7 +176,7 @@ class Trainer:
         micro = self.batches.micro_batches(self.step, self.dp_rank, self.dp_size, self.accum)
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = i == len(micro) - 1
             loss_sum += self.parallel.forward_backward(x, y, 1 / self.accum, sync=last)
         self.parallel.sync_gradients()
@@ -175,26 +185,41 @@ class Trainer:
         self.parallel.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
+        loss, norm = torch.stack([loss_mean, grad_norm.to(loss_mean)]).tolist()  # one sync
+        synchronize(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
         tokens = self.config.global_batch * self.setup.model_config.seq_len
         return {
             "step": self.step,
-            "loss": loss_mean,
+            "loss": loss,
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": norm,
             "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
+            **self._throughput(tokens / seconds),
             "comm_bytes": comm.meter.bytes_per_group(),
             **self.parallel.metrics(),
         }
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _throughput(self, tokens_per_s: float) -> dict[str, float]:
+        """Model TFLOP/s per device, MFU where the device's peak is known, peak device memory
+        (GiB) where the device reports it."""
+        tflops = self.flops_per_token * tokens_per_s / self.plan.world_size / 1e12
+        row = {"model_tflops": tflops}
+        if self.peak_tflops:
+            row["mfu"] = tflops / self.peak_tflops
+        memory = peak_memory_gib(self.device)
+        if memory is not None:
+            row["peak_memory_gib"] = memory
+        return row
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp is not None and self.dp.size > 1:
             value = value.clone()
             comm.all_reduce(value, self.dp)
             value /= self.dp.size
-        return float(value)
+        return value
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -217,7 +242,7 @@ class Trainer:
             loss = self.parallel.evaluate(x, y)
             total += loss * len(x)
             rows += len(x)
-        return self._dp_mean(total / rows)
+        return float(self._dp_mean(total / rows))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
@@ -305,6 +330,8 @@ class Trainer:
             "world_size": self.plan.world_size,
             "device": str(self.device),
             "precision": self.setup.precision,
+            "model_flops_per_token": self.flops_per_token,
+            "peak_tflops": self.peak_tflops,
             "torch": torch.__version__,
             "interlace": __version__,
             "corpus": self.setup.corpus,
@@ -325,6 +352,8 @@ def _postfix(row: dict[str, Any]) -> dict[str, str]:
         "lr": f"{row['lr']:.1e}",
         "tok/s": f"{row['tokens_per_s']:.0f}",
     }
+    if "mfu" in row:
+        post["mfu"] = f"{row['mfu']:.1%}"
     if "eval_loss" in row:
         post["eval"] = f"{row['eval_loss']:.3f}"
     return post

@@ -48,6 +48,12 @@ class TrainConfig:
         "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU",
         choices=("auto", *PRECISIONS),
     )
+    peak_tflops: float | None = option(
+        None,
+        "the device's dense peak TFLOP/s in the run's precision, for MFU; None: looked up for "
+        "known GPUs (H100, H200, A100, ...), MFU left out elsewhere",
+        metavar="TFLOPS",
+    )
     lr: float = option(2e-3, "peak learning rate")
     min_lr_ratio: float = option(
         0.1, "final learning rate as a fraction of the peak (cosine decay)"
@@ -101,6 +107,8 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"peak_tflops={self.peak_tflops} must be > 0 (or unset)")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be > 0, e.g. 1e-3")
         if not 0 <= self.min_lr_ratio <= 1:

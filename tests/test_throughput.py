@@ -1,0 +1,73 @@
+"""Throughput figures: the model FLOP count against the formula by hand, the device peak
+table, and the metrics a training step reports."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.report import summarize
+from interlace.throughput import device_peak_tflops, model_flops_per_token
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+
+
+def test_gpt2_124m_flops_per_token_are_6n_plus_12ltd():
+    c = get_preset("gpt2-124m")
+    L, d, T, V = c.n_layers, c.d_model, c.seq_len, c.vocab_size
+    matmul_params = L * (4 * d * d + 2 * d * c.ffn_dim) + d * V  # the tied head still multiplies
+    assert model_flops_per_token(c) == 6 * matmul_params + 12 * L * T * d
+
+
+def test_moe_flops_count_the_active_experts_only():
+    moe = get_preset("moe-tiny")
+    dense = dataclasses.replace(moe, n_experts=0)
+    d, f, k = moe.d_model, moe.ffn_dim, moe.top_k
+    router = d * moe.n_experts
+    extra = len(moe.moe_layers) * (6 * (k - 1) * 2 * d * f + 6 * router)
+    assert model_flops_per_token(moe) == model_flops_per_token(dense) + extra
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H200", "fp32", 67.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("Some Future GPU", "bf16", None),
+    ],
+)
+def test_device_peak_is_looked_up_by_the_cuda_device_name(monkeypatch, name, precision, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_tflops(torch.device("cuda", 0), precision) == peak
+
+
+def test_cpu_has_no_peak():
+    assert device_peak_tflops(torch.device("cpu"), "fp32") is None
+
+
+def _rows(**changes):
+    config = TrainConfig(
+        model="tiny", steps=3, global_batch=8, eval_every=0, out=None, progress=False, **changes
+    )
+    trainer = Trainer(prepare_run(config, Plan(), 1))
+    return trainer, [trainer.train_step() for _ in range(config.steps)]
+
+
+def test_every_step_reports_model_tflops_and_mfu_against_the_given_peak():
+    trainer, rows = _rows(peak_tflops=2.0)
+    flops = model_flops_per_token(trainer.setup.model_config)
+    for row in rows:
+        assert row["model_tflops"] == pytest.approx(flops * row["tokens_per_s"] / 1e12)
+        assert row["mfu"] == pytest.approx(row["model_tflops"] / 2.0)
+    summary = summarize(rows)
+    assert summary["mean_mfu"] == pytest.approx(sum(r["mfu"] for r in rows[1:]) / 2)
+
+
+def test_mfu_is_left_out_where_the_peak_is_unknown():
+    _, rows = _rows()
+    assert all("mfu" not in row and "model_tflops" in row for row in rows)
+    assert summarize(rows)["mean_mfu"] is None
