@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from interlace import __version__, comm
 from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from interlace.compile import resolve_compile
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
 from interlace.mesh import Mesh, default_device
@@ -58,6 +59,7 @@ class RunSetup:
     data: TokenData
     corpus: str
     precision: str
+    compile: bool
 
 
 def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
@@ -84,8 +86,11 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     )
     data = TokenData.from_text(text, tokenizer, model_config.seq_len)
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
-    precision = resolve_precision(config.precision, default_device())
-    return RunSetup(config, plan, model_config, data, describe_corpus(config.data), precision)
+    device = default_device()
+    precision = resolve_precision(config.precision, device)
+    compiled = resolve_compile(config.compile, device, plan)
+    corpus = describe_corpus(config.data)
+    return RunSetup(config, plan, model_config, data, corpus, precision, compiled)
 
 
 def run_identity(setup: RunSetup) -> dict[str, Any]:
@@ -133,6 +138,7 @@ class Trainer:
             split_points=self.config.split_points or None,
             layers_per_stage=self.config.layers_per_stage or None,
             precision=setup.precision,
+            compile=setup.compile,
         )
         self.model = self.parallel.model  # this rank's parameters, under the full model's names
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
@@ -330,6 +336,7 @@ class Trainer:
             "world_size": self.plan.world_size,
             "device": str(self.device),
             "precision": self.setup.precision,
+            "compiled": self.setup.compile,
             "model_flops_per_token": self.flops_per_token,
             "peak_tflops": self.peak_tflops,
             "torch": torch.__version__,

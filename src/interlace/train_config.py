@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from interlace.compile import COMPILE_CHOICES
 from interlace.config_args import option
 from interlace.errors import ConfigError
 from interlace.precision import PRECISIONS
@@ -47,6 +48,12 @@ class TrainConfig:
         "the dtype the forward computes in, by autocast over fp32 weights and optimizer states "
         "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU",
         choices=("auto", *PRECISIONS),
+    )
+    compile: str = option(
+        "auto",
+        "torch.compile each transformer block; auto: on for CUDA where the plan allows (not "
+        "with tp_subbatches > 1, ep > 1 or tp3d), off on the CPU",
+        choices=COMPILE_CHOICES,
     )
     peak_tflops: float | None = option(
         None,

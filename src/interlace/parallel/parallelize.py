@@ -7,12 +7,14 @@ Every plan goes through the same steps in the same order, each one `apply_*` of 
                 or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/
     2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/
     3. precision (`precision`: bf16, fp16 or fp32)                interlace/precision.py
-    4. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
-    5. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
+    4. compile  (`compile`: each block `torch.compile`d)          interlace/compile.py
+    5. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
+    6. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
 
 Steps 1 and 2 change the model in place; 3 runs the model's forward under autocast over the
-unchanged fp32 master weights (with a gradient scaler for fp16); 4 keeps this rank's stages,
-which run under the same precision; 5 wraps what is left. The
+unchanged fp32 master weights (with a gradient scaler for fp16); 4 compiles each block in
+place; 5 keeps this rank's stages, which run under the same precision; 6 wraps what is left.
+The
 result, `Parallelized`, owns what differs between plans — the module to run, the loss of its
 logits (vocabulary-parallel under a split head, averaged over tp3d's z), the gradient
 reduction after the last micro-batch, the gradient norm over every split, the checkpoint keys of
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from interlace.comm import Group
+from interlace.compile import compile_blocks, uncompilable
 from interlace.errors import PlanError
 from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
 from interlace.mesh import Mesh
@@ -183,6 +186,7 @@ def parallelize(
     split_points: Sequence[str] | None = None,
     layers_per_stage: Sequence[int] | None = None,
     precision: str = "fp32",
+    compile: bool = False,
 ) -> Parallelized:
     """Apply `plan` to `model` on `mesh` (None: one process, nothing to split) in the fixed
     order of the module docstring; returns the `Parallelized` result.
@@ -191,7 +195,8 @@ def parallelize(
     plan's; `gather_logits`: a 1D-split head all-gathers full logits [..., V] (for a model's own
     loss or `generate`) instead of leaving this rank's [..., V/tp] to the vocabulary-parallel
     loss; `split_points` / `layers_per_stage` override the pipeline partitioner; `precision`:
-    "bf16", "fp16" or "fp32" (`interlace.precision`). Raises
+    "bf16", "fp16" or "fp32" (`interlace.precision`); `compile`: each block compiled
+    (`interlace.compile`; check the plan with `resolve_compile` first). Raises
     PlanError before modifying anything if the plan does not fit the mesh or the model.
     """
     if sequence_parallel is not None:
@@ -200,11 +205,13 @@ def parallelize(
     result = Parallelized(model, plan, cross_entropy)
     if mesh is None:
         apply_precision(result, precision)
+        apply_compile(result, compile)
         return result
     _check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
     apply_expert(result, mesh)
     apply_precision(result, precision)
+    apply_compile(result, compile)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
     apply_data(result, mesh)
     for line in result.report:
@@ -273,13 +280,26 @@ def apply_precision(result: Parallelized, precision: str) -> None:
         result.report.append(f"precision: {precision} autocast over fp32 weights")
 
 
+def apply_compile(result: Parallelized, compile: bool) -> None:
+    """Step 4: each block of the model's layer list compiled in place (when `compile`)."""
+    if not compile:
+        return
+    reason = uncompilable(result.plan)
+    if reason is not None:
+        raise PlanError(f"compiled blocks cannot run with {reason}; leave compile off")
+    structure = _structure(result.model, "compile")
+    if structure.layers is None:
+        raise PlanError("compile: the model has no layer list (nn.ModuleList of blocks) to compile")
+    result.report += compile_blocks(result.model, structure.layers)
+
+
 def apply_pipeline(
     result: Parallelized,
     mesh: Mesh,
     split_points: Sequence[str] | None,
     layers_per_stage: Sequence[int] | None,
 ) -> None:
-    """Step 4: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
+    """Step 5: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
     plan = result.plan
     if not plan.pipelined:
         return
@@ -304,7 +324,7 @@ def apply_pipeline(
 
 
 def apply_data(result: Parallelized, mesh: Mesh) -> None:
-    """Step 5: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
+    """Step 6: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(result.model, result.plan, mesh.group("dp"), skip)
     result.module = result.data.module

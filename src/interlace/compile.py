@@ -1,0 +1,55 @@
+"""Compiled blocks: `torch.compile` of each transformer block in place, as a step of
+`parallelize`.
+
+Each block (an entry of the model's layer list, found by structure) is compiled on its own
+(`nn.Module.compile`, so parameter names and checkpoints are unchanged): the blocks of a model
+share one graph, compile time does not grow with depth, and pipeline stages, recomputation and
+1D tensor parallelism (whose collectives become graph breaks) keep working on the same modules.
+Refused: the threaded sub-batch overlap (`tp_subbatches > 1`, whose threads hand over inside a
+block), expert parallelism (its layers run placement searches and all-to-alls on their own
+threads) and 3D tensor parallelism (its weight prefetcher records the order of gathers at run
+time). `auto` leaves those uncompiled instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from interlace.errors import ConfigError
+from interlace.plan import Plan
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def uncompilable(plan: Plan) -> str | None:
+    """Why `plan` cannot run compiled blocks (a phrase), or None if it can."""
+    if plan.overlap.tp_subbatches > 1:
+        return f"tp_subbatches={plan.overlap.tp_subbatches} (threads hand over inside a block)"
+    if plan.expert_parallel:
+        return f"ep={plan.ep} (expert layers work on their own threads)"
+    if plan.tensor3d_parallel:
+        return "tp3d (the weight prefetcher records gathers at run time)"
+    return None
+
+
+def resolve_compile(choice: str, device: torch.device, plan: Plan) -> bool:
+    """Whether blocks are compiled: `on`, `off`, or `auto` (on for CUDA where the plan allows).
+    Raises ConfigError for an unknown choice, or `on` with a plan that cannot be compiled."""
+    if choice not in COMPILE_CHOICES:
+        raise ConfigError(f"compile={choice!r} is not one of {', '.join(COMPILE_CHOICES)}")
+    reason = uncompilable(plan)
+    if choice == "on" and reason is not None:
+        raise ConfigError(f"compile=on cannot run with {reason}; use compile=off or auto")
+    if choice == "auto":
+        return device.type == "cuda" and reason is None
+    return choice == "on"
+
+
+def compile_blocks(model: nn.Module, layers: str) -> list[str]:
+    """Compile every block of `model`'s layer list `layers` (an nn.ModuleList's name) in place;
+    returns one report line."""
+    blocks = model.get_submodule(layers)
+    for block in blocks:
+        block.compile()
+    return [f"{layers}: {len(blocks)} blocks compiled (torch.compile, one per block)"]
