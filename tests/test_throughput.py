@@ -2,6 +2,8 @@
 table, and the metrics a training step reports."""
 
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -71,3 +73,22 @@ def test_mfu_is_left_out_where_the_peak_is_unknown():
     _, rows = _rows()
     assert all("mfu" not in row and "model_tflops" in row for row in rows)
     assert summarize(rows)["mean_mfu"] is None
+
+
+def test_synthetic_data_trains_at_the_presets_vocabulary(tmp_path):
+    """data=synthetic keeps the model's own vocabulary (not the tokenizer's), draws its ids
+    uniformly (the first loss is about ln V) and is the same for the same seed."""
+    model = dataclasses.replace(get_preset("tiny"), vocab_size=1000)
+    path = tmp_path / "tiny-1000.json"
+    path.write_text(json.dumps(model.to_dict()))
+    config = TrainConfig(
+        model=str(path), data="synthetic", steps=2, global_batch=4, eval_every=0, out=None
+    )
+    setup = prepare_run(config, Plan(), 1)
+    assert setup.model_config.vocab_size == 1000
+    tokens = setup.data.tokens
+    assert int(tokens.min()) >= 0 and int(tokens.max()) == 999
+    assert len(tokens.unique()) > 900  # uniform over the ids, not text
+    assert setup.data.fingerprint == prepare_run(config, Plan(), 1).data.fingerprint
+    first = Trainer(setup).train_step()
+    assert first["loss"] == pytest.approx(math.log(1000), rel=0.05)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_check
 from interlace.compile import resolve_compile
 from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
 from interlace.data import load_corpus as read_corpus
+from interlace.data.tokens import SYNTHETIC
 from interlace.mesh import Mesh, default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
@@ -62,18 +64,29 @@ class RunSetup:
     compile: bool
 
 
+SYNTHETIC_BATCHES = 16
+"""Global batches of distinct windows `data=synthetic` draws; steps beyond reuse them."""
+
+
 def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     """Check everything that can be checked before training (config, preset, data, plan against
     world size and model) and build the tokenized data. Raises an InterlaceError subclass."""
     config.validate()
     model_config = get_preset(config.model)
-    text = read_corpus(config.data)
-    tokenizer = get_tokenizer(config.tokenizer, text)
-    model_config = dataclasses.replace(
-        model_config,
-        vocab_size=tokenizer.vocab_size,
-        seq_len=config.seq_len or model_config.seq_len,
-    )
+    seq_len = config.seq_len or model_config.seq_len
+    if config.data == SYNTHETIC:  # the preset's vocabulary, random tokens
+        model_config = dataclasses.replace(model_config, seq_len=seq_len)
+        windows = SYNTHETIC_BATCHES * config.global_batch
+        make_data = functools.partial(
+            TokenData.synthetic, model_config.vocab_size, seq_len, windows, config.seed
+        )
+    else:  # the tokenizer's vocabulary
+        text = read_corpus(config.data)
+        tokenizer = get_tokenizer(config.tokenizer, text)
+        model_config = dataclasses.replace(
+            model_config, vocab_size=tokenizer.vocab_size, seq_len=seq_len
+        )
+        make_data = functools.partial(TokenData.from_text, text, tokenizer, seq_len)
     model_config.validate()
     plan.validate(world_size, model_config)
     accum = config.accumulation(plan.dp)
@@ -84,7 +97,7 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
         config.split_points or None,
         config.layers_per_stage or None,
     )
-    data = TokenData.from_text(text, tokenizer, model_config.seq_len)
+    data = make_data()
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
     device = default_device()
     precision = resolve_precision(config.precision, device)

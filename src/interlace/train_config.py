@@ -27,7 +27,8 @@ class TrainConfig:
     data: str | None = option(
         None,
         "text file or folder of .txt/.md/.rst files; None: the Python documentation shipped "
-        "with Python (pydoc_data.topics)",
+        "with Python (pydoc_data.topics); synthetic: uniform random tokens at the preset's "
+        "vocabulary size (for speed measurements; the tokenizer is not used)",
         metavar="PATH",
     )
     tokenizer: str = option(

@@ -16,6 +16,9 @@ import torch
 from interlace.data.tokenizer import Tokenizer
 from interlace.errors import DataError
 
+SYNTHETIC = "synthetic"
+"""The `data` value that trains on `TokenData.synthetic` tokens at the preset's vocabulary."""
+
 
 class TokenData:
     """Train and validation windows of a 1-D token tensor.
@@ -59,6 +62,15 @@ class TokenData:
     ) -> "TokenData":
         """Tokenize `text` and split it as the constructor does."""
         return cls(torch.tensor(tokenizer.encode(text), dtype=torch.long), seq_len, val_fraction)
+
+    @classmethod
+    def synthetic(cls, vocab_size: int, seq_len: int, windows: int, seed: int) -> "TokenData":
+        """`windows` windows of T = `seq_len` tokens drawn uniformly from [0, vocab_size) with
+        `seed` (plus held-out ones, split as the constructor does): data for measuring speed
+        at any vocabulary, with nothing to learn."""
+        n = math.ceil(windows * seq_len / 0.95) + 2 * (seq_len + 1)
+        generator = torch.Generator().manual_seed(seed)
+        return cls(torch.randint(vocab_size, (n,), generator=generator), seq_len)
 
     @cached_property
     def fingerprint(self) -> str:
