@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "planner": "interlace.bench.planner",
     "pipeline": "interlace.bench.pipeline",
     "scale": "interlace.bench.scale",
+    "mfu": "interlace.bench.mfu",
 }
 
 

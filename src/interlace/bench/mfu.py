@@ -1,0 +1,247 @@
+"""`interlace bench mfu`: on one device, the Trainer against a plain PyTorch loop over the same
+model — fp32, bf16 autocast, bf16 autocast + torch.compile — per model shape, as tokens/s and
+MFU; a MoE preset also beside its dense equivalent (the same active FLOPs per token).
+
+The plain loop is what a user would write in thirty lines: the model, fused AdamW on CUDA,
+cross-entropy of its logits, `torch.autocast` and `torch.compile(model)` where the mode says.
+Both sides draw uniform random tokens at the model's own vocabulary (padded to a multiple of
+128, as GPT-2's 50257 usually is). The first `warmup` steps (compilation) are not timed; each
+timed step ends with a device synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from interlace.bench.base import Benchmark
+from interlace.errors import ConfigError
+from interlace.mesh import default_device
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
+from interlace.models.presets import PRESETS, get_preset
+from interlace.optim import build_optimizer
+from interlace.plan import Plan
+from interlace.throughput import device_peak_tflops, model_flops_per_token, synchronize
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+
+LOOP_MODES = {"loop_fp32": ("fp32", False), "loop_bf16": ("bf16", False)}
+LOOP_COMPILED = {"loop_bf16_compile": ("bf16", True)}
+
+
+def shape(name: str, options: dict[str, Any]) -> GPTConfig:
+    """Preset `name` at its vocabulary padded to a multiple of 128 (and `seq_len` if set)."""
+    config = get_preset(name)
+    vocab = -(-config.vocab_size // 128) * 128
+    return dataclasses.replace(
+        config, vocab_size=vocab, seq_len=options["seq_len"] or config.seq_len
+    )
+
+
+def dense_equivalent(config: GPTConfig) -> GPTConfig:
+    """`config` with a dense FFN in place of every MoE layer: for a top-1 preset the same active
+    FLOPs per token, the router's aside (top-k presets compute k experts per token)."""
+    return dataclasses.replace(config, n_experts=0)
+
+
+def time_loop(config: GPTConfig, precision: str, compiled: bool, options: dict[str, Any]) -> float:
+    """Tokens/s of the plain loop on this process's device: median over the timed steps."""
+    device = default_device()
+    torch.manual_seed(0)
+    model = build_model(config, device=device)
+    optimizer = build_optimizer(model, 1e-4, 0.1)
+    run = torch.compile(model) if compiled else model
+    batch = options["batch"]
+    x = torch.randint(config.vocab_size, (batch, config.seq_len), device=device)
+    y = torch.randint(config.vocab_size, (batch, config.seq_len), device=device)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    times = []
+    for step in range(options["warmup"] + options["steps"]):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=precision == "bf16"):
+            logits = run(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        if step >= options["warmup"]:
+            times.append(time.perf_counter() - start)
+    return batch * config.seq_len / statistics.median(times)
+
+
+def time_trainer(config: GPTConfig, options: dict[str, Any], folder: Path) -> float:
+    """Tokens/s of interlace's Trainer (precision and compile at their defaults for the
+    device) on the same shape: median over the timed steps."""
+    path = folder / "model.json"
+    path.write_text(json.dumps(config.to_dict()))
+    steps = options["warmup"] + options["steps"]
+    run = TrainConfig(
+        model=str(path),
+        data="synthetic",
+        steps=steps,
+        global_batch=options["batch"],
+        eval_every=0,
+        out=None,
+        progress=False,
+    )
+    trainer = Trainer(prepare_run(run, Plan(), 1))
+    rows = [trainer.train_step() for _ in range(steps)]
+    return statistics.median(r["tokens_per_s"] for r in rows[options["warmup"] :])
+
+
+def run_local(options: dict[str, Any]) -> dict[str, Any]:
+    """Every mode on every model (and the MoE model's dense equivalent) on this device."""
+    device = default_device()
+    modes = {**LOOP_MODES, **(LOOP_COMPILED if options["compile"] else {})}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in options["models"].split(","):
+            config = shape(name, options)
+            shapes = [(name, config)]
+            if config.n_experts:
+                shapes.append((f"{name} (dense equivalent)", dense_equivalent(config)))
+            for label, cfg in shapes:
+                results = {"trainer": time_trainer(cfg, options, Path(tmp))}
+                for mode, (precision, compiled) in modes.items():
+                    results[mode] = time_loop(cfg, precision, compiled, options)
+                flops = model_flops_per_token(cfg)
+                for mode, tokens_per_s in results.items():
+                    precision = "fp32" if mode == "loop_fp32" else _trainer_precision(device, mode)
+                    peak = device_peak_tflops(device, precision)
+                    tflops = flops * tokens_per_s / 1e12
+                    rows.append(
+                        {
+                            "model": label,
+                            "mode": mode,
+                            "tokens_per_s": tokens_per_s,
+                            "model_tflops": tflops,
+                            "mfu": tflops / peak if peak else None,
+                        }
+                    )
+    return {"device": str(device), "device_name": _device_name(device), "rows": rows}
+
+
+def _trainer_precision(device: torch.device, mode: str) -> str:
+    if mode == "trainer":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return "bf16"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def check(options: dict[str, Any]) -> None:
+    """Known presets, positive sizes."""
+    unknown = set(options["models"].split(",")) - set(PRESETS)
+    if unknown:
+        raise ConfigError(f"models {sorted(unknown)} unknown; choose from {', '.join(PRESETS)}")
+    for key in ("batch", "steps"):
+        if options[key] < 1:
+            raise ConfigError(f"{key}={options[key]} must be >= 1")
+    if options["warmup"] < 0:
+        raise ConfigError(f"warmup={options['warmup']} must be >= 0")
+
+
+def table(doc: dict[str, Any]) -> str:
+    """One row per model and mode: tokens/s, model TFLOP/s, MFU, and the ratio to the loop's
+    bf16 + compile (or bf16) row."""
+    rows = doc["result"]["rows"]
+    lines = [f"device: {doc['result']['device_name']}"]
+    lines.append(
+        f"{'model':34s} {'mode':18s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'vs loop':>7s}"
+    )
+    for row in rows:
+        best = _best_loop(rows, row["model"])
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        lines.append(
+            f"{row['model']:34s} {row['mode']:18s} {row['tokens_per_s']:10.0f} "
+            f"{row['model_tflops']:8.2f} {mfu:>6s} {row['tokens_per_s'] / best:6.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _best_loop(rows: list[dict[str, Any]], model: str) -> float:
+    """Tokens/s of `model`'s fastest low-precision loop row."""
+    return max(
+        r["tokens_per_s"]
+        for r in rows
+        if r["model"] == model and r["mode"] != "loop_fp32" and r["mode"] != "trainer"
+    )
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Grouped bars of tokens/s per model, one bar per mode."""
+    from interlace.plotting import new_figure, save_figure
+
+    rows = doc["result"]["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = new_figure(figsize=(max(7, 2 * len(models)), 4))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        values = [
+            next(r["tokens_per_s"] for r in rows if r["model"] == m and r["mode"] == mode)
+            for m in models
+        ]
+        ax.bar([i + j * width for i in range(len(models))], values, width, label=mode)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models, fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"one {doc['result']['device_name']}", fontsize=9)
+    ax.legend(fontsize=7)
+    save_figure(fig, path, dpi=110)
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """The Trainer's tokens/s against the plain loop's best, per model."""
+    rows = doc["result"]["rows"]
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        trainer = next(r for r in rows if r["model"] == model and r["mode"] == "trainer")
+        ratio = trainer["tokens_per_s"] / _best_loop(rows, model)
+        mfu = "" if trainer["mfu"] is None else f", MFU {trainer['mfu']:.1%}"
+        parts.append(f"{model}: Trainer {ratio:.2f}x the plain loop{mfu}")
+    return "; ".join(parts)
+
+
+def key_numbers(result: dict[str, Any]) -> dict[str, float]:
+    """Tokens/s of every model and mode."""
+    return {f"{r['model']} {r['mode']} tok/s": r["tokens_per_s"] for r in result["rows"]}
+
+
+BENCHMARK = Benchmark(
+    name="mfu",
+    summary="the Trainer against a plain fp32 / bf16 / bf16 + compile loop on one device",
+    describe=(
+        "On one device (CUDA, or the CPU as a smoke run), interlace's Trainer and a plain "
+        "PyTorch loop over the same module (fp32; bf16 autocast; bf16 autocast + "
+        "torch.compile) for each model shape at its own vocabulary (padded to a multiple of "
+        "128), on uniform random tokens; a MoE preset also beside its dense equivalent. "
+        "Tokens/s is the median over timed steps after warm-up; MFU is model FLOPs "
+        "(6N + 12LTd per token) over the device's dense peak in the mode's precision."
+    ),
+    table=table,
+    plot=plot,
+    run_local=run_local,
+    check=check,
+    headline=headline,
+    key_numbers=key_numbers,
+    options={
+        "models": "gpt2-124m,gpt2-1.5b,moe-gpt-12l",
+        "batch": 8,
+        "seq_len": 0,
+        "steps": 10,
+        "warmup": 3,
+        "compile": True,
+    },
+)

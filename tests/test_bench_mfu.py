@@ -1,0 +1,51 @@
+"""`bench mfu` on the CPU (its smoke run): every mode of every shape measured, the figures
+derived from the model FLOP count, and bad options refused before any work."""
+
+import pytest
+
+from interlace.bench import get_benchmark
+from interlace.bench.mfu import dense_equivalent, shape
+from interlace.errors import ConfigError
+from interlace.throughput import model_flops_per_token
+
+BENCH = get_benchmark("mfu")
+OPTIONS = {**BENCH.options, "models": "moe-tiny", "steps": 1, "warmup": 0, "compile": False}
+
+
+def test_cpu_smoke_run_measures_trainer_and_loops_for_the_moe_model_and_its_dense_twin():
+    result = BENCH.run_local(OPTIONS)
+    rows = {(r["model"], r["mode"]): r for r in result["rows"]}
+    models = ("moe-tiny", "moe-tiny (dense equivalent)")
+    assert set(rows) == {
+        (m, mode) for m in models for mode in ("trainer", "loop_fp32", "loop_bf16")
+    }
+    moe = shape("moe-tiny", OPTIONS)
+    flops = {
+        models[0]: model_flops_per_token(moe),
+        models[1]: model_flops_per_token(dense_equivalent(moe)),
+    }
+    for (model, _), row in rows.items():
+        assert row["tokens_per_s"] > 0
+        assert row["model_tflops"] == pytest.approx(flops[model] * row["tokens_per_s"] / 1e12)
+        assert row["mfu"] is None  # no peak for the CPU
+    doc = {"result": result}
+    assert "moe-tiny: Trainer" in BENCH.headline(doc)
+    assert "loop_bf16" in BENCH.table(doc)
+
+
+def test_shapes_pad_the_vocabulary_to_a_multiple_of_128():
+    assert shape("gpt2-124m", {"seq_len": 0}).vocab_size == 50304
+    assert shape("gpt2-124m", {"seq_len": 256}).seq_len == 256
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"models": "gpt5"}, r"models \['gpt5'\] unknown"),
+        ({"batch": 0}, "batch=0 must be >= 1"),
+        ({"warmup": -1}, "warmup=-1 must be >= 0"),
+    ],
+)
+def test_bad_options_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        BENCH.check({**BENCH.options, **change})
