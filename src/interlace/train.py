@@ -28,7 +28,14 @@ import torch.distributed as dist
 from interlace import __version__, comm
 from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from interlace.compile import resolve_compile
-from interlace.data import TokenData, TrainBatches, describe_corpus, eval_batches, get_tokenizer
+from interlace.data import (
+    TokenData,
+    TrainBatches,
+    describe_corpus,
+    eval_batches,
+    get_tokenizer,
+    to_device,
+)
 from interlace.data import load_corpus as read_corpus
 from interlace.data.tokens import SYNTHETIC
 from interlace.mesh import Mesh, default_device
@@ -195,7 +202,7 @@ class Trainer:
         micro = self.batches.micro_batches(self.step, self.dp_rank, self.dp_size, self.accum)
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y = to_device((x, y), self.device)
             last = i == len(micro) - 1
             loss_sum += self.parallel.forward_backward(x, y, 1 / self.accum, sync=last)
         self.parallel.sync_gradients()
@@ -257,7 +264,7 @@ class Trainer:
             x, y = x[:usable], y[:usable]
             if not usable:
                 continue
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device((x, y), self.device)
             loss = self.parallel.evaluate(x, y)
             total += loss * len(x)
             rows += len(x)

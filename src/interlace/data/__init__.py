@@ -12,7 +12,7 @@ val = eval_batches(data, batch_size=16, max_batches=8, dp_rank=r, dp_size=dp)
 Everything is on the CPU; the trainer moves batches to its device.
 """
 
-from interlace.data.batches import Batch, TrainBatches, eval_batches
+from interlace.data.batches import Batch, TrainBatches, eval_batches, to_device
 from interlace.data.corpus import BUILTIN_CORPUS, TEXT_SUFFIXES, describe_corpus, load_corpus
 from interlace.data.tokenizer import (
     TOKENIZER_NAMES,
@@ -39,4 +39,5 @@ __all__ = [
     "eval_batches",
     "get_tokenizer",
     "load_corpus",
+    "to_device",
 ]

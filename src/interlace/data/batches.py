@@ -170,6 +170,14 @@ def eval_batches(
     return [_split_xy(chunk) for chunk in windows.split(batch_size)]
 
 
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """(x, y) [b, T] on `device`; to CUDA from pinned host memory without blocking the host, so
+    the copy overlaps the work already queued."""
+    if device.type != "cuda":
+        return batch[0].to(device), batch[1].to(device)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)  # type: ignore[return-value]
+
+
 def _split_xy(windows: torch.Tensor) -> Batch:
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
