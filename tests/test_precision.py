@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
@@ -152,3 +153,38 @@ def test_demo_preset_trained_200_steps_in_bf16_ends_within_2_percent_of_fp32():
         ends[precision] = (sum(r["loss"] for r in rows[-20:]) / 20, trainer.evaluate())
     for fp32, bf16 in zip(ends["fp32"], ends["bf16"], strict=True):
         assert bf16 == pytest.approx(fp32, rel=0.02), ends
+
+
+@pytest.mark.parametrize("plan_text", ["dp=2", "dp=2,dp_overlap=false"])
+def test_bf16_gradient_reduction_sends_half_the_bytes_and_follows_the_serial_run(dense, plan_text):
+    """grad_reduce_dtype=bf16: the dp all-reduce carries 2 bytes per parameter (DDP through
+    torch's bf16 wrapper, or the flat all-reduce after backward) and the run still follows
+    the serial one within bf16 rounding."""
+    config, serial = dense
+    config = dataclasses.replace(config, grad_reduce_dtype="bf16")
+    for result in run_ranks(2, _run_with_bytes, config, plan_text, 2):
+        _assert_follows(result, serial)
+        assert result["dp_bytes"] == 2 * result["params"] + 4  # + the fp32 loss
+
+
+def _run_with_bytes(config: TrainConfig, plan_text: str, world_size: int) -> dict:
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(prepare_run(config, plan, world_size), build_mesh(plan))
+    dtypes: set[str] = set()
+    for module in trainer.model.modules():
+        module.register_forward_hook(
+            lambda m, i, out: dtypes.add(str(out.dtype)) if torch.is_tensor(out) else None
+        )
+    rows = [trainer.train_step() for _ in range(config.steps)]
+    return {
+        "rows": [(r["loss"], r["grad_norm"]) for r in rows],
+        "dtypes": dtypes,
+        "dp_bytes": rows[-1]["comm_bytes"]["dp"],
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+    }
+
+
+def test_bf16_gradient_reduction_with_compression_is_refused():
+    config = dataclasses.replace(BASE, grad_reduce_dtype="bf16")
+    with pytest.raises(ConfigError, match="grad_compression=topk sends its own format"):
+        prepare_run(config, Plan.parse("dp=2,grad_compression=topk"), 2)

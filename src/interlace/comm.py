@@ -11,6 +11,7 @@ collectives for lazily-waited tensors); this module only adds the accounting, wh
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,12 +126,18 @@ def all_reduce(
     )
 
 
-def all_reduce_flat_(tensors: list[torch.Tensor], group: Group, divisor: float = 1.0) -> None:
+def all_reduce_flat_(
+    tensors: list[torch.Tensor],
+    group: Group,
+    divisor: float = 1.0,
+    wire_dtype: torch.dtype | None = None,
+) -> None:
     """Sum the `tensors` (any shapes, one dtype) over `group` in one all-reduce of their
-    concatenation, then divide by `divisor`, in place: one collective, not one per tensor."""
+    concatenation (cast to `wire_dtype` if given), then divide by `divisor`, in place: one
+    collective, not one per tensor."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(wire_dtype or tensors[0].dtype)
     if group.size > 1:
         all_reduce(flat, group)
     if divisor != 1:
@@ -241,3 +248,16 @@ def ddp_allreduce_hook(group: Group, bucket: dist.GradBucket) -> torch.futures.F
     work = all_reduce(tensor, group, async_op=True)
     assert work is not None
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def ddp_hook_in(dtype: torch.dtype, hook: Callable) -> Callable:
+    """The DDP comm hook `hook` run on its bucket cast to `dtype` (bf16: half the bytes), its
+    result cast back into the bucket. Written here because torch's bf16_compress_wrapper does
+    the same but DDP accepts it over NCCL only."""
+
+    def hook_in_dtype(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        bucket.set_buffer(buffer.to(dtype))
+        return hook(state, bucket).then(lambda fut: buffer.copy_(fut.value()))
+
+    return hook_in_dtype

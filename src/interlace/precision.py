@@ -25,6 +25,9 @@ from interlace.errors import ConfigError
 PRECISIONS = ("bf16", "fp16", "fp32")
 """The precisions a run can compute in; `auto` picks bf16 on CUDA and fp32 on the CPU."""
 
+REDUCE_DTYPES = ("fp32", "bf16")
+"""The dtypes the data-parallel gradient all-reduce can send (`grad_reduce_dtype`)."""
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

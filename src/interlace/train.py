@@ -43,6 +43,7 @@ from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer, lr_at
+from interlace.parallel.data.apply import check_reduce_dtype
 from interlace.parallel.parallelize import parallelize
 from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
@@ -109,6 +110,7 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     device = default_device()
     precision = resolve_precision(config.precision, device)
     compiled = resolve_compile(config.compile, device, plan)
+    check_reduce_dtype(plan, config.grad_reduce_dtype)
     corpus = describe_corpus(config.data)
     return RunSetup(config, plan, model_config, data, corpus, precision, compiled)
 
@@ -159,6 +161,7 @@ class Trainer:
             layers_per_stage=self.config.layers_per_stage or None,
             precision=setup.precision,
             compile=setup.compile,
+            grad_reduce_dtype=self.config.grad_reduce_dtype,
         )
         self.model = self.parallel.model  # this rank's parameters, under the full model's names
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank

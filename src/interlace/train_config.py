@@ -10,7 +10,7 @@ from typing import Any
 from interlace.compile import COMPILE_CHOICES
 from interlace.config_args import option
 from interlace.errors import ConfigError
-from interlace.precision import PRECISIONS
+from interlace.precision import PRECISIONS, REDUCE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,12 @@ class TrainConfig:
         "the dtype the forward computes in, by autocast over fp32 weights and optimizer states "
         "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU",
         choices=("auto", *PRECISIONS),
+    )
+    grad_reduce_dtype: str = option(
+        "fp32",
+        "dtype the data-parallel gradient all-reduce sends: fp32, or bf16 for half the bytes "
+        "(the average rounded to bf16; not with grad_compression)",
+        choices=REDUCE_DTYPES,
     )
     compile: str = option(
         "auto",

@@ -187,6 +187,7 @@ def parallelize(
     layers_per_stage: Sequence[int] | None = None,
     precision: str = "fp32",
     compile: bool = False,
+    grad_reduce_dtype: str = "fp32",
 ) -> Parallelized:
     """Apply `plan` to `model` on `mesh` (None: one process, nothing to split) in the fixed
     order of the module docstring; returns the `Parallelized` result.
@@ -196,7 +197,8 @@ def parallelize(
     loss or `generate`) instead of leaving this rank's [..., V/tp] to the vocabulary-parallel
     loss; `split_points` / `layers_per_stage` override the pipeline partitioner; `precision`:
     "bf16", "fp16" or "fp32" (`interlace.precision`); `compile`: each block compiled
-    (`interlace.compile`; check the plan with `resolve_compile` first). Raises
+    (`interlace.compile`; check the plan with `resolve_compile` first);
+    `grad_reduce_dtype`: the data-parallel gradient all-reduce's wire dtype. Raises
     PlanError before modifying anything if the plan does not fit the mesh or the model.
     """
     if sequence_parallel is not None:
@@ -213,7 +215,7 @@ def parallelize(
     apply_precision(result, precision)
     apply_compile(result, compile)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
-    apply_data(result, mesh)
+    apply_data(result, mesh, grad_reduce_dtype)
     for line in result.report:
         logger.info(line)
     return result
@@ -323,10 +325,12 @@ def apply_pipeline(
     result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
 
 
-def apply_data(result: Parallelized, mesh: Mesh) -> None:
+def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> None:
     """Step 6: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
     skip = expert_parameter_names(result.model)
-    result.data = apply_data_parallel(result.model, result.plan, mesh.group("dp"), skip)
+    result.data = apply_data_parallel(
+        result.model, result.plan, mesh.group("dp"), skip, reduce_dtype
+    )
     result.module = result.data.module
 
 

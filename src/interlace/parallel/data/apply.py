@@ -20,7 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 from interlace import comm
 from interlace.comm import Group
 from interlace.compress import make_comm_hook
+from interlace.errors import ConfigError
 from interlace.plan import Plan
+from interlace.precision import DTYPES, REDUCE_DTYPES
 
 SINGLE_BUCKET_MB = 1e6
 """DDP bucket size (MiB) that holds any model whole: torch's PowerSGD hook hangs on gloo with
@@ -35,7 +37,16 @@ class DataParallel:
     (nothing under DDP); `compression`: the compressing hook's state (with `summary()`) or None.
     """
 
-    def __init__(self, module: nn.Module, plan: Plan, group: Group, skip: Iterable[str]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: Plan,
+        group: Group,
+        skip: Iterable[str],
+        reduce_dtype: str = "fp32",
+    ) -> None:
+        check_reduce_dtype(plan, reduce_dtype)
+        self.wire_dtype = DTYPES[reduce_dtype]
         self.group = group
         self.skip = set(skip)
         self.compression = None
@@ -59,6 +70,8 @@ class DataParallel:
         self.ddp = DistributedDataParallel(
             module, process_group=group.pg, bucket_cap_mb=bucket_mb, device_ids=None
         )
+        if reduce_dtype != "fp32":
+            hook = comm.ddp_hook_in(self.wire_dtype, hook)
         self.ddp.register_comm_hook(state, hook)
         self.compression = state if hasattr(state, "summary") else None
         self.module = self.ddp
@@ -77,12 +90,32 @@ class DataParallel:
             for name, p in self.local.named_parameters()
             if p.grad is not None and name not in self.skip
         ]
-        comm.all_reduce_flat_(grads, self.group, self.group.size)
+        comm.all_reduce_flat_(grads, self.group, self.group.size, self.wire_dtype)
 
 
 def apply_data_parallel(
-    module: nn.Module, plan: Plan, group: Group, skip: Iterable[str] = ()
+    module: nn.Module,
+    plan: Plan,
+    group: Group,
+    skip: Iterable[str] = (),
+    reduce_dtype: str = "fp32",
 ) -> DataParallel:
     """Average `module`'s gradients over `group` ("dp"), except the parameters named in `skip`
-    (experts, reduced over their own replicas). See the module docstring for the two ways."""
-    return DataParallel(module, plan, group, skip)
+    (experts, reduced over their own replicas), sending them as `reduce_dtype` ("fp32", or
+    "bf16": half the bytes, the average rounded to bf16). See the module docstring for the
+    two ways."""
+    return DataParallel(module, plan, group, skip, reduce_dtype)
+
+
+def check_reduce_dtype(plan: Plan, reduce_dtype: str) -> None:
+    """ConfigError for an unknown `reduce_dtype`, or bf16 with a compressing hook (each
+    compression chooses its own wire format)."""
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(
+            f"grad_reduce_dtype={reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}"
+        )
+    if reduce_dtype != "fp32" and plan.grad_compression != "none":
+        raise ConfigError(
+            f"grad_reduce_dtype={reduce_dtype} applies to the dense all-reduce; "
+            f"grad_compression={plan.grad_compression} sends its own format: use one of them"
+        )
