@@ -86,8 +86,12 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     model_state, optim_state = _renamed(*get_state_dict(model, optimizer), shard_keys or {})
+    # DCP stages tensors ahead (torch's default: 10 MB) on a CUDA stream wherever CUDA is
+    # available: useless for CPU tensors, fatal in a CPU rank forked from a CUDA process.
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=10_000_000 if on_gpu else 0)
     with _single_process_is_intended():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
     torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -192,8 +196,10 @@ def _single_process_is_intended() -> Iterator[None]:
 
 
 def _rng_state() -> dict[str, Any]:
+    """The CPU generator's state, and CUDA's where this process uses CUDA (asking a process that
+    does not, such as a forked gloo rank, would initialise CUDA)."""
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

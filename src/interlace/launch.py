@@ -58,9 +58,9 @@ def in_launched_rank() -> bool:
 
 def init_from_env(timeout_s: float = 600.0) -> torch.device:
     """Initialise the default process group from torchrun's environment; returns this rank's
-    device (its LOCAL_RANK-th GPU when CUDA is available, else the CPU)."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device (`default_device()`: its LOCAL_RANK-th GPU, with NCCL, where CUDA is available)."""
     device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
     return device

@@ -13,6 +13,7 @@ The backend follows the device: gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,15 +21,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from interlace.comm import Group
-from interlace.errors import PlanError
+from interlace.errors import ConfigError, PlanError
 from interlace.plan import Plan
+
+DEVICE_ENV = "INTERLACE_DEVICE"
+"""Environment variable that, set to 'cpu', keeps `default_device()` on the CPU where CUDA is
+available. Forked gloo ranks (`testing.run_ranks`), benchmark workers and the test suite set it."""
 
 
 def default_device() -> torch.device:
-    """This process's device: its local CUDA device when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This process's device: the CPU under INTERLACE_DEVICE=cpu or without CUDA, else CUDA
+    device LOCAL_RANK (torchrun's; 0 outside it). Initialises no CUDA state."""
+    pinned = os.environ.get(DEVICE_ENV, "")
+    if pinned not in ("", "cpu"):
+        raise ConfigError(f"{DEVICE_ENV}={pinned!r} is not understood; set 'cpu' or leave it unset")
+    if pinned == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def backend_for(device: torch.device) -> str:

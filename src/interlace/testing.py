@@ -7,6 +7,10 @@ a per-test timeout and the failing rank's traceback, hence this module.
 
 Ranks rendezvous through a FileStore in a temporary directory (no port races). Each rank's return
 value travels back through `torch.save`, so tensors and dicts of tensors are fine.
+
+Ranks compute on the CPU whatever the machine has (INTERLACE_DEVICE=cpu, see
+`mesh.default_device`): gloo cannot carry CUDA tensors, and a forked child cannot use CUDA once
+its parent has initialised it. Nothing here touches CUDA, in the parent or in a rank.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from interlace.mesh import DEVICE_ENV
+
 
 class RankFailed(RuntimeError):
     """A rank raised, died or hung; the message holds its traceback."""
@@ -34,9 +40,10 @@ def run_ranks(
 ) -> list[Any]:
     """Call `fn(*args, **kwargs)` on `world_size` forked gloo ranks; return each rank's result.
 
-    Inside `fn`, torch.distributed is initialised (gloo, collective timeout = `timeout`) and
-    `dist.get_rank()` tells the rank. The call fails with RankFailed as soon as any rank raises
-    (its traceback in the message), and after `timeout` seconds if some rank hangs.
+    Inside `fn`, torch.distributed is initialised (gloo, collective timeout = `timeout`),
+    `dist.get_rank()` tells the rank and `default_device()` is the CPU. The call fails with
+    RankFailed as soon as any rank raises (its traceback in the message), and after `timeout`
+    seconds if some rank hangs.
     """
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
@@ -76,6 +83,7 @@ def _rank_main(
     kwargs: dict,
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ[DEVICE_ENV] = "cpu"
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from interlace.bench import get_benchmark
 from interlace.bench.base import RankContext
 from interlace.comm import Group
+from interlace.mesh import DEVICE_ENV
 
 
 def main() -> None:
-    """Initialise gloo over the given interface, run the benchmark's rank function, write its
-    result as JSON."""
+    """Initialise gloo over the given interface, run the benchmark's rank function on the CPU
+    (`default_device()`), write its result as JSON."""
     p = argparse.ArgumentParser(prog="python -m interlace.bench.worker")
     p.add_argument("name")
     p.add_argument("--rank", type=int, required=True)
@@ -33,6 +34,7 @@ def main() -> None:
     p.add_argument("--result", required=True)
     args = p.parse_args()
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    os.environ[DEVICE_ENV] = "cpu"  # gloo carries CPU tensors only
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group(
         "gloo",
