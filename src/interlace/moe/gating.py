@@ -83,11 +83,11 @@ class TopKRouter(nn.Module):
         top_probs = probs.gather(1, expert_index)
         gate_weight = top_probs if self.top_k == 1 else top_probs / top_probs.sum(-1, keepdim=True)
 
-        first_choice_share = torch.bincount(expert_index[:, 0], minlength=self.n_experts)
+        first_choice_share = expert_counts(expert_index[:, 0], self.n_experts)
         first_choice_share = first_choice_share.float() / x.shape[0]
         aux_loss = self.n_experts * (first_choice_share * probs.mean(dim=0)).sum()
 
-        tokens_per_expert = torch.bincount(expert_index.flatten(), minlength=self.n_experts)
+        tokens_per_expert = expert_counts(expert_index.flatten(), self.n_experts)
         capacity = self.capacity(x.shape[0])
         if capacity is None:
             keep = torch.ones_like(expert_index, dtype=torch.bool)
@@ -98,6 +98,13 @@ class TopKRouter(nn.Module):
     def choose(self, probs: torch.Tensor) -> torch.Tensor:
         """The experts of each token, [N, k], from the router's probabilities [N, E]: top k."""
         return probs.topk(self.top_k, dim=-1).indices
+
+
+def expert_counts(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert [n_experts] (long) of the expert indices `expert` [M], each in
+    [0, n_experts): torch.bincount of static shape, without its host sync."""
+    counts = torch.zeros(n_experts, dtype=torch.long, device=expert.device)
+    return counts.index_add_(0, expert, torch.ones_like(expert))
 
 
 def _slot_in_expert(expert_index: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,17 @@
 y_n = Σ_j keep[n, j] · gate[n, j] · expert_{e[n, j]}(x_n) for every token n, where the router
 picks e, gate and keep (see `interlace.moe.gating`). A dropped assignment adds nothing; the
 residual connection around the layer carries the token unchanged. Each expert is the dense
-model's `MLP`, so tensor-parallel code finds experts by the same structure as dense FFNs.
+model's `MLP`, so tensor-parallel code finds experts by the same structure as dense FFNs; the
+forward stacks their weights and computes every expert in one grouped call
+(`interlace.moe.grouped`), the kept assignments sorted by expert.
 """
 
 import torch
 from torch import nn
 
 from interlace.models.mlp import MLP
-from interlace.moe.gating import TopKRouter
+from interlace.moe.gating import TopKRouter, expert_counts
+from interlace.moe.grouped import mlp_experts, stack_parameters
 
 
 class MoELayer(nn.Module):
@@ -38,24 +41,21 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] → [B, T, d_model]: route tokens, run each expert on its kept tokens."""
+        """[B, T, d_model] → [B, T, d_model]: route tokens, run every expert on its kept tokens
+        in one grouped call (no host sync, so torch.compile traces it whatever the routing)."""
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens)
         self.aux_loss = routing.aux_loss
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
 
-        token_index = torch.arange(tokens.shape[0], device=x.device)
-        token_index = token_index.unsqueeze(1).expand_as(routing.expert_index)
-        kept_expert = routing.expert_index[routing.keep]
-        order = torch.argsort(kept_expert, stable=True)
-        kept_token = token_index[routing.keep][order]
-        kept_gate = routing.gate_weight[routing.keep][order]
-        counts = torch.bincount(kept_expert, minlength=len(self.experts)).tolist()
-
-        out = torch.zeros_like(tokens)
-        for expert, token, gate in zip(
-            self.experts, kept_token.split(counts), kept_gate.split(counts), strict=True
-        ):
-            y = expert(tokens[token]) * gate.unsqueeze(1).to(tokens.dtype)
-            out.index_add_(0, token, y)
+        # assignments in token order, the dropped ones as expert E: sorted last, computed by none
+        n_experts, top_k = len(self.experts), routing.expert_index.shape[1]
+        expert = torch.where(routing.keep, routing.expert_index, n_experts).flatten()
+        order = torch.argsort(expert, stable=True)
+        token = order // top_k
+        counts = expert_counts(expert, n_experts + 1)[:n_experts]
+        params = stack_parameters(self.experts)
+        y = mlp_experts(self.experts[0], params, tokens[token], counts, routing.capacity)
+        gate = routing.gate_weight.flatten()[order].unsqueeze(1).to(tokens.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token, y * gate)
         return out.view_as(x)

@@ -15,7 +15,8 @@ output code run unchanged on every rank:
   expert's global index like every expert-parallel layer
   (`<block>.<experts>.experts.<e>.<gate_up name>`);
 - dispatch, combine, replicas (Trans / Agg) and the balancing strategies are
-  `ExpertParallelMoE`'s own.
+  `ExpertParallelMoE`'s own; `run_experts` computes the experts it is given (this rank's, or
+  replicas) stacked, in one grouped call (`interlace.moe.grouped.grouped_mlp`).
 
 Each expert computes down · (act(gate · x) ⊙ (up · x)), with the gate rows first in gate|up and
 `act` the experts module's `act_fn`, as the fused module does.
@@ -33,6 +34,7 @@ from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.moe.balance import Balancer
 from interlace.moe.gating import Routing
+from interlace.moe.grouped import grouped_mlp
 from interlace.parallel.detect import ExpertBlock
 from interlace.parallel.expert.layer import ExpertParallelMoE
 
@@ -57,8 +59,12 @@ class FusedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] → [n, d]."""
         gate_up, down = (getattr(self, name) for name in self.names)
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, down)
+        return F.linear(self.glu(F.linear(x, gate_up)), down)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) ⊙ up of the hidden [n, 2F] (gate columns, then up columns) → [n, F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
 
 class _GivenRouting(nn.Module):
@@ -147,6 +153,15 @@ class FusedExpertParallel(ExpertParallelMoE):
         [N, d]; collective over the expert group."""
         self.router.give(top_k_index, top_k_weights)
         return super().forward(hidden)
+
+    def run_experts(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """`FusedExpert`s stacked in `params` ({gate|up name: [n, 2F, d], down name:
+        [n, d, F]}) on x [M, d] sorted by expert, `counts` [n] → [M, d], in one grouped call."""
+        template = next(iter(self.experts.values()))
+        gate_up, down = (params[name] for name in template.names)
+        return grouped_mlp(x, counts, gate_up, None, down, None, template.glu)
 
 
 def parallelize_fused_experts(

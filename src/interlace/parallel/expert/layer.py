@@ -7,7 +7,8 @@ e // (E/D) (its owner). The router is replicated. Each rank routes its own token
        counts per source rank and expert; also the routing statistics, `routing_history`);
     2. sorts its kept assignments by expert (so by owner) and all-to-alls the token rows to
        the owners, uneven splits read off the count matrix (dispatch);
-    3. each owner runs its experts on what it received (grouped by expert);
+    3. each owner runs its experts on what it received, all in one grouped call
+       (`interlace.moe.grouped`: the rows sorted by expert, the experts' weights stacked);
     4. all-to-alls the results back (combine), weights them by the gates and adds them into
        token order: y_n = Σ_j keep[n, j] · gate[n, j] · expert_{e[n, j]}(x_n), as `MoELayer`.
 
@@ -86,7 +87,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.func import functional_call
 
 from interlace import comm
 from interlace.comm import Group
@@ -102,6 +102,8 @@ from interlace.moe.balance import (
     device_loads,
     make_balancer,
 )
+from interlace.moe.gating import expert_counts
+from interlace.moe.grouped import mlp_experts, stack_parameters
 from interlace.moe.layer import MoELayer
 from interlace.parallel.expert.comm import all_to_all_rows, keep_in_graph
 from interlace.parallel.expert.trans import InFlight, Trans, TransRoute
@@ -113,10 +115,10 @@ class ExpertParallelMoE(nn.Module):
     Built from a full local `MoELayer` (identical on every rank of the group: same seed), whose
     router it takes over and of whose experts it keeps this rank's E/D, registered under their
     global index in `experts` (an nn.ModuleDict). Any module with a `router` (tokens [N, d] →
-    `Routing`; attributes `d_model`, `dropless`) and a list of `experts` ([n, d] → [n, d]) will
-    do: `fused.py` builds one from a block with fused experts (HF Mixtral). `balance`
-    is a strategy name or a `Balancer`; one that forces dropless routing sets the router's
-    `dropless` flag.
+    `Routing`; attributes `d_model`, `dropless`) and a list of `MLP` `experts` will do; other
+    experts need a subclass whose `run_experts` computes them stacked: `fused.py` builds one
+    from a block with fused experts (HF Mixtral). `balance` is a strategy name or a `Balancer`;
+    one that forces dropless routing sets the router's `dropless` flag.
 
     After each forward: `aux_loss` (this rank's load-balancing loss) and
     `last_tokens_per_expert` ([E], this rank's routed counts) as in `MoELayer`; in training mode
@@ -259,14 +261,25 @@ class ExpertParallelMoE(nn.Module):
 
     def _run_local_experts(self, inbox: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         """Rows of `inbox` arrive by source rank, then local expert (counts `received`
-        [D, local]); run each local expert on its rows and return results in arrival order."""
-        local = self.num_local
-        labels = torch.arange(local, device=inbox.device).repeat(received.shape[0])
-        labels = labels.repeat_interleave(received.reshape(-1).to(inbox.device))
+        [D, local]); run the local experts on them in one grouped call (`run_experts`) and
+        return the results in arrival order."""
+        device = inbox.device
+        labels = torch.arange(self.num_local, device=device).repeat(received.shape[0])
+        labels = labels.repeat_interleave(
+            received.reshape(-1).to(device), output_size=inbox.shape[0]
+        )
         order = torch.argsort(labels, stable=True)
-        chunks = inbox[order].split(received.sum(dim=0).tolist())
-        outputs = [e(chunk) for e, chunk in zip(self._local_experts(), chunks, strict=True)]
-        return torch.cat(outputs)[torch.argsort(order)]
+        params = stack_parameters(self._local_experts())
+        y = self.run_experts(params, inbox[order], received.sum(dim=0).to(device))
+        return torch.empty_like(y).index_copy(0, order, y)
+
+    def run_experts(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts whose parameters `params` holds stacked ({name: [n, *shape]}, names as
+        in one local expert) on x [M, d] sorted by expert, `counts` [n] → [M, d], in one
+        grouped call: `MLP` experts (`mlp_experts`); subclasses with other experts override."""
+        return mlp_experts(self._local_experts()[0], params, x, counts)
 
     # ------------------------------------------------------------------ replicas
     def _start_plan(self, counts: torch.Tensor) -> None:
@@ -334,25 +347,25 @@ class ExpertParallelMoE(nn.Module):
         gate: torch.Tensor,
     ) -> None:
         """Add gate · expert(token) into `out` for the assignments (expert, token, gate) to
-        experts replicated here, each run with its received flat parameters."""
+        experts replicated here, all run in one grouped call on their received flat parameters
+        (`replicas`, [R · numel], ascending by expert as `replicated_here`)."""
+        if not replicated_here:
+            return
         template = self._local_experts()[0]
         shapes = [p.shape for p in template.parameters()]
         sizes = [math.prod(shape) for shape in shapes]
-        # split (one gradient buffer in backward), rather than index each replica's row (whose
-        # backward builds a zero-filled buffer of all replicas' size, one per replica)
-        per_expert = replicas.split(self._numel) if replicated_here else ()
-        for flat, e in zip(per_expert, replicated_here, strict=True):
-            params = {
-                name: piece.view(shape)
-                for name, piece, shape in zip(
-                    self._param_names, flat.split(sizes), shapes, strict=True
-                )
-            }
-            chosen = expert == e
-            mine = token[chosen]
-            y = functional_call(template, params, (tokens[mine],))
-            weighted = y * gate[chosen].unsqueeze(1).to(y.dtype)
-            out.index_add_(0, mine, weighted.to(out.dtype))
+        pieces = replicas.view(len(replicated_here), self._numel).split(sizes, dim=1)
+        params = {
+            name: piece.reshape(-1, *shape)
+            for name, piece, shape in zip(self._param_names, pieces, shapes, strict=True)
+        }
+        held = torch.tensor(replicated_here, device=expert.device)
+        replica = torch.searchsorted(held, expert)  # each assignment's row in `replicas`
+        order = torch.argsort(replica, stable=True)
+        token, gate = token[order], gate[order]
+        counts = expert_counts(replica, len(replicated_here))
+        y = self.run_experts(params, tokens[token], counts)
+        out.index_add_(0, token, (y * gate.unsqueeze(1).to(y.dtype)).to(out.dtype))
 
     # ------------------------------------------------------------------ metrics
     def balance_summary(self) -> dict[str, Any]:

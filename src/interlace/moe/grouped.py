@@ -1,0 +1,145 @@
+"""Every expert of an MoE layer in one grouped call: no Python loop over experts, no host sync.
+
+An expert is a two-layer feed-forward, y = down_e · act(up_e · x + b_up_e) + b_down_e, its
+weights stacked over the E experts in nn.Linear's layout (up [E, f_up, d], down [E, d, f]).
+Token rows arrive sorted by expert, `counts[e]` rows for expert e, and both matmuls run for all
+experts at once:
+
+- `F.grouped_mm` (one GEMM over the jagged row groups) where it applies (`grouped_mm_applies`);
+- otherwise `torch.bmm` over the rows scattered into a padded [E, rows, d] buffer, `rows` a
+  bound on every count: the caller's (an MoE layer's capacity) or the largest count, which
+  costs one host sync (on the CPU, nothing).
+
+Hand-written because torch has no public grouped GEMM that runs everywhere: `F.grouped_mm` takes
+only bfloat16 on CUDA (sm90+ here) and under torch.compile, needs 16-byte aligned widths, adds
+no per-group bias and leaves the rows past the last group unset (forward and backward). Without a
+loop over experts, torch.compile traces one graph whatever the routing.
+
+Where the weights live stays the experts' own business: `stack_parameters` stacks alike expert
+modules' parameters in every forward (the backward hands each expert its own gradient), so the
+`experts.<i>.up/down` modules that tensor and expert parallelism, Trans / Agg and checkpoints
+see are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interlace.models.mlp import MLP
+from interlace.precision import compute_dtype
+
+
+def stack_parameters(experts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """{name: [E, *shape]}: each parameter of the alike modules `experts` stacked over them in
+    order (differentiable: each expert's parameter receives its own slice of the gradient)."""
+    named = [dict(e.named_parameters()) for e in experts]
+    return {name: torch.stack([params[name] for params in named]) for name in named[0]}
+
+
+def grouped_mm_applies(*operands: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` runs on `operands` (rows [M, d] and stacked weights, one dtype):
+    bfloat16 on CUDA sm90+; float32, float16 or bfloat16 on the CPU, bfloat16 only under
+    torch.compile (its shape rule admits nothing else); every stride but the unit one and every
+    storage offset a multiple of 16 bytes."""
+    x = operands[0]
+    if x.device.type == "cuda":
+        fits = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    elif x.device.type == "cpu":
+        fits = x.dtype == torch.bfloat16 or (
+            x.dtype in (torch.float32, torch.float16) and not torch.compiler.is_compiling()
+        )
+    else:
+        fits = False
+    return fits and all(_aligned(t) for t in operands)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    unit = 16 // t.element_size()
+    return t.storage_offset() % unit == 0 and all(s % unit == 0 for s in t.stride() if s != 1)
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor | None,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    rows: int | None = None,
+) -> torch.Tensor:
+    """Each expert's feed-forward on its rows: x [M, d] sorted by expert, `counts` [E] rows each
+    (Σ counts ≤ M: the rows past it come back zero, with zero gradient), w_up [E, f_up, d],
+    b_up [E, f_up], `act` [n, f_up] → [n, f], w_down [E, d, f], b_down [E, d] → [M, d].
+
+    Computes in autocast's dtype when it is on, as nn.Linear would. `rows`: a bound on every
+    count known without looking (the capacity), for the padded fallback; None: it syncs once
+    for the largest count."""
+    dtype = compute_dtype(x)
+    x, w_up, w_down = x.to(dtype), w_up.to(dtype), w_down.to(dtype)
+    b_up, b_down = (None if b is None else b.to(dtype) for b in (b_up, b_down))
+    n_experts = counts.shape[0]
+    ends = torch.cumsum(counts, dim=0)
+    position = torch.arange(x.shape[0], device=x.device)
+    expert = torch.searchsorted(ends, position, right=True)  # E past Σ counts
+    valid = (expert < n_experts).unsqueeze(1)
+    if grouped_mm_applies(x, w_up, w_down):
+        offs = ends.to(torch.int32)
+        # F.grouped_mm leaves the rows past the last group unset, and their gradient: cut both
+        h = act(_grouped_linear(torch.where(valid, x, 0), w_up, b_up, offs, expert))
+        return torch.where(valid, _grouped_linear(h, w_down, b_down, offs, expert), 0)
+
+    if rows is None:
+        rows = int(counts.max())  # the one host sync
+    trash = n_experts * rows  # one spare row takes the rows past Σ counts
+    first = F.pad(ends - counts, (0, 1))  # each group's first row
+    flat = torch.where(valid.squeeze(1), expert * rows + position - first[expert], trash)
+    padded = x.new_zeros(trash + 1, x.shape[1]).index_copy(0, flat, x)
+    h = act(_padded_linear(padded[:trash].view(n_experts, rows, x.shape[1]), w_up, b_up))
+    y = _padded_linear(h, w_down, b_down).reshape(trash, w_down.shape[1])
+    return F.pad(y, (0, 0, 0, 1))[flat]
+
+
+def _grouped_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    offs: torch.Tensor,
+    expert: torch.Tensor,
+) -> torch.Tensor:
+    """x [M, n] · w[e]ᵀ + b[e] [M, m] for the rows of each group e (`expert` [M]); the rows past
+    the last group (expert E) are unset, and b's gradient from them falls on a spare zero row."""
+    y = F.grouped_mm(x, w.mT, offs=offs)
+    return y if b is None else y + F.pad(b, (0, 0, 0, 1)).index_select(0, expert)
+
+
+def _padded_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = torch.bmm(x, w.mT)
+    return y if b is None else y + b.unsqueeze(1)
+
+
+def mlp_experts(
+    template: MLP,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """`MLP` experts, their parameters stacked in `params` ({name in `template`: [E, *shape]}),
+    on x [M, d] sorted by expert, `counts` [E] → [M, d], as `grouped_mlp` (`rows` too);
+    `template` gives the activation and the dropout, applied where each MLP applies them."""
+    y = grouped_mlp(
+        x,
+        counts,
+        params["up.weight"],
+        params.get("up.bias"),
+        params["down.weight"],
+        params.get("down.bias"),
+        template.act,
+        rows,
+    )
+    return template.dropout(y)
