@@ -335,6 +335,53 @@ def test_pipeline_split_without_a_pipeline_is_refused(capsys, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--lr", "nan"], ["lr=nan is not a finite number", "lr=0.002 (the default)"]),
+        (["--grad-clip", "nan"], ["grad_clip=nan", "grad_clip=1.0"]),
+        (["--weight-decay=-inf"], ["weight_decay=-inf"]),
+        (["--min-lr-ratio", "nan"], ["min_lr_ratio=nan"]),
+        (["--peak-tflops", "inf"], ["peak_tflops=inf", "leave it unset"]),
+        (["--plan", "dp_bucket_mb=nan"], ["dp_bucket_mb=nan", "dp_bucket_mb=25.0"]),
+        (["--plan", "dp_bucket_mb=inf"], ["dp_bucket_mb=inf"]),
+    ],
+)
+def test_non_finite_numbers_are_refused_before_anything_starts(capsys, tmp_path, extra, needles):
+    out = tmp_path / "never"
+    expect_usage_error(capsys, train_args(out, 2, *extra), *needles)
+    assert not out.exists()
+
+
+def test_non_finite_model_field_is_refused(capsys, tmp_path):
+    model = {"vocab_size": 256, "seq_len": 32, "d_model": 32, "n_layers": 1, "n_heads": 4}
+    model_file = tmp_path / "model.json"
+    model_file.write_text(json.dumps({**model, "init_std": math.inf}))  # json writes Infinity
+    out = tmp_path / "never"
+    args = train_args(out, 2)
+    args[args.index("tiny")] = str(model_file)
+    expect_usage_error(capsys, args, "init_std=inf is not a finite number")
+    assert not out.exists()
+
+
+def test_file_of_nul_bytes_is_refused_as_data(capsys, tmp_path):
+    zeros = tmp_path / "zeros.txt"
+    zeros.write_bytes(bytes(10_000))
+    out = tmp_path / "never"
+    expect_usage_error(capsys, train_args(out, 2, "--data", str(zeros)), "zeros.txt' is not text")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--timeout", "nan"), ("--timeout", "inf"), ("--cpu-per-rank", "nan")]
+)
+def test_non_finite_bench_numbers_are_refused(capsys, tmp_path, option, value):
+    out = tmp_path / "never"
+    args = ["bench", "sketch", "--ranks", "2", "--out", str(out), option, value]
+    expect_usage_error(capsys, args, f"{option} {value} must be a finite number")
+    assert not out.exists()
+
+
 def test_out_dir_holding_a_run_is_not_overwritten_without_a_flag(capsys, run_copy):
     before = run_files(run_copy)
     expect_usage_error(capsys, train_args(run_copy, 3), str(run_copy), "--overwrite")

@@ -84,6 +84,29 @@ def test_undecodable_file_is_named(tmp_path):
         load_corpus(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("content", "share"),
+    [
+        (bytes(4096), "100%"),  # a file of NUL bytes
+        ("plain words\n".encode("utf-16-le"), "50%"),  # UTF-16 without its byte-order mark
+        (b"ab\x01\x02\x03\x04" * 100, "67%"),
+    ],
+    ids=["nul", "utf16", "control"],
+)
+def test_text_of_mostly_control_characters_is_refused_as_data(tmp_path, content, share):
+    (tmp_path / "fine.txt").write_text("ordinary prose\twith a tab\r\n\f")
+    (tmp_path / "zeros.txt").write_bytes(content)
+    with pytest.raises(DataError, match=rf"zeros\.txt' is not text: {share} of its characters"):
+        load_corpus(tmp_path)
+
+
+def test_text_with_a_few_control_characters_is_accepted(tmp_path):
+    # 10 of 100 characters are control characters, at the limit; whitespace does not count
+    text = "\x00" * 10 + "x" * 80 + "\t\n\r\f\v" * 2
+    (tmp_path / "mostly.txt").write_text(text)
+    assert load_corpus(tmp_path) == text.rstrip("\n")
+
+
 # --- tokenizers -----------------------------------------------------------------------------
 
 

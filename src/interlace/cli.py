@@ -125,7 +125,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return _train_rank(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc={args.nproc} must be >= 1")
-    config = dataclass_from_args(TrainConfig, args)
+    config = dataclass_from_args(TrainConfig, args).validate()
     if args.plan == "auto":
         argv = _choose_plan(args, argv, config)
     plan = Plan.parse_for(args.plan or "", args.nproc)

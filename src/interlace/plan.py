@@ -22,6 +22,7 @@ from typing import Any
 
 from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
+from interlace.finite import check_finite_fields
 from interlace.parallel.pipeline.schedule_rules import (
     PIPELINE_SCHEDULES,
     check_schedule,
@@ -174,6 +175,8 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")
+        check_finite_fields(self, PlanError)
+        check_finite_fields(self.overlap, PlanError)
         if self.overlap.tp_subbatches < 1:
             raise PlanError(f"tp_subbatches={self.overlap.tp_subbatches} must be >= 1 (1 = off)")
         if self.overlap.dp_bucket_mb <= 0:

@@ -10,6 +10,7 @@ from typing import Any
 from interlace.compile import COMPILE_CHOICES
 from interlace.config_args import option
 from interlace.errors import ConfigError
+from interlace.finite import check_finite_fields
 from interlace.precision import PRECISIONS, REDUCE_DTYPES
 
 
@@ -102,7 +103,9 @@ class TrainConfig:
     )
 
     def validate(self) -> TrainConfig:
-        """Raise ConfigError for values that cannot work; returns self."""
+        """Raise ConfigError for values that cannot work (NaN and infinity included); returns
+        self."""
+        check_finite_fields(self, ConfigError)
         positive = ("steps", "global_batch", "eval_batches", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import signal
@@ -97,6 +98,12 @@ def run_benchmark(
         raise ConfigError(f"--ranks {ranks} must be between 1 and 8 (2-4 fit this machine)")
     if repeat < 1:
         raise ConfigError(f"--repeat {repeat} must be >= 1")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"--timeout {timeout_s} must be a finite number of seconds > 0, e.g. 600")
+    if cpu_per_rank is not None and not (math.isfinite(cpu_per_rank) and cpu_per_rank > 0):
+        raise ConfigError(
+            f"--cpu-per-rank {cpu_per_rank} must be a finite number of cores > 0, e.g. 0.5"
+        )
     if cpu_per_rank is not None and not bench.distributed:
         raise ConfigError(f"--cpu-per-rank applies to multi-rank benchmarks, not '{name}'")
     rate = None if bandwidth == "loopback" else parse_rate(bandwidth)

@@ -5,6 +5,7 @@ The built-in corpus is the Python documentation shipped inside every CPython ins
 """
 
 import os
+import re
 from pathlib import Path
 
 from interlace.errors import DataError
@@ -12,6 +13,11 @@ from interlace.errors import DataError
 BUILTIN_CORPUS = "builtin:pydoc_data.topics"
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 _SEPARATOR = "\n\n"
+CONTROL_LIMIT = 0.1
+"""Largest share of control characters (NUL and the other C0/C1 codes but tab, newline, carriage
+return, form feed and vertical tab) a data file may hold: prose and code hold almost none,
+binary files and UTF-16 text read as UTF-8 (every other byte NUL) hold far more."""
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
 
 
 def load_corpus(path: str | os.PathLike[str] | None = None) -> str:
@@ -20,7 +26,7 @@ def load_corpus(path: str | os.PathLike[str] | None = None) -> str:
     A directory contributes every `*.txt`, `*.md` and `*.rst` file below it (recursively), in
     sorted relative-path order, each without trailing newlines and joined by one blank line.
     Raises `DataError` for a missing path, a directory without text files, a file that is not
-    UTF-8, or text that is empty.
+    UTF-8 or is more than `CONTROL_LIMIT` control characters, or text that is empty.
     """
     if path is None:
         return _builtin_text()
@@ -67,8 +73,16 @@ def _read_text(file: Path) -> str:
     except OSError as exc:
         raise DataError(f"cannot read data file '{file}': {exc.strerror}") from exc
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(
             f"data file '{file}' is not UTF-8 text ({exc.reason} at byte {exc.start})"
         ) from exc
+    control = len(_CONTROL.findall(text))
+    if control > CONTROL_LIMIT * len(text):
+        raise DataError(
+            f"data file '{file}' is not text: {control / len(text):.0%} of its characters are "
+            f"NUL or other control characters (at most {CONTROL_LIMIT:.0%} are accepted); pass "
+            "a UTF-8 text file (UTF-16 text must be converted to UTF-8 first)"
+        )
+    return text

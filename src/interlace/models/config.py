@@ -15,6 +15,7 @@ from typing import Any
 
 from interlace.divisors import divisors
 from interlace.errors import ConfigError
+from interlace.finite import check_finite_fields
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class GPTConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value, why it is bad and what would be valid."""
+        check_finite_fields(self, ConfigError)
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
             _require_positive_int(name, getattr(self, name))
         if self.d_ff is not None:
