@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import math
+import pickle
 import re
 import shutil
 import subprocess
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import interlace
 from interlace.cli import build_parser, main
@@ -411,6 +414,42 @@ def test_corrupt_checkpoint_resumed_in_place_leaves_the_run_untouched(capsys, ru
     before = run_files(run_copy)
     expect_usage_error(capsys, train_args(run_copy, 3, "--resume"), "corrupt")
     assert run_files(run_copy) == before  # metrics.jsonl included, byte for byte
+
+
+class _Plant:
+    """A pickle that creates the file `path` when it is loaded: what a crafted file runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def reseal(ckpt: Path) -> None:
+    """Rewrite the checkpoint's manifest to match its files, as anyone crafting one can."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in manifest:
+        data = (ckpt / name).read_bytes()
+        manifest[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("target", ["rng-rank0.pt", ".metadata"])
+def test_crafted_pickle_in_a_checkpoint_is_refused_without_running(
+    capsys, run_copy, tmp_path, target
+):
+    marker = tmp_path / "ran"
+    ckpt = checkpoint_dir(run_copy)
+    if target == ".metadata":  # the file torch's DCP reader unpickles with pickle.load
+        (ckpt / target).write_bytes(pickle.dumps(_Plant(marker)))
+    else:
+        torch.save({"torch": _Plant(marker)}, ckpt / target)
+    reseal(ckpt)
+    out = tmp_path / "never"
+    expect_usage_error(capsys, train_args(out, 3, "--resume", str(ckpt)), "refused", target)
+    assert not marker.exists()
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("change", [["--global-batch", "8"], ["--seed", "1"]])

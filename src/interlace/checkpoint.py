@@ -10,8 +10,9 @@ Layout of `<run>/checkpoints/`:
 
 A checkpoint is first written to `step-<8-digit step>.tmp/` and renamed when complete, so a crash
 leaves either the previous checkpoint or a new complete one, never a half-written one. Loading
-verifies the manifest and that the checkpoint belongs to this run (same plan, model, data)
-before touching any tensor.
+verifies the manifest, that the checkpoint belongs to this run (same plan, model, data) and
+that its pickled files name nothing but tensors and DCP's metadata classes (`safe_load.py`)
+before touching any tensor: no file of a checkpoint can run code when it is loaded.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from interlace.errors import CheckpointError
+from interlace.safe_load import check_dcp_metadata, load_rng_state
 
 _META = "meta.json"
 _MANIFEST = "manifest.json"
 _LATEST = "latest"
+_DCP_METADATA = ".metadata"
 
 
 def checkpoint_name(step: int) -> str:
@@ -121,8 +124,9 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
-    """Check the folder's files against its manifest and its meta against `expect` (keys of
-    meta.json that must be equal, e.g. plan, model, data). Returns meta; raises CheckpointError
+    """Check the folder's files against its manifest, its meta against `expect` (keys of
+    meta.json that must be equal, e.g. plan, model, data) and its pickled files for anything
+    but tensors and DCP metadata, without running them. Returns meta; raises CheckpointError
     naming the first problem."""
     path = Path(path)
     manifest_file = path / _MANIFEST
@@ -144,6 +148,12 @@ def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
                 f"checkpoint '{path}' is corrupt: file '{name}' does not match "
                 "its recorded size/checksum"
             )
+    if _DCP_METADATA not in manifest:
+        raise CheckpointError(f"checkpoint '{path}' is incomplete: no {_DCP_METADATA} in it")
+    check_dcp_metadata(path / _DCP_METADATA)
+    for name in manifest:
+        if name.startswith("rng-rank"):
+            load_rng_state(path / name)
     for key, value in expect.items():
         if meta.get(key) != value:
             raise CheckpointError(
@@ -164,6 +174,13 @@ def load_checkpoint(
     `shard_keys` as given to save_checkpoint. Returns the checkpoint's meta (with `step`)."""
     path = Path(path)
     meta = verify_checkpoint(path, expect)
+    rng_file = path / f"rng-rank{_rank()}.pt"
+    if not rng_file.exists():
+        raise CheckpointError(
+            f"checkpoint '{path}' has no RNG state for rank {_rank()} "
+            f"(saved with world size {meta.get('world_size')})"
+        )
+    rng_state = load_rng_state(rng_file)
     keys = shard_keys or {}
     model_state, optim_state = _renamed(*get_state_dict(model, optimizer), keys)
     # DCP keeps one copy of non-tensor values, so ranks holding different parameters (pipeline
@@ -177,13 +194,7 @@ def load_checkpoint(
     back = {stored: name for name, stored in keys.items()}
     model_state, optim_state = _renamed(state["model"], state["optim"], back)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    rng_file = path / f"rng-rank{_rank()}.pt"
-    if not rng_file.exists():
-        raise CheckpointError(
-            f"checkpoint '{path}' has no RNG state for rank {_rank()} "
-            f"(saved with world size {meta.get('world_size')})"
-        )
-    _set_rng_state(torch.load(rng_file, weights_only=False))
+    _set_rng_state(rng_state)
     return meta
 
 
