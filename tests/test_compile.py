@@ -67,6 +67,7 @@ def test_compiled_pipeline_stages_follow_the_eager_pipeline():
         ("tp=2,tp_subbatches=2", "tp_subbatches=2"),
         ("dp=2,ep=2", "ep=2"),
         ("tp3d=2x1x1", "tp3d"),
+        ("tp=2,recompute=full", "tp=2 and recompute=full"),
     ],
 )
 def test_compile_on_refuses_plans_it_cannot_run_and_auto_leaves_them_eager(plan_text, reason):
@@ -81,3 +82,17 @@ def test_compile_auto_is_on_for_cuda_and_off_for_the_cpu():
     assert resolve_compile("auto", torch.device("cpu"), Plan.parse("tp=2")) is False
     with pytest.raises(ConfigError, match="compile='yes' is not one of auto, on, off"):
         resolve_compile("yes", torch.device("cpu"), Plan())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_text", ["recompute=full", "recompute=selective"])
+def test_compiled_recomputed_blocks_follow_the_eager_run(plan_text):
+    plan = Plan.parse(plan_text)
+    if plan.world_size == 1:
+        eager, compiled = [_run("off", plan_text)], [_run("on", plan_text)]
+    else:
+        eager = run_ranks(plan.world_size, _run, "off", plan_text)
+        compiled = run_ranks(plan.world_size, _run, "on", plan_text)
+    for result, reference in zip(compiled, eager, strict=True):
+        assert result["frames"] > 0
+        _assert_same(result, reference)

@@ -90,7 +90,7 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(overlap=Overlap(tp_subbatches=2)), ["tp_subbatches=2 overlaps", "tp > 1"]),
         (Plan(micro_batches=4), ["micro_batches=4 applies to pipeline parallelism", "pp > 1"]),
         (Plan(schedule="gpipe"), ["schedule=gpipe applies to pipeline parallelism"]),
-        (Plan(recompute="full"), ["recompute=full applies to pipeline parallelism"]),
+        (Plan(recompute="stage-aware"), ["recompute=stage-aware sets a ratio per pipeline stage"]),
         (Plan(dp=2, pp=2, grad_compression="sketch"), ["a pipeline does not use"]),
         (
             Plan(dp=2, grad_compression="sketch", overlap=Overlap(dp_overlap=False)),

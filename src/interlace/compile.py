@@ -7,8 +7,10 @@ share one graph, compile time does not grow with depth, and pipeline stages, rec
 1D tensor parallelism (whose collectives become graph breaks) keep working on the same modules.
 Refused: the threaded sub-batch overlap (`tp_subbatches > 1`, whose threads hand over inside a
 block), expert parallelism (its layers run placement searches and all-to-alls on their own
-threads) and 3D tensor parallelism (its weight prefetcher records the order of gathers at run
-time). `auto` leaves those uncompiled instead.
+threads), 3D tensor parallelism (its weight prefetcher records the order of gathers at run
+time) and 1D tensor parallelism with recomputation outside a pipeline (the checkpoint's
+reduction replay is a context torch.compile cannot trace). `auto` leaves those uncompiled
+instead.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def uncompilable(plan: Plan) -> str | None:
         return f"ep={plan.ep} (expert layers work on their own threads)"
     if plan.tensor3d_parallel:
         return "tp3d (the weight prefetcher records gathers at run time)"
+    if plan.tensor_parallel and plan.recompute != "none" and not plan.pipelined:
+        return (
+            f"tp={plan.tp} and recompute={plan.recompute} (the replay of tensor-parallel "
+            "reductions is not traceable; a pipeline's stages checkpoint outside the compiled "
+            "blocks and can)"
+        )
     return None
 
 

@@ -30,7 +30,8 @@ from interlace.parallel.pipeline.schedule_rules import (
 )
 from interlace.parallel.tensor3d.grid_rules import check_grid
 
-RECOMPUTE_MODES = ("none", "full", "stage-aware")
+RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
+PIPELINE_ONLY_RECOMPUTE = ("stage-aware",)
 GRAD_COMPRESSIONS = ("none", "sketch", "powersgd", "topk")
 MOE_BALANCES = ("none", "dropless", "shadow", "prophet")
 
@@ -231,13 +232,17 @@ class Plan:
             for name, value, default in (
                 ("micro_batches", self.micro_batches, 1),
                 ("schedule", self.schedule, "1f1b"),
-                ("recompute", self.recompute, "none"),
             ):
                 if value != default:
                     raise PlanError(
                         f"{name}={value} applies to pipeline parallelism; use pp > 1 with it "
                         f"(gradient accumulation is the trainer's micro_batch)"
                     )
+        if self.pp == 1 and self.recompute in PIPELINE_ONLY_RECOMPUTE:
+            raise PlanError(
+                f"recompute={self.recompute} sets a ratio per pipeline stage and needs pp > 1; "
+                "use recompute=full or selective without a pipeline"
+            )
         if self.pp > 1 and self.grad_compression != "none":
             raise PlanError(
                 f"grad_compression={self.grad_compression} compresses DDP's all-reduce, which a "
@@ -272,6 +277,16 @@ class Plan:
                 "pp=1 or ep=1",
             ),
             (bool(tp3d) and self.pipelined, f"{tp3d} with pp={self.pp}", "pp=1"),
+            (
+                bool(tp3d) and self.tp3d[2] > 1 and self.recompute == "selective",
+                f"{tp3d} (z > 1) with recompute=selective",
+                "recompute=full",
+            ),
+            (
+                self.pipelined and self.recompute == "selective",
+                f"recompute=selective with pp={self.pp}",
+                "recompute=full or stage-aware",
+            ),
             (
                 bool(tp3d) and self.overlap.tp_subbatches > 1,
                 f"{tp3d} with tp_subbatches={self.overlap.tp_subbatches}",

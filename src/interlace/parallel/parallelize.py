@@ -6,15 +6,17 @@ Every plan goes through the same steps in the same order, each one `apply_*` of 
     1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/
                 or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/
     2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/
-    3. precision (`precision`: bf16, fp16 or fp32)                interlace/precision.py
-    4. compile  (`compile`: each block `torch.compile`d)          interlace/compile.py
-    5. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
-    6. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
+    3. recompute (`recompute`: every block, when no pipeline)     interlace/recompute.py
+    4. precision (`precision`: bf16, fp16 or fp32)                interlace/precision.py
+    5. compile  (`compile`: each block `torch.compile`d)          interlace/compile.py
+    6. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
+    7. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
 
-Steps 1 and 2 change the model in place; 3 runs the model's forward under autocast over the
-unchanged fp32 master weights (with a gradient scaler for fp16); 4 compiles each block in
-place; 5 keeps this rank's stages, which run under the same precision; 6 wraps what is left.
-The
+Steps 1 and 2 change the model in place; 3 makes each block recompute its activations in
+backward (a pipeline's stages choose their own checkpointed blocks instead); 4 runs the model's
+forward under autocast over the unchanged fp32 master weights (with a gradient scaler for
+fp16); 5 compiles each block in place, its recomputation inside the compiled graph; 6 keeps
+this rank's stages, which run under the same precision; 7 wraps what is left. The
 result, `Parallelized`, owns what differs between plans — the module to run, the loss of its
 logits (vocabulary-parallel under a split head, averaged over tp3d's z), the gradient
 reduction after the last micro-batch, the gradient norm over every split, the checkpoint keys of
@@ -63,6 +65,7 @@ from interlace.parallel.tensor3d.comm import mean_over
 from interlace.parallel.tensor3d.shard import Grid, shard3d_keys, tensor3d_norm_shares
 from interlace.plan import Plan
 from interlace.precision import forward_in_precision, grad_scaler
+from interlace.recompute import recompute_blocks
 
 logger = logging.getLogger("interlace.parallel")
 
@@ -72,7 +75,8 @@ class Parallelized:
 
     `model`: this rank's part under the full model's parameter names (a pipeline rank's stages),
     for the optimizer and checkpoints. `module`: what to call (`model`, or its DDP wrapper).
-    `report`: one line per split module. `checkpoint_keys`: {parameter name: key} for pieces
+    `report`: one line per split module. `layers`: the name of the model's list of blocks, if
+    it has one. `checkpoint_keys`: {parameter name: key} for pieces
     that differ between ranks of a split (`.tp1`, `.x0.y1`), so every piece is saved.
     """
 
@@ -90,6 +94,7 @@ class Parallelized:
         self.pipeline: PipelineRunner | None = None
         self.data: DataParallel | None = None
         self.z: Group | None = None
+        self.layers: str | None = None
 
     # ------------------------------------------------------------------ one step
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -205,13 +210,16 @@ def parallelize(
         plan = dataclasses.replace(plan, sequence_parallel=sequence_parallel)
     plan.validate(1 if mesh is None else mesh.device_mesh.size())
     result = Parallelized(model, plan, cross_entropy)
+    result.layers = _layer_list(model)
     if mesh is None:
+        apply_recompute(result)
         apply_precision(result, precision)
         apply_compile(result, compile)
         return result
     _check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
     apply_expert(result, mesh)
+    apply_recompute(result)
     apply_precision(result, precision)
     apply_compile(result, compile)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
@@ -270,8 +278,19 @@ def apply_expert(result: Parallelized, mesh: Mesh) -> None:
     result.norm_shares.append(expert_norm_share(result.model, ep))
 
 
+def apply_recompute(result: Parallelized) -> None:
+    """Step 3: every block of the model's layer list recomputes its activations in backward
+    (`plan.recompute` "full" or "selective"); with a pipeline its stages do, per their ratios."""
+    mode = result.plan.recompute
+    if mode == "none" or result.plan.pipelined:
+        return
+    layers = _layers(result, f"recompute={mode}")
+    replay = result.plan.tensor_parallel  # the replay context keeps torch.compile out
+    result.report += recompute_blocks(result.model, layers, mode, replay)
+
+
 def apply_precision(result: Parallelized, precision: str) -> None:
-    """Step 3: the model's forward runs under autocast to `precision` (a pipeline's stages, built
+    """Step 4: the model's forward runs under autocast to `precision` (a pipeline's stages, built
     next, run under it too); fp16 adds a gradient scaler that agrees over all ranks whether any
     gradient overflowed."""
     result.precision = precision
@@ -283,16 +302,13 @@ def apply_precision(result: Parallelized, precision: str) -> None:
 
 
 def apply_compile(result: Parallelized, compile: bool) -> None:
-    """Step 4: each block of the model's layer list compiled in place (when `compile`)."""
+    """Step 5: each block of the model's layer list compiled in place (when `compile`)."""
     if not compile:
         return
     reason = uncompilable(result.plan)
     if reason is not None:
         raise PlanError(f"compiled blocks cannot run with {reason}; leave compile off")
-    structure = _structure(result.model, "compile")
-    if structure.layers is None:
-        raise PlanError("compile: the model has no layer list (nn.ModuleList of blocks) to compile")
-    result.report += compile_blocks(result.model, structure.layers)
+    result.report += compile_blocks(result.model, _layers(result, "compile"))
 
 
 def apply_pipeline(
@@ -301,7 +317,7 @@ def apply_pipeline(
     split_points: Sequence[str] | None,
     layers_per_stage: Sequence[int] | None,
 ) -> None:
-    """Step 5: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
+    """Step 6: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
     plan = result.plan
     if not plan.pipelined:
         return
@@ -326,12 +342,26 @@ def apply_pipeline(
 
 
 def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> None:
-    """Step 6: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
+    """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(
         result.model, result.plan, mesh.group("dp"), skip, reduce_dtype
     )
     result.module = result.data.module
+
+
+def _layer_list(model: nn.Module) -> str | None:
+    """The name of `model`'s list of blocks, found by structure before any step splits them."""
+    try:
+        return find_structure(model).layers
+    except ValueError:
+        return None
+
+
+def _layers(result: Parallelized, what: str) -> str:
+    if result.layers is None:
+        raise PlanError(f"{what}: the model has no layer list (an nn.ModuleList of blocks)")
+    return result.layers
 
 
 def _structure(model: nn.Module, what: str) -> Structure:

@@ -29,7 +29,8 @@ from interlace.planner.profile import ModelProfile, Stage, stages_of
 
 def pipeline_stages(profile: ModelProfile, plan: Plan) -> tuple[Stage, ...]:
     """The plan's pp stages of `profile`, checkpointed as the runtime checkpoints them."""
-    return stages_of(profile, plan.pp, recompute_ratios(plan.recompute, plan.pp))
+    ratios = recompute_ratios(plan.recompute, plan.pp)
+    return stages_of(profile, plan.pp, ratios, plan.recompute == "selective")
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ def _stage_bounds(profile: ModelProfile, pp: int, scale: float) -> tuple[tuple[i
 
 @dataclass(frozen=True)
 class Stage:
-    """What one pipeline stage holds and runs (FLOPs per token, forward)."""
+    """What one pipeline stage holds and runs (FLOPs per token, forward). `selective`: its
+    checkpointed layers keep their matmul outputs and recompute only elementwise work."""
 
     shards: tuple[Shard, ...]
     checkpointed: tuple[bool, ...]
@@ -93,6 +94,7 @@ class Stage:
     has_head: bool
     n_moe: int
     n_moe_checkpointed: int
+    selective: bool = False
 
     @functools.cached_property
     def flops(self) -> float:
@@ -111,7 +113,10 @@ class Stage:
 
     @functools.cached_property
     def recompute_flops(self) -> float:
-        """Forward FLOPs per token a recomputation replays (the checkpointed layers')."""
+        """Forward FLOPs per token a recomputation replays (the checkpointed layers'; none under
+        selective recomputation, which replays elementwise work only)."""
+        if self.selective:
+            return 0.0
         return sum(s.flops for s, c in zip(self.shards, self.checkpointed, strict=True) if c)
 
     @functools.cached_property
@@ -131,14 +136,21 @@ class Stage:
 
 
 @functools.lru_cache(maxsize=4096)
-def stages_of(profile: ModelProfile, pp: int, ratios: tuple[float, ...]) -> tuple[Stage, ...]:
-    """The pp stages of the partitioner's balanced split, with `ratios` checkpointed."""
-    bounds = _stage_bounds(profile, pp, 3.0 + max(ratios))
-    return tuple(_stage(profile, bounds, s, ratios[s]) for s in range(pp))
+def stages_of(
+    profile: ModelProfile, pp: int, ratios: tuple[float, ...], selective: bool = False
+) -> tuple[Stage, ...]:
+    """The pp stages of the partitioner's balanced split, with `ratios` checkpointed (fully, or
+    `selective`ly)."""
+    bounds = _stage_bounds(profile, pp, 3.0 if selective else 3.0 + max(ratios))
+    return tuple(_stage(profile, bounds, s, ratios[s], selective) for s in range(pp))
 
 
 def _stage(
-    profile: ModelProfile, bounds: tuple[tuple[int, int], ...], s: int, ratio: float
+    profile: ModelProfile,
+    bounds: tuple[tuple[int, int], ...],
+    s: int,
+    ratio: float,
+    selective: bool,
 ) -> Stage:
     start, stop = bounds[s]
     n_ckpt = checkpointed_count(ratio, stop - start)
@@ -160,6 +172,7 @@ def _stage(
         has_head=last,
         n_moe=sum(moe),
         n_moe_checkpointed=sum(a and b for a, b in zip(moe, layer_ckpt, strict=True)),
+        selective=selective,
     )
 
 
@@ -197,14 +210,18 @@ def stage_memory(
     in flight, a recomputation's working set) and their `total`."""
     tp = plan.tp_size
     boundary = d / tp if plan.sequence_parallel else d
+
+    def kept(shard: Shard) -> float:  # per token, by a checkpointed layer
+        return boundary + (shard.selective - d) / tp if stage.selective else boundary
+
     saved = sum(
-        boundary if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
+        kept(shard) if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
     if plan.tp3d is not None:  # layers split x·y·z (tokens over z), embedding and head only z
         x, y, z = plan.tp3d
         saved = sum(
-            (d / x if ckpt else shard.activations / (x * y)) / z
+            (kept(shard) / x if ckpt else shard.activations / (x * y)) / z
             if shard.kind == "layer"
             else shard.activations / z
             for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)

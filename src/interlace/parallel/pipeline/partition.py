@@ -64,7 +64,9 @@ class Shard:
     boundary: elements per token of the shard's output (what crosses a stage boundary and what
     a checkpointed layer keeps); replicated: the part of `activations` that 1D tensor
     parallelism leaves whole on every rank (norm inputs, and the input shared by the
-    column-parallel producers of each attention and feed-forward block and of the head).
+    column-parallel producers of each attention and feed-forward block and of the head);
+    selective: elements per token a layer keeps under selective recomputation (its input, the
+    outputs of its matrices and of its attention: `interlace.recompute`).
     """
 
     name: str
@@ -75,6 +77,7 @@ class Shard:
     activations: float
     boundary: int
     replicated: float = 0.0
+    selective: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,10 @@ def model_shards(model: nn.Module, seq_len: int | None = None) -> tuple[Shard, .
         leaves = [f"{name}.{n}" if n else name for n, m in layer.named_modules() if _own(m)]
         attention = sum(4 * T * w for a, w in q_width.items() if _under(a, name))
         kept = _block_saved_correction(structure, name)
+        # selective recomputation keeps each attention's output and log-sum-exp per head
+        attention_out = sum(
+            a.n_heads * a.head_dim + a.n_heads for a in structure.attentions if _under(a.name, name)
+        )
         blocks = [
             b for b in (*structure.attentions, *structure.feed_forwards) if _under(b.name, name)
         ]
@@ -208,6 +215,7 @@ def model_shards(model: nn.Module, seq_len: int | None = None) -> tuple[Shard, .
             d,
             kept,
             len(blocks) * d,
+            d + attention_out,
         )
         layers.append(shard)
     vocab = structure.vocab.vocab if structure.vocab is not None else d
@@ -263,16 +271,19 @@ def _shard(
     boundary: int,
     extra_saved: float = 0.0,
     shared_inputs: float = 0.0,
+    selective_extra: float = 0.0,
 ) -> Shard:
     """Sum parameters (each tensor once over the whole model), FLOPs and saved activations of
     the leaf `modules` (`shared_inputs`: elements per token of the replicated inputs of
-    column-parallel producers, counted in `replicated` with the norms' inputs). `counted`
+    column-parallel producers, counted in `replicated` with the norms' inputs), and what
+    selective recomputation keeps: the matrices' outputs plus `selective_extra`. `counted`
     holds ids of parameters already owned by an earlier shard: a tied LM head costs FLOPs at
     the head but its parameters belong to the embedding."""
     params = 0
     flops = float(attention_flops)
     saved = float(extra_saved)
     replicated = float(shared_inputs)
+    selective = float(selective_extra)
     for module_name in modules:
         module = model.get_submodule(module_name)
         weight = _expert_weight(model, module_name, experts)
@@ -286,13 +297,16 @@ def _shard(
             slices = p.numel() // (p.shape[-1] * p.shape[-2])
             flops += 2 * p.numel() * weight
             saved += per_slice * slices * weight
+            selective += p.shape[-2] * slices * weight
         if not isinstance(module, nn.Embedding) and all(
             p.dim() == 1 for p in module.parameters(recurse=False)
         ):
             width = next(module.parameters(recurse=False)).shape[0]  # a norm saves its input
             saved += width
             replicated += width
-    return Shard(name, kind, tuple(modules), params, flops, saved, boundary, replicated)
+    return Shard(
+        name, kind, tuple(modules), params, flops, saved, boundary, replicated, selective
+    )
 
 
 def _expert_weight(model: nn.Module, name: str, experts: list[str]) -> float:

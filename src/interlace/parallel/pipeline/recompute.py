@@ -6,6 +6,8 @@ saved activations to d per token, compute rises from 3F to 4F.
 
 - `none`: no layer is checkpointed.
 - `full`: every layer of every stage.
+- `selective`: every layer, under the selective policy of `interlace.recompute` (outside a
+  pipeline only, for now; the planner prices it through these ratios).
 - `stage-aware` (Merak): under 1F1B stage s holds about P − s micro-batches in flight, so later
   stages have memory to spare. With stage 0 checkpointing a fraction r0 of its layers, stage s
   needs only
@@ -44,16 +46,18 @@ def stage_aware_ratios(pp: int, r0: float = 1.0) -> tuple[float, ...]:
 
 
 def recompute_ratios(mode: str | Sequence[float], pp: int, r0: float = 1.0) -> tuple[float, ...]:
-    """Checkpoint ratio per pipeline rank for `mode` "none" | "full" | "stage-aware" (with
-    stage-0 ratio `r0`) or an explicit sequence of `pp` ratios in [0, 1]."""
+    """Checkpoint ratio per pipeline rank for `mode` "none" | "full" | "selective" |
+    "stage-aware" (with stage-0 ratio `r0`) or an explicit sequence of `pp` ratios in [0, 1]."""
     if isinstance(mode, str):
         if mode == "none":
             return (0.0,) * pp
-        if mode == "full":
+        if mode in ("full", "selective"):
             return (1.0,) * pp
         if mode == "stage-aware":
             return stage_aware_ratios(pp, r0)
-        raise PlanError(f"recompute={mode!r} is not one of none, full, stage-aware, or a list")
+        raise PlanError(
+            f"recompute={mode!r} is not one of none, full, selective, stage-aware, or a list"
+        )
     ratios = tuple(float(r) for r in mode)
     if len(ratios) != pp or any(not 0.0 <= r <= 1.0 for r in ratios):
         raise PlanError(

@@ -67,7 +67,7 @@ def _gather_dim1(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out.reshape(shard.shape[0], p * shard.shape[1], *shard.shape[2:])
 
 
-def _reduce_scatter_dim1(x: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_scatter_dim1(x: torch.Tensor, group: Group) -> torch.Tensor:
     """[B, T, ...] partial sums → this rank's [B, T/p, ...] of the sum."""
     p, (b, length) = group.size, x.shape[:2]
     n = _check_sequence(length, group)
@@ -115,18 +115,18 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_dim1(grad, ctx.group), None
+        return reduce_scatter_dim1(grad, ctx.group), None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: Group, reduce: Reduce) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter_dim1(x, group)
+        return reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_dim1(grad, ctx.group), None
+        return _gather_dim1(grad, ctx.group), None, None
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -175,10 +175,12 @@ def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _GatherSequence.apply(x, group)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Partial sums [B, T, ...] → this rank's sequence shard [B, T/p, ...] of their sum;
-    backward all-gathers the gradient."""
-    return _ReduceScatterSequence.apply(x, group)
+def reduce_scatter_sequence(
+    x: torch.Tensor, group: Group, reduce: Reduce | None = None
+) -> torch.Tensor:
+    """Partial sums [B, T, ...] → this rank's sequence shard [B, T/p, ...] of their sum
+    (by `reduce`, default `reduce_scatter_dim1`); backward all-gathers the gradient."""
+    return _ReduceScatterSequence.apply(x, group, reduce or reduce_scatter_dim1)
 
 
 def scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -20,7 +20,11 @@ from interlace.parallel.tensor.comm import (
     reduce_scatter_sequence,
     vocab_parallel_cross_entropy_per_token,
 )
-from interlace.parallel.tensor.reduction import scheduled_reduce, yielding_reduce
+from interlace.parallel.tensor.reduction import (
+    replayed_reduce_scatter,
+    scheduled_reduce,
+    yielding_reduce,
+)
 
 # ----------------------------------------------------------------------------- shard specs
 
@@ -69,7 +73,7 @@ class RowParallelLinear(nn.Module):
         """[..., in/p] → [..., out] (sequence parallel: [B, T, in/p] → [B, T/p, out])."""
         partial = F.linear(x, self.weight.t() if self.conv1d else self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_sequence(partial, self.group)
+            y = reduce_scatter_sequence(partial, self.group, replayed_reduce_scatter)
         else:
             y = leave_tp(partial, self.group)
         return y if self.bias is None else y + self.bias

@@ -5,7 +5,9 @@ result instead of communicating again (`ReductionReplay`).
 
 The layers pass `scheduled_reduce` (forward) and `yielding_reduce` (backward) to the plain
 `comm.reduce_from_tp` / `comm.copy_to_tp`: with no yield point and no replay active, both are
-`comm.all_reduced`. The state is per thread (each sub-batch runs on its own thread).
+`comm.all_reduced`. Sequence parallel layers pass `replayed_reduce_scatter` to
+`comm.reduce_scatter_sequence`, their forward reduction. The state is per thread (each
+sub-batch runs on its own thread).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from interlace import comm
 from interlace.comm import Group
-from interlace.parallel.tensor.comm import all_reduced
+from interlace.parallel.tensor.comm import Reduce, all_reduced, reduce_scatter_dim1
 
 _yield_point = threading.local()
 
@@ -50,10 +52,11 @@ _replay_state = threading.local()
 
 
 class ReductionReplay:
-    """The results of the forward all-reduces (`reduce_from_tp`) of one checkpointed forward,
-    so that its recomputation replays them instead of communicating again: Oases' rule that
-    recomputation never repeats a forward all-reduce. It keeps one reduced [.., d] tensor per
-    reduction (two per block), the memory Oases spends on it.
+    """The results of the forward reductions (`reduce_from_tp`'s all-reduce, or sequence
+    parallelism's reduce-scatter) of one checkpointed forward, so that its recomputation
+    replays them instead of communicating again: Oases' rule that recomputation never repeats
+    a forward all-reduce. It keeps one reduced [.., d] tensor per reduction (two per block; a
+    sequence shard under sequence parallelism), the memory Oases spends on it.
 
         replay = ReductionReplay()
         with replay.recording():
@@ -66,7 +69,7 @@ class ReductionReplay:
     """
 
     def __init__(self) -> None:
-        self._kept: list[tuple[torch.Tensor, int]] = []
+        self._kept: list[tuple[torch.Size, torch.Tensor, int]] = []
         self._next = 0
 
     @classmethod
@@ -104,10 +107,10 @@ class ReductionReplay:
         finally:
             _replay_state.active = previous
 
-    def keep(self, out: torch.Tensor) -> None:
-        """Keep a forward reduction's result (recording)."""
+    def keep(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Keep a forward reduction's result `out` of input `x` (recording)."""
         kept = out.detach()
-        self._kept.append((kept, kept._version))
+        self._kept.append((x.shape, kept, kept._version))
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The next kept result, in place of reducing x (replaying)."""
@@ -115,9 +118,9 @@ class ReductionReplay:
             raise RuntimeError(
                 "recomputation issued more tensor parallel reductions than the forward"
             )
-        kept, version = self._kept[self._next]
+        shape, kept, version = self._kept[self._next]
         self._next += 1
-        if kept.shape != x.shape or kept._version != version:
+        if shape != x.shape or kept._version != version:
             raise RuntimeError(
                 "a replayed reduction does not match the forward's (other shape, or its result "
                 "was modified in place since)"
@@ -125,14 +128,26 @@ class ReductionReplay:
         return kept
 
 
-def scheduled_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Σ over `group` of x for the forward reduction of `reduce_from_tp` at every layer: the
-    kept result while a `ReductionReplay` replays (no communication), else `yielding_reduce`,
-    kept while one records."""
-    active = getattr(_replay_state, "active", None)
-    if active is not None and active[1] == "replay":
-        return active[0].take(x)
-    out = yielding_reduce(x, group)
-    if active is not None:
-        active[0].keep(out)
-    return out
+def replayed(reduce: Reduce) -> Reduce:
+    """`reduce` as a checkpointed forward runs it: the kept result while a `ReductionReplay`
+    replays (no communication), else `reduce(x, group)`, kept while one records."""
+
+    def run(x: torch.Tensor, group: Group) -> torch.Tensor:
+        active = getattr(_replay_state, "active", None)
+        if active is not None and active[1] == "replay":
+            return active[0].take(x)
+        out = reduce(x, group)
+        if active is not None:
+            active[0].keep(x, out)
+        return out
+
+    return run
+
+
+scheduled_reduce = replayed(yielding_reduce)
+"""Σ over the group for the forward reduction of `reduce_from_tp` at every layer: yielding to
+other sub-batches (`yielding_reduce`), replayed in recomputation."""
+
+replayed_reduce_scatter = replayed(reduce_scatter_dim1)
+"""Sequence parallelism's forward reduce-scatter [B, T, ...] → [B, T/p, ...], replayed in
+recomputation."""
