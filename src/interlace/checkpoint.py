@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,15 +34,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from interlace.errors import CheckpointError
+from interlace.run_folder import fsync_path, write_atomic
 from interlace.safe_load import check_dcp_metadata, load_rng_state
 
 _META = "meta.json"
 _MANIFEST = "manifest.json"
 _LATEST = "latest"
 _DCP_METADATA = ".metadata"
+_DISK_FULL_BYTES = 1 << 20
+"""Free space below which a failed checkpoint write is reported as a full disk."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -84,43 +90,104 @@ def save_checkpoint(
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{checkpoint_name(step)}.tmp"
+    try:
+        _write_folder(tmp, step, model, optimizer, meta, shard_keys or {})
+    except BaseException:  # a full disk on any rank: no half-written folder stays behind
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    model_state, optim_state = _renamed(*get_state_dict(model, optimizer), shard_keys or {})
-    # DCP stages tensors ahead (torch's default: 10 MB) on a CUDA stream wherever CUDA is
-    # available: useless for CPU tensors, fatal in a CPU rank forked from a CUDA process.
-    on_gpu = any(p.is_cuda for p in model.parameters())
-    writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=10_000_000 if on_gpu else 0)
-    with _single_process_is_intended():
-        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
-    torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        (tmp / _META).write_text(json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
-        (tmp / _MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1, sort_keys=True))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_atomic(root / _LATEST, final.name)
-        _prune(root, keep)
+        fsync_path(root)
+        write_atomic(root / _LATEST, final.name)
+        _prune(root, keep, step)
     _barrier()
     return final
 
 
+def _write_folder(
+    tmp: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    shard_keys: dict[str, str],
+) -> None:
+    """Every rank's files of the checkpoint into `tmp`, each fsync'd, the manifest last
+    (collective). An OSError of any rank's DCP write is raised as that OSError."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = _renamed(*get_state_dict(model, optimizer), shard_keys)
+    # DCP stages tensors ahead (torch's default: 10 MB) on a CUDA stream wherever CUDA is
+    # available: useless for CPU tensors, fatal in a CPU rank forked from a CUDA process.
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=10_000_000 if on_gpu else 0)
+    rng_file = tmp / f"rng-rank{_rank()}.pt"
+    try:
+        with _single_process_is_intended():  # DCP fsyncs its files (sync_files=True)
+            dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
+        torch.save(_rng_state(), rng_file)
+    except (CheckpointException, RuntimeError) as exc:
+        raise _os_error_of(exc, tmp) from None
+    fsync_path(rng_file)
+    _barrier()
+    if _rank() == 0:
+        write_atomic(tmp / _META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
+        write_atomic(tmp / _MANIFEST, json.dumps(_manifest(tmp), indent=1, sort_keys=True))
+
+
+def _os_error_of(exc: BaseException, folder: Path) -> BaseException:
+    """The OSError behind a failed write into `folder`: the first among the ranks' failures DCP
+    gathered, or "no space left" where the folder's disk is full (torch's file writer reports
+    a full disk as a RuntimeError); else `exc` itself."""
+    failures = exc.failures.values() if isinstance(exc, CheckpointException) else [exc]
+    for failure in failures:
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, OSError):
+            return error
+    if shutil.disk_usage(folder).free < _DISK_FULL_BYTES:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+    return exc
+
+
 def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint folder meant by `path`: a checkpoint itself, a `checkpoints/` folder or a
-    run folder (both resolved through `latest`). Raises CheckpointError if there is none."""
+    """The checkpoint folder meant by `path`: a checkpoint itself, or a `checkpoints/` folder or
+    run folder, resolved through `latest`. When the checkpoint `latest` names is missing or fails
+    `verify_checkpoint`, the newest kept checkpoint that passes is taken instead, with a warning
+    on stderr. Raises CheckpointError if there is none."""
     path = Path(path)
     for candidate in (path, path / "checkpoints"):
         if (candidate / _MANIFEST).exists() or (candidate / _META).exists():
             return candidate
         latest = candidate / _LATEST
         if latest.exists():
-            return candidate / latest.read_text().strip()
+            return _newest_valid(candidate, candidate / latest.read_text().strip())
     if not path.exists():
         raise CheckpointError(f"checkpoint path '{path}' does not exist")
     raise CheckpointError(f"'{path}' holds no checkpoint (no {_META}, no checkpoints/{_LATEST})")
+
+
+def _newest_valid(root: Path, named: Path) -> Path:
+    """`named` if it verifies, else the newest finished checkpoint under `root` that does."""
+    kept = sorted((p for p in root.glob("step-*") if not p.name.endswith(".tmp")), reverse=True)
+    problem = None
+    for checkpoint in [named, *(p for p in kept if p != named)]:
+        try:
+            verify_checkpoint(checkpoint, {})
+        except CheckpointError as exc:
+            problem = problem or exc
+            continue
+        if problem is not None and _rank() == 0:
+            print(
+                f"interlace: warning: {problem}; resuming from the newest valid checkpoint, "
+                f"'{checkpoint}', instead",
+                file=sys.stderr,
+            )
+        return checkpoint
+    raise problem  # `named` was tried first, so a problem was found
 
 
 def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +196,8 @@ def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
     but tensors and DCP metadata, without running them. Returns meta; raises CheckpointError
     naming the first problem."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' is missing")
     manifest_file = path / _MANIFEST
     if not manifest_file.exists():
         raise CheckpointError(f"checkpoint '{path}' is incomplete or corrupt: no {_MANIFEST}")
@@ -237,14 +306,15 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(file: Path, text: str) -> None:
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, file)
-
-
-def _prune(root: Path, keep: int) -> None:
-    finished = sorted(p for p in root.glob("step-*") if not p.name.endswith(".tmp"))
+def _prune(root: Path, keep: int, step: int) -> None:
+    """Delete all but the newest `keep` finished checkpoints up to `step`. Those of later steps
+    (left by a run this one resumed before their step) are neither counted nor deleted: the
+    run replaces each when it reaches its step."""
+    finished = sorted(
+        p
+        for p in root.glob("step-*")
+        if not p.name.endswith(".tmp") and p.name <= checkpoint_name(step)
+    )
     for old in finished[:-keep]:
         shutil.rmtree(old)
 

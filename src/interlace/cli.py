@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from interlace import __version__
 from interlace.config_args import add_dataclass_args, dataclass_from_args
-from interlace.errors import ConfigError, InterlaceError
+from interlace.errors import ConfigError, InterlaceError, NonFiniteError, OutputError, RunStopped
 from interlace.models.config import GPTConfig
 from interlace.models.presets import PRESETS, get_preset
 from interlace.plan import Plan
@@ -94,10 +94,15 @@ def _checkpoint_to_resume(args: argparse.Namespace, setup: RunSetup) -> Path | N
     return checkpoint
 
 
-def _check_out_dir(args: argparse.Namespace) -> None:
+def _check_out_dir(args: argparse.Namespace, setup: RunSetup) -> None:
+    """ConfigError if --out is not a folder that can take this run: not writable, too little
+    free space for one checkpoint, or holding an earlier run without --resume/--overwrite."""
+    from interlace.run_folder import check_writable, checkpoint_bytes
+
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out '{out}' exists and is not a folder")
+    check_writable(out, checkpoint_bytes(setup.model_config.num_params()))
     earlier = [name for name in _RUN_FILES if (out / name).exists()]
     if earlier and args.resume is None and not args.overwrite:
         raise ConfigError(
@@ -133,7 +138,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
     setup = prepare_run(config, plan, args.nproc)
     _check_trace(args, plan)
-    _check_out_dir(args)
+    _check_out_dir(args, setup)
     checkpoint = _checkpoint_to_resume(args, setup)
     _clear_out_dir(args)
     if args.nproc > 1:
@@ -178,7 +183,7 @@ def _train_rank(args: argparse.Namespace) -> int:
         setup = prepare_run(dataclass_from_args(TrainConfig, args), plan, dist.get_world_size())
         checkpoint = _checkpoint_to_resume(args, setup)
         if dist.get_rank() == 0:
-            _check_out_dir(args)
+            _check_out_dir(args, setup)
             _clear_out_dir(args)
         dist.barrier()
         trainer = Trainer(setup, build_mesh(plan, device), trace=args.trace)
@@ -403,10 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _failed(error: Exception) -> int:
-    """Report a run that started and failed (a rank's error or a timeout); exit code 1."""
+def _failed(error: Exception, exit_code: int = 1) -> int:
+    """Report a run that started and failed (a rank's error or a timeout); returns `exit_code`."""
     print(f"interlace: {error}", file=sys.stderr)
-    return 1
+    return exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -420,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     except InterlaceError as exc:
         print(f"interlace: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:  # 3: the run's files, 4: non-finite values
+        print(f"interlace: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except LaunchFailed as exc:
-        return _failed(exc)
+        if exc.exit_code in (OutputError.exit_code, NonFiniteError.exit_code):
+            return exc.exit_code  # the rank printed its one line
+        return _failed(exc, exc.exit_code)
     except KeyboardInterrupt:
         print("interlace: interrupted", file=sys.stderr)
         return 130

@@ -2,6 +2,10 @@
 
 Every error names the offending value, says why it is wrong and what would be valid. The CLI
 prints any `InterlaceError` as one line on stderr and exits with code 2.
+
+A run that started and then had to stop raises a `RunStopped` instead, whose `exit_code` the
+CLI exits with: 3 when writing or reading the run's files failed (`OutputError`), 4 when the
+training values stopped being finite (`NonFiniteError`).
 """
 
 
@@ -23,3 +27,21 @@ class DataError(InterlaceError):
 
 class CheckpointError(InterlaceError):
     """A checkpoint that is missing, corrupt or does not match the current run."""
+
+
+class RunStopped(RuntimeError):
+    """A run that started and stopped before its last step; `exit_code` is the CLI's."""
+
+    exit_code = 1
+
+
+class OutputError(RunStopped):
+    """Reading or writing the run's files failed during the run (a full disk, a lost mount)."""
+
+    exit_code = 3
+
+
+class NonFiniteError(RunStopped):
+    """The loss or the gradient norm stopped being finite and the run's policy says stop."""
+
+    exit_code = 4

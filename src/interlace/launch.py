@@ -18,7 +18,12 @@ from interlace.mesh import backend_for, default_device
 
 
 class LaunchFailed(RuntimeError):
-    """A rank of a launched run failed; the message names the rank and its error."""
+    """A rank of a launched run failed; the message names the rank and its error, `exit_code`
+    is the failing rank's exit code (1 if it died without one, e.g. by a signal)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def launch_local(nproc: int, module_args: list[str]) -> None:
@@ -45,7 +50,8 @@ def launch_local(nproc: int, module_args: list[str]) -> None:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise LaunchFailed(
-            f"rank {rank} failed (exit code {failure.exitcode}); its output is above"
+            f"rank {rank} failed (exit code {failure.exitcode}); its output is above",
+            failure.exitcode if failure.exitcode > 0 else 1,
         ) from None
 
 

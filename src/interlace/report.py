@@ -4,12 +4,12 @@ expert parallel runs, the expert load heat-map `moe_load.png`."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from interlace.moe.load_map import load_map, plot_load_map
 from interlace.plotting import new_figure, save_figure
+from interlace.run_folder import append_line, replaced_atomically, write_atomic
 
 METRICS = "metrics.jsonl"
 REPORT = "report.json"
@@ -23,15 +23,14 @@ class MetricsLog:
     def __init__(self, out: Path, resume_step: int | None) -> None:
         self.file = Path(out) / METRICS
         if resume_step is None:
-            self.file.write_text("")
+            write_atomic(self.file, "")
         else:  # drop lines from beyond the checkpoint, which the resumed run will redo
             kept = [row for row in read_metrics(self.file) if row.get("step", 0) <= resume_step]
-            self.file.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            write_atomic(self.file, "".join(json.dumps(row) + "\n" for row in kept))
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append `row` and flush, so a crash loses at most the current line."""
-        with self.file.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+        """Append `row` as one line; a crash or a full disk loses at most that line."""
+        append_line(self.file, json.dumps(row))
 
 
 def read_metrics(file: Path) -> list[dict[str, Any]]:
@@ -79,15 +78,15 @@ def write_report(out: Path, report: dict[str, Any]) -> list[str]:
     load = report.get("moe_load")
     title = report.get("title", "training loss")
     try:
-        plot_loss(rows, out / LOSS_PLOT, title=title)
+        with replaced_atomically(out / LOSS_PLOT) as tmp:
+            plot_loss(rows, tmp, title=title)
         if load:
-            plot_load_map(load, out / LOAD_PLOT, title=title)
+            with replaced_atomically(out / LOAD_PLOT) as tmp:
+                plot_load_map(load, tmp, title=title)
             report = {**report, "moe_load": {**load, "plot": LOAD_PLOT}}
     except ImportError:
         notes.append("plots skipped: matplotlib is not installed (pip install 'interlace[bench]')")
-    tmp = out / (REPORT + ".tmp")
-    tmp.write_text(json.dumps({**report, "notes": notes}, indent=1, sort_keys=True))
-    os.replace(tmp, out / REPORT)
+    write_atomic(out / REPORT, json.dumps({**report, "notes": notes}, indent=1, sort_keys=True))
     return notes
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from interlace.data import (
 )
 from interlace.data import load_corpus as read_corpus
 from interlace.data.tokens import SYNTHETIC
+from interlace.errors import OutputError
 from interlace.mesh import Mesh, default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
@@ -50,6 +52,7 @@ from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
 from interlace.precision import resolve_precision
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
+from interlace.run_folder import remove_stale
 from interlace.throughput import (
     device_peak_tflops,
     model_flops_per_token,
@@ -97,7 +100,7 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
         make_data = functools.partial(TokenData.from_text, text, tokenizer, seq_len)
     model_config.validate()
     plan.validate(world_size, model_config)
-    accum = config.accumulation(plan.dp)
+    accum = config.accumulation(plan.dp_size)
     plan.micro_batch_rows(config.global_batch, accum)
     check_split(
         build_model(model_config, device="meta"),
@@ -179,13 +182,14 @@ class Trainer:
         """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
         optimizer, RNG and data position."""
         checkpoint = resolve_checkpoint(checkpoint)
-        meta = load_checkpoint(
-            checkpoint,
-            self.model,
-            self.optimizer,
-            run_identity(self.setup),
-            self.parallel.checkpoint_keys,
-        )
+        with _output_errors(self):
+            meta = load_checkpoint(
+                checkpoint,
+                self.model,
+                self.optimizer,
+                run_identity(self.setup),
+                self.parallel.checkpoint_keys,
+            )
         self.step = meta["step"]
 
     # ------------------------------------------------------------------ one step
@@ -275,11 +279,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        """Train to `config.steps`, evaluating, logging, checkpointing; returns the report."""
+        """Train to `config.steps`, evaluating, logging, checkpointing; returns the report.
+        Raises OutputError (one line) if writing the run's files fails."""
+        with _output_errors(self):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
         log = None
         if self.out and self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.out)
             log = MetricsLog(self.out, self.step or None)
         bar = self._progress_bar()
         history: list[dict[str, Any]] = []
@@ -374,6 +384,19 @@ class Trainer:
         if self.out and self.is_main:
             report["notes"] = write_report(self.out, report)
         return report
+
+
+@contextlib.contextmanager
+def _output_errors(trainer: Trainer) -> Iterator[None]:
+    """An OSError inside (a full disk, a folder gone read-only) as one OutputError line."""
+    try:
+        yield
+    except OSError as exc:
+        where = f": '{exc.filename}'" if exc.filename else ""
+        raise OutputError(
+            f"the run stopped at step {trainer.step}: {exc.strerror or exc}{where}; its last "
+            "finished checkpoint is kept: fix the cause and continue with --resume"
+        ) from exc
 
 
 def _postfix(row: dict[str, Any]) -> dict[str, str]:
