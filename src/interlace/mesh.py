@@ -1,8 +1,11 @@
 """Mesh: named process groups for every parallel dimension, on torch's DeviceMesh.
 
 Rank order, outermost to innermost: `pp`, `dp`, then tensor parallel — `tp` for 1D, or
-`tp_z`, `tp_y`, `tp_x` for 3D (x varies fastest). The innermost dimensions hold the chattiest
-groups, so consecutive ranks (one node) share a tensor parallel group. Global rank
+`tp_z`, `tp_y`, `tp_x` for 3D (x varies fastest). `dp` holds every data-parallel rank
+(dp · dp_shard); with sharded data parallelism it is also split into `dp_replicate` (outer) ×
+`dp_shard` (inner), the mesh FSDP2 shards over (`Mesh.data_mesh`). The innermost dimensions
+hold the chattiest groups, so consecutive ranks (one node) share a tensor parallel group.
+Global rank (dp_i over all dp · dp_shard data-parallel ranks)
     r = ((pp_i · dp + dp_i) · tp_size) + tp_i           (1D)
     r = (((pp_i · dp + dp_i) · z + z_i) · y + y_i) · x + x_i   (3D)
 Expert parallel groups (`ep`, and `ep_dp` for the replicas of the same experts) are carved
@@ -49,17 +52,24 @@ def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(names, sizes) of the mesh dimensions for `plan`, outermost first."""
     if plan.tp3d is not None:
         x, y, z = plan.tp3d
-        return ("pp", "dp", "tp_z", "tp_y", "tp_x"), (plan.pp, plan.dp, z, y, x)
-    return ("pp", "dp", "tp"), (plan.pp, plan.dp, plan.tp)
+        return ("pp", "dp", "tp_z", "tp_y", "tp_x"), (plan.pp, plan.dp_size, z, y, x)
+    return ("pp", "dp", "tp"), (plan.pp, plan.dp_size, plan.tp)
+
+
+SHARDED_DIMS = ("dp_replicate", "dp_shard")
+"""The two dimensions sharded data parallelism splits `dp` into, outermost first."""
 
 
 @dataclass
 class Mesh:
-    """The DeviceMesh of a plan plus its named groups. `group('dp')` etc. give `comm.Group`s."""
+    """The DeviceMesh of a plan plus its named groups. `group('dp')` etc. give `comm.Group`s.
+    `data_mesh`: with sharded data parallelism, `dp` split into `dp_replicate` × `dp_shard`
+    (only `dp_shard` when dp = 1), the mesh FSDP2 shards over; else None."""
 
     plan: Plan
     device_mesh: DeviceMesh
     device: torch.device
+    data_mesh: DeviceMesh | None = None
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -69,10 +79,14 @@ class Mesh:
         return tuple(names)
 
     def group(self, name: str) -> Group:
-        """The process group of dimension `name` that contains this rank."""
-        if name not in self.dims:
+        """The process group of dimension `name` (a mesh dimension, or one of `data_mesh`'s)
+        that contains this rank."""
+        if name in self.dims:
+            sub = self.device_mesh[name]
+        elif self.data_mesh is not None and name in (self.data_mesh.mesh_dim_names or ()):
+            sub = self.data_mesh[name]
+        else:
             raise KeyError(f"mesh has no dimension '{name}'; it has {', '.join(self.dims)}")
-        sub = self.device_mesh[name]
         return Group(name=name, pg=sub.get_group(), size=sub.size(), rank=sub.get_local_rank())
 
     def size(self, name: str) -> int:
@@ -103,4 +117,8 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
     device = device or default_device()
     names, sizes = mesh_dims(plan)
     device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
-    return Mesh(plan=plan, device_mesh=device_mesh, device=device)
+    data_mesh = None
+    if plan.sharded_data_parallel:  # torch has no public way to split a mesh dimension
+        split = device_mesh._unflatten("dp", (plan.dp, plan.dp_shard), SHARDED_DIMS)
+        data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
+    return Mesh(plan=plan, device_mesh=device_mesh, device=device, data_mesh=data_mesh)

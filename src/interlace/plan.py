@@ -1,9 +1,10 @@
 """The Plan: every parallel choice of a training run in one frozen, validated, serialisable value.
 
-A Plan says how `world_size = dp · pp · tp_size` ranks cooperate: data parallel degree `dp`,
+A Plan says how `world_size = dp · dp_shard · pp · tp_size` ranks cooperate: data parallel
+replicas `dp`, each sharded over `dp_shard` ranks (FSDP; `dp_shard > 1` with `dp > 1` is HSDP),
 pipeline stages `pp`, tensor parallel degree (`tp` for Megatron-style 1D, or `tp3d = (x, y, z)`
 for AxoNN-style 3D, with `sequence_parallel` for 1D), expert parallel degree `ep` (carved out of
-`dp`), pipeline `micro_batches`,
+the dp · dp_shard data-parallel ranks), pipeline `micro_batches`,
 `schedule`, `recompute`, the `overlap` options, `grad_compression` and `moe_balance`.
 
 `Plan.parse("dp=2,tp=2,tp_subbatches=2")` reads the CLI form; nested options are addressed by
@@ -59,9 +60,17 @@ class Overlap:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every parallel choice of a run. Construct freely; `validate` decides whether it can run."""
+    """Every parallel choice of a run. Construct freely; `validate` decides whether it can run.
+
+    dp: data-parallel replicas; dp_shard: ranks each replica's parameters, gradients and
+    optimizer states are sharded over (torch's FSDP2); reshard_after_forward: with dp_shard > 1,
+    free the gathered parameters after each block's forward and gather them again for its
+    backward (False: keep them until backward, one all-gather less per block, more memory).
+    """
 
     dp: int = 1
+    dp_shard: int = 1
+    reshard_after_forward: bool = True
     pp: int = 1
     tp: int = 1
     tp3d: tuple[int, int, int] | None = None
@@ -81,9 +90,15 @@ class Plan:
         return math.prod(self.tp3d) if self.tp3d is not None else self.tp
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks, the ranks a global batch is split over: dp · dp_shard."""
+        return self.dp * self.dp_shard
+
+    @property
     def world_size(self) -> int:
-        """Ranks the plan needs: dp · pp · tp_size (ep lives inside dp)."""
-        return self.dp * self.pp * self.tp_size
+        """Ranks the plan needs: dp · dp_shard · pp · tp_size (ep lives inside the data-parallel
+        ranks)."""
+        return self.dp_size * self.pp * self.tp_size
 
     # ----------------------------------------------------------------- predicates
     @property
@@ -108,36 +123,49 @@ class Plan:
 
     @property
     def data_parallel(self) -> bool:
-        """Data parallelism: dp > 1."""
-        return self.dp > 1
+        """Data parallelism, replicated or sharded: dp · dp_shard > 1."""
+        return self.dp_size > 1
+
+    @property
+    def sharded_data_parallel(self) -> bool:
+        """Parameters, gradients and optimizer states sharded over data-parallel ranks (FSDP2):
+        dp_shard > 1."""
+        return self.dp_shard > 1
 
     @property
     def dp_overlapped(self) -> bool:
         """Gradients reduced during backward (DDP buckets): `dp_overlap`, and a model whose
         backward can carry it — no pipeline (several backward passes per step) and no 3D tensor
-        parallelism (its Z reduce-scatters finish after backward)."""
-        return self.overlap.dp_overlap and not self.pipelined and self.tp3d is None
+        parallelism (its Z reduce-scatters finish after backward). Sharded data parallelism
+        reduces in its own way (FSDP2's reduce-scatters during backward)."""
+        return (
+            self.overlap.dp_overlap
+            and not self.pipelined
+            and self.tp3d is None
+            and not self.sharded_data_parallel
+        )
 
     def micro_batch_rows(self, global_batch: int, accumulation: int = 1) -> int:
         """Sequences of one pipeline micro-batch (one forward on one rank) when `global_batch`
-        sequences per step are split over dp ranks, `accumulation` sequential micro-batches per
-        rank and `micro_batches` pipeline micro-batches; PlanError, naming a fix, unless every
-        split is even, including tp3d's z over the rows and `tp_subbatches` within them."""
+        sequences per step are split over dp · dp_shard ranks, `accumulation` sequential
+        micro-batches per rank and `micro_batches` pipeline micro-batches; PlanError, naming a
+        fix, unless every split is even, including tp3d's z over the rows and `tp_subbatches`
+        within them."""
         if global_batch < 1:
             raise PlanError(f"global batch {global_batch} must be a positive number of sequences")
-        if global_batch % (self.dp * accumulation):
+        if global_batch % (self.dp_size * accumulation):
             steps = f" × {accumulation} accumulation steps" if accumulation > 1 else ""
             raise PlanError(
-                f"global batch {global_batch} is not divisible by dp={self.dp}{steps}; use a "
-                f"multiple of {self.dp * accumulation}"
+                f"global batch {global_batch} is not divisible by {self._dp_text}{steps}; use a "
+                f"multiple of {self.dp_size * accumulation}"
             )
-        rows = global_batch // (self.dp * accumulation)
+        rows = global_batch // (self.dp_size * accumulation)
         unit = self.batch_rows_unit
         if rows % unit:
             z = f" × tp3d z={self.tp3d[2]}" if self.tp3d is not None else ""
             raise PlanError(
                 f"micro_batches={self.micro_batches}{z} split a rank's forward, but it holds "
-                f"{rows} sequences (global batch {global_batch} / dp={self.dp}); use "
+                f"{rows} sequences (global batch {global_batch} / {self._dp_text}); use "
                 f"micro_batches dividing {rows}, or a global batch that gives a multiple of "
                 f"{unit}"
             )
@@ -148,6 +176,11 @@ class Plan:
                 "of a micro-batch; use a divisor of them, or a larger global batch"
             )
         return rows
+
+    @property
+    def _dp_text(self) -> str:
+        """How messages name the data-parallel ranks: 'dp=4', or 'dp·dp_shard=4' when sharded."""
+        return f"dp·dp_shard={self.dp_size}" if self.sharded_data_parallel else f"dp={self.dp}"
 
     @property
     def batch_rows_unit(self) -> int:
@@ -172,7 +205,7 @@ class Plan:
         return self
 
     def _check_values(self) -> None:
-        for name in ("dp", "pp", "tp", "ep", "micro_batches"):
+        for name in ("dp", "dp_shard", "pp", "tp", "ep", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")
@@ -186,6 +219,16 @@ class Plan:
             raise PlanError(
                 f"tp3d_prefetch={self.overlap.tp3d_prefetch!r} must be true or false, e.g. "
                 "tp3d_prefetch=false"
+            )
+        if not isinstance(self.reshard_after_forward, bool):
+            raise PlanError(
+                f"reshard_after_forward={self.reshard_after_forward!r} must be true or false, "
+                "e.g. reshard_after_forward=false"
+            )
+        if not self.reshard_after_forward and not self.sharded_data_parallel:
+            raise PlanError(
+                "reshard_after_forward=false applies to sharded data parallelism; use it with "
+                "dp_shard=2 or more, or drop it"
             )
         if not isinstance(self.overlap.tp_block_boundary, bool):
             raise PlanError(
@@ -213,10 +256,16 @@ class Plan:
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
         _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
-        if self.grad_compression != "none" and self.dp == 1:
+        if self.grad_compression != "none" and self.dp_size == 1:
             raise PlanError(
                 f"grad_compression={self.grad_compression} compresses the data-parallel "
                 "gradient all-reduce and needs dp > 1"
+            )
+        if self.grad_compression != "none" and self.sharded_data_parallel:
+            raise PlanError(
+                f"grad_compression={self.grad_compression} is a DDP comm hook; sharded data "
+                f"parallelism (dp_shard={self.dp_shard}) reduce-scatters its gradients instead: "
+                "use grad_compression=none, or dp_shard=1"
             )
         if self.grad_compression != "none" and not self.overlap.dp_overlap:
             raise PlanError(
@@ -256,10 +305,10 @@ class Plan:
             )
         if only_1d and self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
-        if self.dp % self.ep:
+        if self.dp_size % self.ep:
             raise PlanError(
-                f"ep={self.ep} must divide dp={self.dp} (expert groups are carved out of the "
-                f"data parallel ranks); use ep in {divisors(self.dp)}"
+                f"ep={self.ep} must divide {self._dp_text} (expert groups are carved "
+                f"out of the data parallel ranks); use ep in {divisors(self.dp_size)}"
             )
 
     def _check_implemented(self) -> None:
@@ -277,6 +326,17 @@ class Plan:
                 "pp=1 or ep=1",
             ),
             (bool(tp3d) and self.pipelined, f"{tp3d} with pp={self.pp}", "pp=1"),
+            (
+                self.sharded_data_parallel and (self.pipelined or self.expert_parallel),
+                f"dp_shard={self.dp_shard} with "
+                + (f"pp={self.pp}" if self.pipelined else "expert parallelism"),
+                "dp_shard=1 (replicated data parallelism, dp=N)",
+            ),
+            (
+                self.sharded_data_parallel and bool(tp3d),
+                f"dp_shard={self.dp_shard} with {tp3d}",
+                "dp_shard=1, or 1D tensor parallelism (tp=N)",
+            ),
             (
                 bool(tp3d) and self.tp3d[2] > 1 and self.recompute == "selective",
                 f"{tp3d} (z > 1) with recompute=selective",
@@ -303,7 +363,7 @@ class Plan:
                 raise PlanError(f"{what} is not implemented yet; use {fix}")
 
     def _world_size_fix(self, world_size: int) -> str:
-        others = self.pp * self.tp_size
+        others = self.pp * self.tp_size * self.dp_shard
         if world_size % others == 0:
             return f"use dp={world_size // others} for {world_size} ranks"
         return f"launch {self.world_size} ranks (--nproc {self.world_size})"
@@ -420,7 +480,7 @@ class Plan:
         world size, dp stays 1 and `validate` names the fix."""
         plan = cls.parse(text)
         named = any(item.split("=", 1)[0].strip() == "dp" for item in text.split(","))
-        others = plan.pp * plan.tp_size
+        others = plan.pp * plan.tp_size * plan.dp_shard
         if named or world_size % others:
             return plan
         return dataclasses.replace(plan, dp=world_size // others)

@@ -11,9 +11,10 @@ exactly once:
 
     ‖g‖² = Σ_ranks Σ_p ‖g_p‖² / Π_shares holders_s(p)
 
-The groups must be distinct axes of the mesh (tp; tp_x, tp_y, tp_z; ep; pp): the squares are
-all-reduced over one after the other. Data parallel replicas hold equal gradients after their
-reduction and are not a share.
+The groups must be distinct axes of the mesh (tp; tp_x, tp_y, tp_z; ep; pp; dp_shard): the
+squares are all-reduced over one after the other. Data parallel replicas hold equal gradients
+after their reduction and are not a share. A gradient sharded by FSDP2 (a DTensor) counts by its
+local piece, and sharded data parallelism is a share like the others.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from interlace import comm
 from interlace.comm import Group
@@ -45,7 +47,7 @@ def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = 
     total = torch.zeros((), device=device)
     for p in params:
         held = math.prod(share.holders(p) for share in shares)
-        total += p.grad.detach().float().pow(2).sum() / held
+        total += _local(p.grad).detach().float().pow(2).sum() / held
     for share in shares:
         if share.group.size > 1:
             comm.all_reduce(total, share.group)
@@ -63,5 +65,10 @@ def clip_grad_norm_(
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
-            p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+            _local(p.grad).detach().mul_(scale.to(p.grad.device, p.grad.dtype))
     return norm
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `tensor` (a DTensor's local shard), or `tensor` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

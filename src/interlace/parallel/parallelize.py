@@ -43,7 +43,12 @@ from interlace.compile import compile_blocks, uncompilable
 from interlace.errors import PlanError
 from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
 from interlace.mesh import Mesh
-from interlace.parallel.data.apply import DataParallel, apply_data_parallel
+from interlace.parallel.data.apply import DataParallel, apply_data_parallel, check_reduce_dtype
+from interlace.parallel.data.fsdp import (
+    ShardedDataParallel,
+    apply_fully_shard,
+    sharded_norm_share,
+)
 from interlace.parallel.detect import Structure, find_structure
 from interlace.parallel.expert.apply import parallelize_experts
 from interlace.parallel.expert.grads import (
@@ -92,7 +97,7 @@ class Parallelized:
         self.norm_shares: list[NormShare] = []
         self.expert_groups: tuple[Group, Group] | None = None
         self.pipeline: PipelineRunner | None = None
-        self.data: DataParallel | None = None
+        self.data: DataParallel | ShardedDataParallel | None = None
         self.z: Group | None = None
         self.layers: str | None = None
 
@@ -146,7 +151,7 @@ class Parallelized:
             self.data.sync_gradients()
         if self.expert_groups is not None:
             _, ep_dp = self.expert_groups
-            reduce_expert_gradients(self.model, ep_dp, self.plan.dp)
+            reduce_expert_gradients(self.model, ep_dp, self.plan.dp_size)
 
     def clip_grad_norm_(
         self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
@@ -342,7 +347,28 @@ def apply_pipeline(
 
 
 def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> None:
-    """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp")."""
+    """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp"); with
+    dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), the gradient norm counting
+    each shard once."""
+    if result.plan.sharded_data_parallel:
+        check_reduce_dtype(result.plan, reduce_dtype)
+        assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
+        result.data = apply_fully_shard(
+            result.model,
+            _layers(result, f"dp_shard={result.plan.dp_shard}"),
+            mesh.data_mesh,
+            result.precision,
+            reduce_dtype,
+            result.plan.reshard_after_forward,
+        )
+        result.module = result.data.module
+        result.norm_shares.append(sharded_norm_share(mesh.group("dp_shard")))
+        result.report.append(
+            f"data: parameters, gradients and optimizer states sharded over dp_shard="
+            f"{result.plan.dp_shard} (FSDP2"
+            + (f", replicated over dp={result.plan.dp})" if result.plan.dp > 1 else ")")
+        )
+        return
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(
         result.model, result.plan, mesh.group("dp"), skip, reduce_dtype
@@ -373,7 +399,7 @@ def _structure(model: nn.Module, what: str) -> Structure:
 
 def _check_mesh(plan: Plan, mesh: Mesh) -> None:
     """The mesh must be the plan's (`build_mesh(plan)`)."""
-    sizes = {"pp": plan.pp, "dp": plan.dp}
+    sizes = {"pp": plan.pp, "dp": plan.dp_size}
     if plan.tp3d is not None:
         sizes |= dict(zip(("tp_x", "tp_y", "tp_z"), plan.tp3d, strict=True))
     else:

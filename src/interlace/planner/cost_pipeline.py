@@ -54,6 +54,6 @@ def pipeline_terms(
     if pp == 1:
         return PipelineTerms(v, m, 0.0)
     recompute_runs = m - min(m, pp - 1) if plan.schedule == "shifted" else m
-    inside = group_inside_node(pp, plan.tp_size * plan.dp, hardware.devices_per_node)
+    inside = group_inside_node(pp, plan.tp_size * plan.dp_size, hardware.devices_per_node)
     alpha, bandwidth = hardware.link(inside)
     return PipelineTerms(v, recompute_runs, alpha + tokens * d * act_bytes / bandwidth)

@@ -120,7 +120,7 @@ def _pipeline_spans(t: StepTerms) -> list[Span]:
     orders = [schedule_order(plan.schedule, pp, s, m, v) for s in range(pp)]
     position, free = [0] * pp, [0.0] * pp
     spans: list[Span] = []
-    rank_of = [s * plan.dp * plan.tp for s in range(pp)]
+    rank_of = [s * plan.dp_size * plan.tp for s in range(pp)]
     while any(position[s] < len(orders[s]) for s in range(pp)):
         progressed = False
         for s in range(pp):

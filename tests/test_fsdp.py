@@ -1,0 +1,169 @@
+"""Sharded data parallelism (`dp_shard`, FSDP2): every sharded plan trains step for step as one
+process on the same global batch (fp32: losses, pre-clipping norms, the first step's gradients
+and the weights after three steps; bf16 within the precision tests' tolerance), resumes
+exactly, and holds 1/dp_shard of the parameters, gradients and optimizer states per rank
+(measured: the bytes of the tensors each rank keeps)."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from helpers import assert_grads_close
+from interlace.checkpoint import checkpoint_name
+from interlace.errors import PlanError
+from interlace.mesh import build_mesh
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+from test_precision import BASE as BF16
+from test_precision import _assert_follows
+from test_precision import _run as _bf16_run
+
+BASE = TrainConfig(
+    model="tiny",
+    steps=3,
+    global_batch=8,
+    eval_every=0,
+    out=None,
+    progress=False,
+    warmup_steps=1,
+    lr=5e-4,
+)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor a DTensor shards (this rank's tensor-parallel piece), or the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None) -> dict:
+    """Every step's row, the first step's unclipped synced gradients (whole), the weights at the
+    end (whole), and the bytes this rank keeps of parameters, gradients and optimizer states."""
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan) if world_size > 1 else None
+    trainer = Trainer(prepare_run(config, plan, world_size), mesh)
+    if resume_from is not None:
+        trainer.resume(resume_from)
+    rows, grads, held = [], None, {}
+    zero_grad = trainer.optimizer.zero_grad
+    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
+    while trainer.step < config.steps:
+        rows.append(trainer.train_step())
+        if grads is None:
+            grads = {n: _full(p.grad).clone() for n, p in trainer.model.named_parameters()}
+            held = _held_bytes(trainer)
+        zero_grad()
+        if config.out and trainer.step % config.ckpt_every == 0:
+            trainer.save()
+    params = {n: _full(p).clone() for n, p in trainer.model.named_parameters()}
+    return {"rows": rows, "grads": grads, "params": params, "held": held}
+
+
+def _held_bytes(trainer: Trainer) -> dict[str, int]:
+    """Bytes of the parameter, gradient and optimizer-state tensors this rank keeps."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = list(trainer.model.parameters())
+    states = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {
+        "params": sum(local(p).nbytes for p in params),
+        "grads": sum(local(p.grad).nbytes for p in params),
+        "optimizer": sum(local(v).nbytes for v in states),
+    }
+
+
+def _assert_same(result: dict, reference: dict, what: str = "") -> None:
+    losses = [r["loss"] for r in result["rows"]]
+    assert losses == pytest.approx([r["loss"] for r in reference["rows"]], abs=1e-5), what
+    norms = [r["grad_norm"] for r in result["rows"]]
+    assert norms == pytest.approx([r["grad_norm"] for r in reference["rows"]], rel=1e-5), what
+    assert_grads_close(result["grads"], reference["grads"], what=what)
+    # Adam turns rounding noise in a gradient that is zero in exact arithmetic (k's bias) into
+    # updates of ~lr: weights are compared absolutely, as in test_train
+    for name, value in result["params"].items():
+        torch.testing.assert_close(value, reference["params"][name], atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return _run(dataclasses.replace(BASE, grad_clip=0.0), "dp=1", 1)
+
+
+@pytest.mark.parametrize("plan_text", ["dp_shard=2", "dp_shard=4", "dp=2,dp_shard=2"])
+def test_sharded_data_parallel_equals_serial(serial, plan_text):
+    config = dataclasses.replace(BASE, grad_clip=0.0)
+    world_size = Plan.parse(plan_text).world_size
+    for rank, result in enumerate(run_ranks(world_size, _run, config, plan_text, world_size)):
+        _assert_same(result, serial, f"{plan_text}, rank {rank}")
+
+
+def test_sharding_with_tensor_parallelism_equals_replicas_with_it():
+    # each rank's tensor-parallel pieces, whole over dp_shard, against dp=2,tp=2's (which
+    # test_train checks against one process)
+    config = dataclasses.replace(BASE, grad_clip=0.0)
+    replicated = run_ranks(4, _run, config, "dp=2,tp=2", 4)
+    sharded = run_ranks(4, _run, config, "dp_shard=2,tp=2", 4)
+    for rank, (result, reference) in enumerate(zip(sharded, replicated, strict=True)):
+        _assert_same(result, reference, f"rank {rank}")
+
+
+@pytest.mark.parametrize("plan_text", ["dp_shard=2", "dp_shard=2,reshard_after_forward=false"])
+def test_accumulation_and_clipping_follow_serial(plan_text):
+    # 4 micro-batches per rank (no gradient reduction before the last), clipping at 1.0 over
+    # the sharded gradients' norm
+    config = dataclasses.replace(BASE, micro_batch=1)
+    serial_run = _run(config, "dp=1", 1)
+    assert serial_run["rows"][0]["grad_norm"] > 1.0  # the clip acts
+    for rank, result in enumerate(run_ranks(2, _run, config, plan_text, 2)):
+        _assert_same(result, serial_run, f"rank {rank}")
+
+
+def test_each_rank_holds_its_share_of_the_model_state(serial):
+    # parameters + gradients + AdamW's two moments per rank = the serial total / dp_shard
+    # (FSDP pads each tensor's first dimension to a multiple of dp_shard: within 5 %)
+    config = dataclasses.replace(BASE, steps=1)
+    for dp_shard in (2, 4):
+        for result in run_ranks(dp_shard, _run, config, f"dp_shard={dp_shard}", dp_shard):
+            for part, nbytes in result["held"].items():
+                assert nbytes == pytest.approx(serial["held"][part] / dp_shard, rel=0.05), part
+
+
+def test_sharded_run_resumes_exactly(tmp_path):
+    config = dataclasses.replace(BASE, steps=4, ckpt_every=2, out=str(tmp_path / "full"))
+    full = run_ranks(2, _run, config, "dp_shard=2", 2)
+    checkpoint = tmp_path / "full" / "checkpoints" / checkpoint_name(2)
+    resumed_config = dataclasses.replace(config, out=str(tmp_path / "resumed"))
+    resumed = run_ranks(2, _run, resumed_config, "dp_shard=2", 2, checkpoint)
+    for before, after in zip(full, resumed, strict=True):
+        assert [r["step"] for r in after["rows"]] == [3, 4]
+        assert [r["loss"] for r in after["rows"]] == [r["loss"] for r in before["rows"][2:]]
+        for name, value in after["params"].items():
+            torch.testing.assert_close(value, before["params"][name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("plan_text", ["dp_shard=2", "dp=2,dp_shard=2", "dp_shard=2,tp=2"])
+def test_bf16_sharded_plan_follows_the_serial_bf16_run(plan_text):
+    serial_run = _bf16_run(BF16, "dp=1", 1)
+    world_size = Plan.parse(plan_text).world_size
+    for result in run_ranks(world_size, _bf16_run, BF16, plan_text, world_size):
+        _assert_follows(result, serial_run)
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "words"),
+    [
+        ("dp_shard=2,pp=2", "dp_shard=2 with pp=2 is not implemented yet"),
+        ("dp_shard=2,ep=2", "dp_shard=2 with expert parallelism is not implemented yet"),
+        ("dp_shard=2,grad_compression=sketch", "reduce-scatters its gradients instead"),
+        ("dp=2,reshard_after_forward=false", "reshard_after_forward=false applies to sharded"),
+    ],
+)
+def test_sharded_plans_that_cannot_run_are_refused(plan_text, words):
+    plan = Plan.parse(plan_text)
+    with pytest.raises(PlanError, match=words):
+        plan.validate(plan.world_size)
