@@ -11,6 +11,7 @@
 - `shifted`: Merak's shifted critical-path schedule (recomputation before the gradient
   receive; one more warm-up forward on stage P − 2), our own executor.
 - `recompute`: none, full, Merak's stage-aware ratios, or explicit per-stage ratios.
+- `wire`: activations and their gradients cross stage boundaries in the run's compute dtype.
 - `layout`: `pipeline_layout(model, plan)`, the partition and recomputation of every stage,
   shared by the runner and `interlace plan --show-stages`.
 - `runner`: `PipelineRunner`, one training step on every pipeline rank.

@@ -11,8 +11,9 @@ stage's checkpointed layers (`recompute`), keep this rank's stages (stage i runs
 rank i mod pp), and build the schedule: torch's `PipelineStage`s under GPipe, 1F1B or
 interleaved 1F1B (`schedule`), or our shifted critical-path executor (`shifted`). Activations
 and their gradients travel point-to-point inside torch's schedules (or by isend/recv in the
-shifted executor), outside interlace's comm meter; the tied-embedding all-reduce, the loss
-broadcast and the clipping all-reduce go through `interlace.comm`.
+shifted executor), in the run's compute dtype (`wire`), outside interlace's comm meter; the
+tied-embedding all-reduce, the loss broadcast and the clipping all-reduce go through
+`interlace.comm`.
 
 The model is the built-in GPT (`GPTStage`, composing with 1D tensor parallelism) or a Hugging
 Face decoder LM such as GPT-2 or Llama (`HFStage`, read by structure; tp = 1), under the same
@@ -47,6 +48,7 @@ from interlace.parallel.pipeline.recompute import checkpointed_layers
 from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
+from interlace.parallel.pipeline.wire import StageWire, WiredStage
 from interlace.parallel.tensor.layers import VocabParallelHead
 from interlace.plan import Plan
 from interlace.precision import forward_in_precision
@@ -68,7 +70,8 @@ class PipelineRunner:
     recompute: a list of per-rank checkpoint ratios instead of `plan.recompute`;
     memory_budget_bytes with micro_batch_tokens (b·T): derive stage-aware recomputation's
     stage-0 ratio from the budget instead of 1.0; precision: "bf16" or "fp16" runs every stage
-    forward (and its recomputation) under autocast (`interlace.precision`; default fp32).
+    forward (and its recomputation) under autocast (`interlace.precision`; default fp32) and
+    sends activations and their gradients between stages in that dtype (`wire`).
     """
 
     def __init__(
@@ -167,7 +170,13 @@ class PipelineRunner:
             )
         n_stages = self.layout.n_stages
         self.pipeline_stages = [
-            PipelineStage(stage, index, n_stages, self.device, group=self.pp.pg)
+            PipelineStage(
+                WiredStage(stage, StageWire.of(stage, self.precision)),
+                index,
+                n_stages,
+                self.device,
+                group=self.pp.pg,
+            )
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
         return build_schedule(

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from interlace.comm import Group
 from interlace.parallel.pipeline.hf_stage import HFStage
 from interlace.parallel.pipeline.stage import GPTStage
+from interlace.parallel.pipeline.wire import StageWire
 from interlace.parallel.tensor.reduction import ReductionReplay
 from interlace.precision import autocast
 
@@ -79,7 +80,8 @@ class ShiftedSchedule:
     is called as on_compute(kind "F" | "R" | "B", micro-batch, start, end) with
     `time.perf_counter` seconds around each action's computation (receives excluded); the
     step timeline recorder (`trace.py`) sets it. Forwards and their replays run under
-    `precision`'s autocast (it calls the stage's pieces, not the stage).
+    `precision`'s autocast (it calls the stage's pieces, not the stage), and activations and
+    their gradients cross the boundaries in its dtype (`wire.StageWire`).
     """
 
     def __init__(
@@ -96,10 +98,13 @@ class ShiftedSchedule:
         self.precision = precision
         self.pp, self.micro_batches = group.size, micro_batches
         self.loss_fn, self.device = loss_fn, device
-        pieces = stage.pieces()
-        n_prefix = sum(checkpointed for _, checkpointed in pieces)
-        if n_prefix and stage.is_first:
-            n_prefix += 1  # the embedding is replayed with the checkpointed blocks after it
+        self.wire = StageWire.of(stage, precision)
+        pieces = [(self.wire.receive, False), *stage.pieces(), (self.wire.send, False)]
+        # the prefix ends with the last checkpointed block; what comes before the checkpointed
+        # blocks (the receive cast, the embedding on the first stage) is replayed with them
+        n_prefix = max(
+            (i + 1 for i, (_, checkpointed) in enumerate(pieces) if checkpointed), default=0
+        )
         self.prefix = [piece for piece, _ in pieces[:n_prefix]]
         self.suffix = [piece for piece, _ in pieces[n_prefix:]]
         self.trace: list[tuple[str, int]] = []
@@ -137,7 +142,7 @@ class ShiftedSchedule:
         if self.stage.is_first:
             inputs = x.to(self.device)
         else:
-            inputs = torch.empty(self._shape, device=self.device, dtype=self._dtype())
+            inputs = torch.empty(self._shape, device=self.device, dtype=self.wire.dtype)
             dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
             inputs.requires_grad_(keep_graph)
         rng, boundary, replay = None, None, None
@@ -198,9 +203,6 @@ class ShiftedSchedule:
         tensor = tensor.contiguous()  # kept alive until the send completes
         work = dist.isend(tensor, group=self.group.pg, group_dst=peer)
         self._sends.append((work, tensor))
-
-    def _dtype(self) -> torch.dtype:
-        return next(self.stage.parameters()).dtype
 
 
 def _run(pieces: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
