@@ -1,18 +1,29 @@
-"""Cost terms of data parallelism (`plan.dp`), for `planner.step.step_terms`.
+"""Cost terms of data parallelism (`plan.dp`, `plan.dp_shard`), for `planner.step.step_terms`.
 
-One all_reduce of the largest stage's non-expert fp32 gradients per step over the dp group
-(ranks tp apart; under 3D tensor parallelism the replicated embedding and head in full), and
-of its expert gradients over the `ep_dp` = dp / ep ranks holding the same experts (ranks
-tp · ep apart). DDP (pp = 1, 1D or no tensor parallelism, `dp_overlap`) runs buckets during
-the backward: exposed = max(all_reduce − backward, last bucket), everything but the last
-bucket can hide behind the backward and the last cannot; of the hideable part only
-`hardware.overlap_efficiency` hides. With pp > 1, 3D tensor parallelism or dp_overlap=false,
-and for expert gradients, the all-reduce follows the backward and is fully exposed.
+Replicated (`dp_shard = 1`): one all_reduce of the largest stage's non-expert fp32 gradients
+per step over the dp group (ranks tp apart; under 3D tensor parallelism the replicated
+embedding and head in full), and of its expert gradients over the `ep_dp` = dp / ep ranks
+holding the same experts (ranks tp · ep apart). DDP (pp = 1, 1D or no tensor parallelism,
+`dp_overlap`) runs buckets during the backward: exposed = max(all_reduce − backward, last
+bucket), everything but the last bucket can hide behind the backward and the last cannot; of
+the hideable part only `hardware.overlap_efficiency` hides. With pp > 1, 3D tensor parallelism
+or dp_overlap=false, and for expert gradients, the all-reduce follows the backward and is fully
+exposed.
+
+Sharded (`dp_shard > 1`, FSDP2; ranks tp apart): per step, every parameter all-gathered in the
+compute dtype before the forward (`dp_shard.all_gather`), again before the backward with
+`reshard_after_forward`, and every fp32 gradient reduce-scattered during the backward
+(`dp_shard.reduce_scatter`); with dp > 1 (HSDP) the 1/dp_shard gradient shards all-reduced over
+`dp_replicate` (ranks tp · dp_shard apart), after the backward. FSDP2 prefetches the next
+block's gather under the current block's compute: the forward's gathers hide behind the
+forward but for the first block's, the backward's gathers and reduce-scatters behind the
+backward but for the last block's reduce-scatter (of the hideable part,
+`overlap_efficiency` hides).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from interlace.plan import Plan
 from interlace.planner.bytes import GRAD_BYTES
@@ -27,41 +38,96 @@ from interlace.planner.profile import Stage
 
 @dataclass(frozen=True)
 class DataTerms:
-    """Seconds of a step's gradient all-reduces: the dense one exposed (`exposed`) and hidden
-    under the backward (`hidden`), and the expert one (`ep_dp`, exposed)."""
+    """Seconds of a step's data-parallel collectives per term (`dp.all_reduce`,
+    `ep_dp.all_reduce`, `dp_shard.all_gather`, `dp_shard.reduce_scatter`,
+    `dp_replicate.all_reduce`): on the critical path (`exposed`) and hidden under compute
+    (`hidden`)."""
 
-    exposed: float = 0.0
-    hidden: float = 0.0
-    ep_dp: float = 0.0
+    exposed: dict[str, float] = field(default_factory=dict)
+    hidden: dict[str, float] = field(default_factory=dict)
 
 
 def data_terms(
-    plan: Plan, stages: tuple[Stage, ...], compute: float, hardware: Hardware
+    plan: Plan, stages: tuple[Stage, ...], compute: float, hardware: Hardware, param_bytes: int
 ) -> DataTerms:
-    """The gradient all-reduces of `plan` over its `stages`, DDP's buckets hidden under the
-    backward of the micro-batches' `compute` seconds each (forward and backward, of which the
-    backward is 2/3; see the module docstring)."""
-    tp, dpn = plan.tp_size, hardware.devices_per_node
-    exposed = hidden = 0.0
-    if plan.data_parallel:
-        dense_params = max(st.params - st.expert_params for st in stages) / tp
-        if plan.tp3d is not None:
-            dense_params = max(st.layer_params / tp + st.params - st.layer_params for st in stages)
-        grad = dense_params * GRAD_BYTES
-        inside = group_inside_node(plan.dp, tp, dpn)
-        exposed = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
-        if plan.dp_overlapped:
-            bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
-            last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
-            full, backward = exposed, 2 / 3 * plan.micro_batches * compute
-            exposed = exposed_after_overlap(full, max(full - backward, last), hardware)
-            hidden = full - exposed
-    ep_dp_seconds = 0.0
-    ep_dp = plan.dp // plan.ep
+    """The gradient reductions (and FSDP's gathers, parameters of `param_bytes` each) of `plan`
+    over its `stages`, hidden under the micro-batches' `compute` seconds each (forward and
+    backward, of which the backward is 2/3; see the module docstring)."""
+    terms = DataTerms()
+    tp = plan.tp_size
+    dense_params = max(st.params - st.expert_params for st in stages) / tp
+    if plan.tp3d is not None:
+        dense_params = max(st.layer_params / tp + st.params - st.layer_params for st in stages)
+    if plan.sharded_data_parallel:
+        _sharded_terms(terms, plan, stages, dense_params, compute, hardware, param_bytes)
+    elif plan.data_parallel:
+        _replicated_terms(terms, plan, dense_params * GRAD_BYTES, compute, hardware)
+    ep_dp = plan.dp_size // plan.ep
     expert_params = max(st.expert_params for st in stages) / (tp * plan.ep)
     if ep_dp > 1 and expert_params:
-        inside = group_inside_node(ep_dp, tp * plan.ep, dpn)
-        ep_dp_seconds = collective_seconds(
+        inside = group_inside_node(ep_dp, tp * plan.ep, hardware.devices_per_node)
+        terms.exposed["ep_dp.all_reduce"] = collective_seconds(
             "all_reduce", expert_params * GRAD_BYTES, ep_dp, inside, hardware
         )
-    return DataTerms(exposed, hidden, ep_dp_seconds)
+    return terms
+
+
+def _replicated_terms(
+    terms: DataTerms, plan: Plan, grad: float, compute: float, hardware: Hardware
+) -> None:
+    inside = group_inside_node(plan.dp, plan.tp_size, hardware.devices_per_node)
+    full = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
+    exposed = full
+    if plan.dp_overlapped:
+        bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
+        last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
+        backward = 2 / 3 * plan.micro_batches * compute
+        exposed = exposed_after_overlap(full, max(full - backward, last), hardware)
+    terms.exposed["dp.all_reduce"] = exposed
+    if full > exposed:
+        terms.hidden["dp.all_reduce"] = full - exposed
+
+
+def _sharded_terms(
+    terms: DataTerms,
+    plan: Plan,
+    stages: tuple[Stage, ...],
+    params: float,
+    compute: float,
+    hardware: Hardware,
+    param_bytes: int,
+) -> None:
+    shard, dpn = plan.dp_shard, hardware.devices_per_node
+    inside = group_inside_node(shard, plan.tp_size, dpn)
+    layer = max(s.params for st in stages for s in st.shards if s.kind == "layer") / plan.tp_size
+    root = max(st.params - st.layer_params for st in stages) / plan.tp_size  # kept gathered
+
+    def gather(n: float) -> float:
+        return collective_seconds("all_gather", n * param_bytes, shard, inside, hardware)
+
+    def scatter(n: float) -> float:
+        return collective_seconds("reduce_scatter", n * GRAD_BYTES, shard, inside, hardware)
+
+    forward, backward = compute / 3 * plan.micro_batches, 2 * compute / 3 * plan.micro_batches
+    gather_forward = gather(params)
+    gather_backward = gather(params - root) if plan.reshard_after_forward else 0.0
+    reduce = scatter(params)
+    exposed_forward = exposed_after_overlap(
+        gather_forward, max(gather_forward - forward, gather(layer)), hardware
+    )
+    in_backward = gather_backward + reduce
+    exposed_backward = exposed_after_overlap(
+        in_backward, max(in_backward - backward, scatter(layer)), hardware
+    )
+    # split each window's exposed share between its collectives by their size
+    exposed_gather = exposed_forward + exposed_backward * gather_backward / in_backward
+    exposed_reduce = exposed_backward * reduce / in_backward
+    terms.exposed["dp_shard.all_gather"] = exposed_gather
+    terms.exposed["dp_shard.reduce_scatter"] = exposed_reduce
+    terms.hidden["dp_shard.all_gather"] = gather_forward + gather_backward - exposed_gather
+    terms.hidden["dp_shard.reduce_scatter"] = reduce - exposed_reduce
+    if plan.dp > 1:
+        inside = group_inside_node(plan.dp, plan.tp_size * shard, dpn)
+        terms.exposed["dp_replicate.all_reduce"] = collective_seconds(
+            "all_reduce", params / shard * GRAD_BYTES, plan.dp, inside, hardware
+        )

@@ -23,7 +23,7 @@ from interlace.parallel.pipeline.partition import (
     model_shards,
 )
 from interlace.plan import Plan
-from interlace.planner.bytes import STATE_BYTES
+from interlace.planner.bytes import GRAD_BYTES, STATE_BYTES
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,13 +186,30 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
 
 
 def device_params(stage: Stage, plan: Plan) -> float:
-    """Parameters one device of `stage` holds: non-expert parameters split by tp, expert
-    parameters by tp·ep; under 3D tensor parallelism the layers' split by x·y·z and the
-    embedding and head replicated."""
+    """Parameters one device of `stage` keeps between steps: non-expert parameters split by tp,
+    expert parameters by tp·ep; under 3D tensor parallelism the layers' split by x·y·z and the
+    embedding and head replicated; all of it split again by dp_shard (FSDP)."""
     tp = plan.tp_size
     if plan.tp3d is not None:
-        return stage.layer_params / tp + (stage.params - stage.layer_params)
-    return (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
+        held = stage.layer_params / tp + (stage.params - stage.layer_params)
+    else:
+        held = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
+    return held / plan.dp_shard
+
+
+def gathered_bytes(stage: Stage, plan: Plan, param_bytes: int) -> float:
+    """Bytes of the parameters sharded data parallelism holds gathered at once on one device
+    of `stage`, in the compute dtype (`param_bytes` each), with the unsharded gradients of the
+    blocks reducing: the root's (embedding, norm, head: kept for the whole step), two blocks'
+    (the one computing and the one prefetched; every block's without
+    `reshard_after_forward`), and two blocks' fp32 gradients. 0 without dp_shard."""
+    if not plan.sharded_data_parallel:
+        return 0.0
+    tp = plan.tp_size
+    layer = max((s.params for s in stage.shards if s.kind == "layer"), default=0) / tp
+    root = (stage.params - stage.layer_params) / tp
+    blocks = 2 if plan.reshard_after_forward else stage.n_layers
+    return (root + blocks * layer) * param_bytes + 2 * layer * GRAD_BYTES
 
 
 def stage_memory(
@@ -207,7 +224,8 @@ def stage_memory(
     """Bytes one device of pipeline stage `s` (of `v` virtual stages per rank) holds at its peak
     for micro-batches of `tokens` tokens, activations of `act_bytes` bytes and width `d`: by
     part (parameters with gradients and optimizer state, saved activations of the micro-batches
-    in flight, a recomputation's working set) and their `total`."""
+    in flight, a recomputation's working set, the parameters sharded data parallelism gathers)
+    and their `total`."""
     tp = plan.tp_size
     boundary = d / tp if plan.sequence_parallel else d
 
@@ -240,11 +258,13 @@ def stage_memory(
         )
         working = tokens * widest * act_bytes
     state = device_params(stage, plan) * STATE_BYTES
+    gathered = gathered_bytes(stage, plan, act_bytes)
     return {
-        "total": state + activations + working,
+        "total": state + activations + working + gathered,
         "params_grads_optimizer": state,
         "activations": activations,
         "recompute_working_set": working,
+        "fsdp_gathered": gathered,
         "micro_batches_in_flight": in_flight,
         "stage": float(s),
     }

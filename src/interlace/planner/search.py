@@ -2,10 +2,12 @@
 
 Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.planner.cost`):
 
-    tp · pp · dp = N, tp and pp powers of two (pp ≤ layers), ep a power of two dividing dp and
-    n_experts (MoE models); with pp > 1: micro_batches a power of two (or the whole per-rank
-    batch) dividing global_batch / dp, schedule gpipe, 1f1b, interleaved or shifted, recompute
-    none or full; with tp > 1: tp_subbatches 1 or 2 (overlapped tensor parallelism); and, for
+    tp · pp · dp · dp_shard = N, tp, pp and dp_shard powers of two (pp ≤ layers; dp_shard = 1
+    replicated, > 1 sharded, HSDP with dp > 1), ep a power of two dividing dp · dp_shard and
+    n_experts (MoE models); without a pipeline: recompute none, selective or full; with pp > 1:
+    micro_batches a power of two (or the whole per-rank batch) dividing global_batch / dp,
+    schedule gpipe, 1f1b, interleaved or shifted, recompute none or full; with tp > 1:
+    tp_subbatches 1 or 2 (overlapped tensor parallelism); and, for
     dense models, 3D tensor parallelism tp3d = (x, y, z) × dp (powers of two, the batch split
     over dp and then z), priced by `interlace.planner.cost3d`.
 
@@ -18,6 +20,7 @@ large models need); `runnable_only=True` keeps to what `Plan.validate` accepts t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -33,7 +36,9 @@ from interlace.planner.hardware import GIB, Hardware
 SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 """Pipeline schedules the search tries."""
 SEARCH_RECOMPUTE = ("none", "full")
-"""Recompute modes the search tries (with pp > 1)."""
+"""Recompute modes the search tries with pp > 1."""
+SEARCH_BLOCK_RECOMPUTE = ("none", "selective", "full")
+"""Recompute modes the search tries without a pipeline."""
 NOT_IMPLEMENTED = "not implemented yet"
 """The phrase by which `Plan.validate` marks a valid but not yet runnable plan."""
 
@@ -99,14 +104,15 @@ def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Itera
                 continue
             per_dp = global_batch // dp
             eps = power_of_two_divisors(spec.n_experts, dp) if spec.n_experts else [1]
-            for ep in eps:
+            for ep, shard in itertools.product(eps, power_of_two_divisors(dp, dp)):
                 for pipeline in _pipeline_options(pp, per_dp):
                     for subbatches in (1, 2) if tp > 1 else (1,):
                         rows = per_dp // pipeline["micro_batches"]
                         if rows % subbatches:
                             continue
                         yield Plan(
-                            dp=dp,
+                            dp=dp // shard,
+                            dp_shard=shard,
                             pp=pp,
                             tp=tp,
                             ep=ep,
@@ -136,7 +142,8 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
     if pp == 1:
-        yield {"micro_batches": 1}
+        for recompute in SEARCH_BLOCK_RECOMPUTE:
+            yield {"micro_batches": 1, "recompute": recompute}
         return
     counts = sorted({*power_of_two_divisors(per_dp, per_dp), per_dp})
     for m in counts:

@@ -182,12 +182,13 @@ def _input_ready(
 
 
 def _gradient_spans(t: StepTerms, rank: int, end: float, spans: list[Span]) -> float:
-    """Append the dp / ep_dp gradient all-reduces of `rank` after its last backward at `end`,
-    then its optimizer step; returns the rank's step end."""
-    if t.dp_hidden:
-        start = max(0.0, end - t.dp_hidden)
-        spans.append(_span(rank, "dp.all_reduce (hidden)", "comm", start, t.dp_hidden, "comm"))
-    for name, seconds in (("dp.all_reduce", t.dp_exposed), ("ep_dp.all_reduce", t.ep_dp)):
+    """Append the data-parallel collectives of `rank` (hidden ones ending at its last backward
+    at `end`, exposed ones after it), then its optimizer step; returns the rank's step end."""
+    for name, seconds in t.data_hidden.items():
+        if seconds:
+            start = max(0.0, end - seconds)
+            spans.append(_span(rank, f"{name} (hidden)", "comm", start, seconds, "comm"))
+    for name, seconds in t.data.items():
         if seconds:
             spans.append(_span(rank, name, "comm", end, seconds, "comm"))
             end += seconds

@@ -46,9 +46,10 @@ class StepTerms:
     the hottest device's load over the balanced one, experts replicated per layer, seconds of
     dispatch/combine, exposed Trans and Agg (all three in `ep.all_to_all`) and of expert
     compute beyond the balanced load (in `compute` and `recompute`); `send_recv_one` one
-    boundary transfer; `dp_exposed`/`dp_hidden` the gradient
-    all-reduce (`dp.all_reduce`); `ep_dp` the expert gradient all-reduce; `optimizer` the
-    optimizer step (with gradient clipping) of the device's parameters.
+    boundary transfer; `data`/`data_hidden` the data-parallel collectives per term, exposed
+    and hidden (`cost_data`: `dp.all_reduce`, `ep_dp.all_reduce`, FSDP's `dp_shard.*` and
+    `dp_replicate.all_reduce`); `optimizer` the optimizer step (with gradient clipping) of the
+    device's parameters.
     """
 
     plan: Plan
@@ -62,9 +63,8 @@ class StepTerms:
     comm_hidden: dict[str, float]
     comm_forward_share: float
     send_recv_one: float
-    dp_exposed: float
-    dp_hidden: float
-    ep_dp: float
+    data: dict[str, float]
+    data_hidden: dict[str, float]
     optimizer: float
     idle_speedup: float
     recompute_runs: int
@@ -79,7 +79,7 @@ class StepTerms:
 
     def breakdown(self) -> tuple[dict[str, float], dict[str, float]]:
         """(seconds on the critical path per term, seconds hidden per term) of the step."""
-        plan, m, pp = self.plan, self.micro_batches, self.plan.pp
+        m, pp = self.micro_batches, self.plan.pp
         breakdown = {
             "compute": m * (self.forward + self.backward),
             "recompute": self.recompute_runs * self.recompute,
@@ -91,12 +91,8 @@ class StepTerms:
             work += (self.forward + self.backward + self.recompute) / self.idle_speedup
             breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * work
             breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
-        if plan.data_parallel:
-            breakdown["dp.all_reduce"] = self.dp_exposed
-            if self.dp_hidden:
-                hidden["dp.all_reduce"] = self.dp_hidden
-        if self.ep_dp:
-            breakdown["ep_dp.all_reduce"] = self.ep_dp
+        breakdown.update(self.data)
+        hidden.update({k: t for k, t in self.data_hidden.items() if t})
         if self.optimizer:
             breakdown["optimizer"] = self.optimizer
         return breakdown, hidden
@@ -133,7 +129,7 @@ def step_terms(
     comms += (expert.comm,)
     compute = work.compute + expert.compute
     pipeline = pipeline_terms(plan, tokens, d, act_bytes, hardware)
-    data = data_terms(plan, stages, compute, hardware)
+    data = data_terms(plan, stages, compute, hardware, act_bytes)
     calls = sum(c.calls for c in comms)
     return StepTerms(
         plan=plan,
@@ -147,9 +143,8 @@ def step_terms(
         comm_hidden={k: t for c in comms for k, t in c.hidden.items()},
         comm_forward_share=sum(c.forward_calls for c in comms) / calls if calls else 0.0,
         send_recv_one=pipeline.send_recv_one,
-        dp_exposed=data.exposed,
-        dp_hidden=data.hidden,
-        ep_dp=data.ep_dp,
+        data=data.exposed,
+        data_hidden=data.hidden,
         optimizer=optimizer_seconds(plan, stages, hardware),
         idle_speedup=hardware.idle_speedup,
         recompute_runs=pipeline.recompute_runs,

@@ -304,9 +304,7 @@ def _shard(
             width = next(module.parameters(recurse=False)).shape[0]  # a norm saves its input
             saved += width
             replicated += width
-    return Shard(
-        name, kind, tuple(modules), params, flops, saved, boundary, replicated, selective
-    )
+    return Shard(name, kind, tuple(modules), params, flops, saved, boundary, replicated, selective)
 
 
 def _expert_weight(model: nn.Module, name: str, experts: list[str]) -> float:

@@ -1,0 +1,83 @@
+"""The planner writes and prices the layouts of published large runs, sharded data parallelism
+and recomputation included: Megatron-LM's tp=8 with full recomputation and no pipeline,
+Megatron's tp=8 × pp with selective recomputation and sequence parallelism (Korthikanti et al.
+2022), torchtitan's FSDP × TP with selective recomputation; their state memory per device is
+the hand count, recomputation trades memory for time as priced, and the search explores
+dp_shard and recompute."""
+
+import pytest
+
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.planner.cost import estimate
+from interlace.planner.hardware import get_hardware
+from interlace.planner.search import candidate_plans, check_plan, pad_vocab
+
+A100 = get_hardware("dgx-a100")
+GPT3 = pad_vocab(get_preset("gpt3-175b"), 128)
+MEGATRON = get_preset("megatron-8.3b")
+
+PUBLISHED = [
+    # (model, devices, global batch, plan)
+    (MEGATRON, 512, 512, "dp=64,tp=8,recompute=full"),
+    (GPT3, 1024, 1536, "dp=8,pp=16,tp=8,micro_batches=192,recompute=full"),
+    (
+        GPT3,
+        512,
+        1536,
+        "dp=8,pp=8,tp=8,micro_batches=192,sequence_parallel=true,recompute=selective",
+    ),
+    (MEGATRON, 64, 64, "dp_shard=8,tp=8,recompute=selective"),
+    (MEGATRON, 512, 512, "dp=8,dp_shard=8,tp=8,recompute=full"),
+]
+
+
+@pytest.mark.parametrize(("spec", "devices", "batch", "plan_text"), PUBLISHED)
+def test_published_layouts_are_priced(spec, devices, batch, plan_text):
+    plan = Plan.parse(plan_text)
+    check_plan(plan, devices, spec)  # valid (some not runnable yet: pp with dp_shard/selective)
+    cost = estimate(plan, spec, A100, batch)
+    state = cost.memory["params_grads_optimizer"]
+    # largest stage's parameters × 16 bytes over tp · dp_shard: within the embedding's share
+    per_stage = spec.num_params() / plan.pp
+    assert state == pytest.approx(per_stage * 16 / (plan.tp * plan.dp_shard), rel=0.1)
+    assert 0.0 < cost.mfu < 1.0
+
+
+def test_recomputation_trades_activation_memory_for_time():
+    costs = {
+        mode: estimate(Plan.parse(f"dp=64,tp=8,recompute={mode}"), MEGATRON, A100, 512)
+        for mode in ("none", "selective", "full")
+    }
+    activations = {m: c.memory["activations"] for m, c in costs.items()}
+    assert activations["full"] < activations["selective"] < activations["none"]
+    # per layer, full keeps its d-wide input; the embedding and head are never recomputed
+    d, tokens, act = MEGATRON.d_model, 512 // 64 * MEGATRON.seq_len, 2
+    ends = activations["full"] - MEGATRON.n_layers * d * tokens * act
+    assert 0 < ends < activations["full"] / 2
+    assert costs["full"].breakdown["recompute"] == pytest.approx(
+        costs["full"].breakdown["compute"] / 3, rel=0.05
+    )  # one more forward (F) against 3F, the head not recomputed
+    assert (
+        "recompute" not in costs["selective"].breakdown
+        or not costs["selective"].breakdown["recompute"]
+    )
+
+
+def test_sharding_divides_the_state_and_adds_gathers():
+    replicated = estimate(Plan.parse("dp=8,tp=8"), MEGATRON, A100, 64)
+    sharded = estimate(Plan.parse("dp_shard=8,tp=8"), MEGATRON, A100, 64)
+    hsdp = estimate(Plan.parse("dp=2,dp_shard=4,tp=8"), MEGATRON, A100, 64)
+    state = replicated.memory["params_grads_optimizer"]
+    assert sharded.memory["params_grads_optimizer"] == pytest.approx(state / 8)
+    assert hsdp.memory["params_grads_optimizer"] == pytest.approx(state / 4)
+    assert sharded.memory["fsdp_gathered"] > 0 == replicated.memory["fsdp_gathered"]
+    assert "dp.all_reduce" in replicated.breakdown
+    assert {"dp_shard.all_gather", "dp_shard.reduce_scatter"} <= set(sharded.breakdown)
+    assert "dp_replicate.all_reduce" in hsdp.breakdown
+
+
+def test_search_space_holds_sharded_and_recomputed_layouts():
+    plans = list(candidate_plans(64, MEGATRON, 64))
+    assert any(p.dp_shard == 8 and p.tp == 8 for p in plans)
+    assert {p.recompute for p in plans if p.pp == 1} == {"none", "selective", "full"}
