@@ -7,6 +7,7 @@ rank is started.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -199,14 +200,21 @@ def _train_rank(args: argparse.Namespace) -> int:
 
 def _print_summary(report: dict, out: str) -> None:
     eval_loss = report.get("final_eval_loss")
-    tail = f", held-out {eval_loss:.3f}" if eval_loss is not None else ""
+    tail = f", held-out {_loss(eval_loss)}" if eval_loss is not None else ""
+    skipped = report.get("skipped_steps")
+    tail += f", {skipped} steps skipped (non-finite)" if skipped else ""
     print(
-        f"done: {report['steps']} steps, loss {report['first_loss']:.3f} -> "
-        f"{report['final_loss']:.3f}{tail}, {report['mean_tokens_per_s']:.0f} tokens/s; "
+        f"done: {report['steps']} steps, loss {_loss(report['first_loss'])} -> "
+        f"{_loss(report['final_loss'])}{tail}, {report['mean_tokens_per_s']:.0f} tokens/s; "
         f"report in {out}/"
     )
     for note in report.get("notes", []):
         print(f"note: {note}")
+
+
+def _loss(value: float | None) -> str:
+    """A loss for the summary line: 3 decimals; `nan` for a non-finite one (null in JSON)."""
+    return "nan" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ expert parallel runs, the expert load heat-map `moe_load.png`."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,29 @@ class MetricsLog:
             write_atomic(self.file, "".join(json.dumps(row) + "\n" for row in kept))
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append `row` as one line; a crash or a full disk loses at most that line."""
-        append_line(self.file, json.dumps(row))
+        """Append `row` as one line of strict JSON (`strict_json`); a crash or a full disk loses
+        at most that line."""
+        append_line(self.file, json.dumps(strict_json(row), allow_nan=False))
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every NaN or infinite float, at any depth, replaced by None, and when there
+    was one a `nonfinite` entry naming each by its dotted key path, e.g. {"loss": "nan"}:
+    JSON has no NaN or Infinity, and `json.dumps` would write them as bare words."""
+    flagged: dict[str, str] = {}
+
+    def clean(value: Any, path: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            flagged[path] = str(value)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v, f"{path}.{i}") for i, v in enumerate(value)]
+        return value
+
+    cleaned = clean(record, "")
+    return {**cleaned, "nonfinite": flagged} if flagged else cleaned
 
 
 def read_metrics(file: Path) -> list[dict[str, Any]]:
@@ -42,7 +64,8 @@ def read_metrics(file: Path) -> list[dict[str, Any]]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Summary numbers of a run from its metric rows: first/final loss, last eval loss, mean
+    """Summary numbers of a run from its metric rows: first/final loss, last eval loss, steps
+    skipped for a non-finite loss or gradient norm, mean
     step time, tokens/s, model TFLOP/s per device and MFU (first step excluded as warm-up;
     MFU None where the device's peak is unknown), peak device memory, mean comm bytes per group, and
     the mean expert load per MoE layer and rank (`moe_load`, None without expert parallelism)."""
@@ -55,6 +78,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "first_loss": train[0]["loss"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "skipped_steps": sum(1 for r in train if r.get("skipped")),
         "mean_step_time_s": _mean([r["step_time_s"] for r in steady]),
         "mean_tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
         "mean_model_tflops": _mean([r["model_tflops"] for r in steady if "model_tflops" in r]),
@@ -86,7 +110,8 @@ def write_report(out: Path, report: dict[str, Any]) -> list[str]:
             report = {**report, "moe_load": {**load, "plot": LOAD_PLOT}}
     except ImportError:
         notes.append("plots skipped: matplotlib is not installed (pip install 'interlace[bench]')")
-    write_atomic(out / REPORT, json.dumps({**report, "notes": notes}, indent=1, sort_keys=True))
+    report = strict_json({**report, "notes": notes})
+    write_atomic(out / REPORT, json.dumps(report, indent=1, sort_keys=True, allow_nan=False))
     return notes
 
 

@@ -39,11 +39,12 @@ from interlace.data import (
 )
 from interlace.data import load_corpus as read_corpus
 from interlace.data.tokens import SYNTHETIC
-from interlace.errors import OutputError
+from interlace.errors import NonFiniteError, OutputError
 from interlace.mesh import Mesh, default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
+from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel.data.apply import check_reduce_dtype
 from interlace.parallel.parallelize import parallelize
@@ -173,6 +174,11 @@ class Trainer:
         self.step = 0
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
+        self.guard = NonFiniteGuard(
+            self.config.on_nonfinite,
+            self.config.max_nonfinite_skips,
+            scaled=self.parallel.scaler is not None,
+        )
         self.flops_per_token = model_flops_per_token(setup.model_config)
         self.peak_tflops = self.config.peak_tflops or device_peak_tflops(
             self.device, setup.precision
@@ -194,7 +200,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over the global batch of `self.step`; returns its metrics."""
+        """One optimizer step over the global batch of `self.step`; returns its metrics. A step
+        whose loss or gradient norm is not finite leaves weights and optimizer state untouched
+        and its row says `skipped` (`nonfinite.py`)."""
         comm.meter.reset()
         start = time.perf_counter()
         lr = lr_at(
@@ -215,10 +223,12 @@ class Trainer:
         self.parallel.sync_gradients()
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         grad_norm = self.parallel.clip_grad_norm_(max_norm, self.optimizer)
-        self.parallel.optimizer_step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self._dp_mean(loss_sum / self.accum)
         loss, norm = torch.stack([loss_mean, grad_norm.to(loss_mean)]).tolist()  # one sync
+        finite = finite_step(loss, norm)
+        if finite or self.parallel.scaler is not None:  # fp16's scaler skips an overflow itself
+            self.parallel.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
@@ -233,6 +243,7 @@ class Trainer:
             **self._throughput(tokens / seconds),
             "comm_bytes": comm.meter.bytes_per_group(),
             **self.parallel.metrics(),
+            **({} if finite else {"skipped": True}),
         }
 
     def _throughput(self, tokens_per_s: float) -> dict[str, float]:
@@ -307,8 +318,12 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(_postfix(row), refresh=False)
-            if self.out and ((cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or final):
-                self.save()
+            reason = self.guard.stop_reason(row)
+            if reason is not None:
+                raise NonFiniteError(reason)
+            due = (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or final
+            if self.out and due and not row.get("skipped"):  # never from a skipped step
+                self._save_if_finite()
         if bar is not None:
             bar.close()
         return self._finish(history, time.perf_counter() - started)
@@ -337,6 +352,16 @@ class Trainer:
             self.config.keep_checkpoints,
             self.parallel.checkpoint_keys,
         )
+
+    def _save_if_finite(self) -> None:
+        """`save()`, unless a weight is no longer finite on some rank: then the run stops
+        (collective)."""
+        if not all_finite(self.model.parameters(), self.device):
+            raise NonFiniteError(
+                f"step {self.step}: a weight is no longer finite, so no checkpoint was written; "
+                "lower --lr, then continue from the last finished checkpoint with --resume"
+            )
+        self.save()
 
     def _progress_bar(self):
         if not (self.is_main and self.config.progress):

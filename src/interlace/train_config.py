@@ -13,6 +13,8 @@ from interlace.errors import ConfigError
 from interlace.finite import check_finite_fields
 from interlace.precision import PRECISIONS, REDUCE_DTYPES
 
+NONFINITE_POLICIES = ("skip", "stop")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -76,6 +78,16 @@ class TrainConfig:
     warmup_steps: int = option(20, "steps of linear learning-rate warmup from 0")
     weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices and embeddings only)")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)")
+    on_nonfinite: str = option(
+        "skip",
+        "a step whose loss or gradient norm is NaN or infinite changes no weight or optimizer "
+        "state; skip: go on with the next batch (up to max_nonfinite_skips such steps in a "
+        "row), stop: stop the run (exit code 4)",
+        choices=NONFINITE_POLICIES,
+    )
+    max_nonfinite_skips: int = option(
+        3, "with on_nonfinite=skip: non-finite steps in a row to skip before stopping the run"
+    )
     eval_every: int = option(50, "held-out evaluation every N steps and at the end (0 = never)")
     eval_batches: int = option(4, "held-out batches (of global batch sequences) per evaluation")
     ckpt_every: int = option(
@@ -115,6 +127,7 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value} must be >= 1 (or unset for the default)")
         for name in (
+            "max_nonfinite_skips",
             "warmup_steps",
             "eval_every",
             "ckpt_every",
