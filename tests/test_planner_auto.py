@@ -20,7 +20,7 @@ from interlace.train_config import TrainConfig
 @pytest.fixture
 def cached_calibration(tmp_path, monkeypatch):
     calibration = cal.Calibration(
-        matmul_flops={"1": 5e10, "2": 9e10},
+        matmul_flops={"fp32": {"1": 5e10, "2": 9e10}},
         link_latency=1e-4,
         link_bandwidth=1e9,
         memory_bytes=8e9,
@@ -57,6 +57,19 @@ def test_choose_plan_is_the_fastest_runnable_plan_the_run_accepts():
     assert f"chose {chosen.plan}" in text and "next best" in text
     with pytest.raises(ConfigError, match="none of the"):
         choose_plan(TrainConfig(model="demo", global_batch=4, micro_batch=3, out=None), 2, hardware)
+
+
+def test_choose_plan_prices_the_run_in_its_precision():
+    """A bf16 run is priced at the bf16 matmul rate (4x the fp32 one here), an auto run on the
+    CPU in fp32."""
+    hardware = local({"fp32": 5e10, "bf16": 2e11}, 1e8, latency=1e-4, devices_per_node=2)
+    compute = {}
+    for precision in ("auto", "bf16"):
+        config = TrainConfig(model="demo", global_batch=8, out=None, precision=precision)
+        _, ranked = choose_plan(config, 2, hardware)
+        compute[precision] = next(c for c in ranked if str(c.plan) == "dp=2").breakdown["compute"]
+    flops = 3 * model_profile(get_preset("demo")).forward_flops_per_token * 4 * 128
+    assert compute == pytest.approx({"auto": flops / 5e10, "bf16": flops / 2e11}, rel=1e-12)
 
 
 def test_choose_plan_replaces_auto_in_the_ranks_argv(cached_calibration, capsys):

@@ -4,6 +4,7 @@ and one real (short) measurement."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,7 +16,7 @@ from interlace.planner.hardware import get_hardware
 
 def _calibration(**overrides) -> cal.Calibration:
     fields = {
-        "matmul_flops": {"1": 5e10, "2": 9e10},
+        "matmul_flops": {"fp32": {"1": 5e10, "2": 9e10}, "bf16": {"1": 2e11, "2": 3e11}},
         "link_latency": 1e-4,
         "link_bandwidth": 1e9,
         "memory_bytes": 8e9,
@@ -52,9 +53,13 @@ def test_flops_for_threads_and_hardware_from():
     assert c.flops_for_threads(1) == 5e10
     assert c.flops_for_threads(2) == 9e10
     assert c.flops_for_threads(8) == 9e10  # the nearest measured count below
+    assert c.flops_for_threads(2, "bf16") == 3e11
+    with pytest.raises(ConfigError, match="no fp16 matmul rate"):
+        c.flops_for_threads(1, "fp16")
     hw = cal.hardware_from(c, ranks=1)
     threads = cal.threads_per_rank(1)
     assert hw.matmul_flops("fp32") == c.flops_for_threads(threads)
+    assert hw.matmul_flops("bf16") == c.flops_for_threads(threads, "bf16")
     assert hw.memory_bytes == 8e9
     hw2 = cal.hardware_from(c, ranks=2, bandwidth=125e6)
     assert hw2.memory_bytes == 4e9
@@ -110,9 +115,53 @@ def test_plan_cli_on_local_hardware(cache, capsys):
     assert "apply to --hardware local only" in capsys.readouterr().err
 
 
+def test_measure_times_matmuls_in_every_priced_dtype(monkeypatch):
+    """The calibration measures the matmul rate of fp32 and bf16 at every thread count, on the
+    device runs compute on, and `local` hardware prices each dtype at its own rate."""
+    rates = {"fp32": 1e10, "bf16": 4e10}
+    calls = []
+
+    def fake_matmul(threads, min_seconds=0.3, dtype="fp32", device=None):
+        calls.append((threads, dtype, device.type))
+        return rates[dtype] * threads
+
+    monkeypatch.setattr(cal, "_loopback", lambda *a, **k: ([(2**12, 1e-4), (2**20, 1e-3)], 0.5))
+    monkeypatch.setattr(cal, "measure_matmul_flops", fake_matmul)
+    monkeypatch.setattr(cal, "measure_optimizer_bandwidth", lambda threads, device=None: 1e10)
+    measured = cal.measure()
+    counts = sorted({cal.threads_per_rank(r) for r in range(1, (os.cpu_count() or 1) + 1)})
+    assert measured.matmul_flops == {
+        dtype: {str(t): rate * t for t in counts} for dtype, rate in rates.items()
+    }
+    assert {device for _, _, device in calls} == {"cpu"}  # the tests' ranks are pinned to it
+    hw = cal.hardware_from(measured, ranks=1)
+    threads = cal.threads_per_rank(1)
+    assert hw.matmul_flops("bf16") == pytest.approx(4 * hw.matmul_flops("fp32"))
+    assert hw.matmul_flops("fp32") == rates["fp32"] * threads
+
+
+def test_plan_on_local_hardware_prices_the_precision_at_its_measured_rate(cache, capsys):
+    """Without --dtype a local plan is priced in training's default precision (fp32 on the
+    CPU); --precision bf16 prices the same step's compute at the measured bf16 rate."""
+    cache.write_text(json.dumps(_calibration().to_dict()))
+    argv = ["plan", "--model", "tiny", "--hardware", "local", "--plan", "dp=1", "--json"]
+    computes = {}
+    for option in ([], ["--precision", "fp32"], ["--precision", "bf16"]):
+        assert main([*argv, "--global-batch", "8", *option]) == 0
+        computes[" ".join(option)] = json.loads(capsys.readouterr().out)["plans"][0]["breakdown"]
+    assert computes[""] == computes["--precision fp32"]
+    rate = _calibration().matmul_flops
+    threads = str(cal.threads_per_rank(1))
+    speedup = rate["bf16"][threads] / rate["fp32"][threads]
+    assert computes["--precision fp32"]["compute"] == pytest.approx(
+        speedup * computes["--precision bf16"]["compute"]
+    )
+
+
 def test_real_short_calibration():
-    flops = cal.measure_matmul_flops(1, min_seconds=0.05)
-    assert 1e8 < flops < 1e13
+    for dtype in cal.CALIBRATED_DTYPES:
+        flops = cal.measure_matmul_flops(1, min_seconds=0.05, dtype=dtype)
+        assert 1e8 < flops < 1e13
     alpha, bandwidth = cal.measure_loopback_link((16 * 2**10, 1 * 2**20, 8 * 2**20), 3)
     assert 0 <= alpha < 0.05
     assert 1e6 < bandwidth < 1e12

@@ -41,6 +41,15 @@ def test_curve_hand_values():
     assert all(p.matmul_half_rows == 0 for p in PRESETS.values())
 
 
+def test_a_dtype_measured_apart_has_its_own_efficiency_on_the_same_curve():
+    h = dataclasses.replace(hw(half_rows=256, efficiency=0.8), efficiency_by_dtype={"bf16": 0.4})
+    assert h.efficiency(256, "bf16") == pytest.approx(0.2)  # half of bf16's 0.4
+    assert h.efficiency(256, "fp32") == h.efficiency(256) == pytest.approx(0.4)  # half of 0.8
+    assert h.matmul_flops("bf16") == pytest.approx(0.4 * RATE)
+    with pytest.raises(ConfigError, match=r"efficiency_by_dtype\[bf16\]=1.5 must be in \(0, 1\]"):
+        dataclasses.replace(h, efficiency_by_dtype={"bf16": 1.5})
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_bad_half_rows_is_refused(bad):
     with pytest.raises(ConfigError, match=r"matmul_half_rows=.* must be a finite number >= 0"):

@@ -2,8 +2,9 @@
 
 The model preset (at the run's sequence length), the run's global batch and the number of
 ranks are searched (`search.search(..., runnable_only=True)`) on this machine's calibrated
-`local` hardware for that many ranks, in fp32 (what runs train in on a CPU). The first plan the
-run can also split its batch for (gradient accumulation, micro-batches) wins.
+`local` hardware for that many ranks, in the run's precision (auto: bf16 on CUDA, fp32 on the
+CPU, as the run resolves it). The first plan the run can also split its batch for (gradient
+accumulation, micro-batches) wins.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from interlace.errors import ConfigError, InterlaceError
+from interlace.mesh import default_device
 from interlace.models.presets import get_preset
 from interlace.planner.calibrate import local_hardware
 from interlace.planner.cost import PlanCost
 from interlace.planner.hardware import Hardware
 from interlace.planner.search import explain, search
+from interlace.precision import resolve_precision
 from interlace.train_config import TrainConfig
 
 AUTO = "auto"
@@ -33,8 +36,9 @@ def choose_plan(
     spec = get_preset(config.model)
     if config.seq_len:
         spec = replace(spec, seq_len=config.seq_len)
+    dtype = resolve_precision(config.precision, default_device())
     ranked = search(
-        spec, hardware, world_size, config.global_batch, dtype="fp32", runnable_only=True
+        spec, hardware, world_size, config.global_batch, dtype=dtype, runnable_only=True
     )
     for cost in ranked:
         if _splits_batch(config, cost):

@@ -6,9 +6,11 @@ machine's fingerprint (CPU count, torch version, architecture); a cached result 
 the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it into a
 `Hardware` for `ranks` ranks on this machine (the hardware named `local`, `--hardware local`).
 
-- **Compute**: fp32 matmuls of a transformer layer's shape, timed with the thread count one
-  rank of an N-rank run uses (`interlace train` and `interlace bench` give each rank
-  cpu_count // N threads), for every N up to the CPU count.
+- **Compute**: matmuls of a transformer layer's shape in each dtype the planner prices a
+  local run in (`CALIBRATED_DTYPES`: fp32, and bf16, the default on CUDA), on the device a
+  run uses (`mesh.default_device`). On the CPU, timed with the thread count one rank of an
+  N-rank run uses (`interlace train` and `interlace bench` give each rank cpu_count // N
+  threads), for every N up to the CPU count; on CUDA, once per dtype on the device.
 - **Link**: an all_reduce size sweep between 2 forked gloo ranks over loopback (the ranks of a
   local run), each call after a few milliseconds of compute as in a training step (so the
   time includes waking the transfer threads and waiting for the other rank), fitted on mean
@@ -18,8 +20,9 @@ the fingerprint changes or `recalibrate=True`. `local_hardware(ranks)` turns it 
 - **Overlap**: the fraction of an all-reduce that hides under a matmul loop of about the same
   length running at the same time (async c10d), on the same 2 ranks: `hidden_fraction`. On a
   CPU the ranks' compute and gloo's transfer threads share the cores, so it is below 1.
-- **Memory**: the machine's RAM, shared by the ranks, and the bandwidth an AdamW step with
-  gradient clipping reaches (`measure_optimizer_bandwidth`), which prices the optimizer step.
+- **Memory**: the machine's RAM, shared by the ranks (on CUDA the device's memory, one device
+  per rank), and the bandwidth an AdamW step with gradient clipping reaches on the device
+  (`measure_optimizer_bandwidth`), which prices the optimizer step.
 
 torch has no calibration of its own; this module is the planner's, hence written here.
 """
@@ -38,16 +41,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from interlace import comm
 from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
 from interlace.loss import causal_lm_loss
+from interlace.mesh import default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
+from interlace.optim import build_optimizer
 from interlace.planner.bytes import OPTIMIZER_BYTES_PER_PARAM
 from interlace.planner.hardware import Hardware, local
 from interlace.planner.profile import model_profile
+from interlace.precision import DTYPES
 from interlace.testing import run_ranks
 
 CACHE_ENV = "INTERLACE_HARDWARE_CACHE"
@@ -56,23 +63,30 @@ SWEEP_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 """All-reduce payloads of the link sweep (fp32 tensors)."""
 LINK_COMPUTE_BETWEEN = 0.005
 """Seconds of compute before each timed all_reduce of the local link sweep (`link_sweep`)."""
-MATMUL_SHAPE = (2048, 512, 2048)
-"""(rows, inner, cols) of the timed matmul: 2048 tokens through a 512 → 2048 projection."""
+MATMUL_SHAPES = {"cpu": (2048, 512, 2048), "cuda": (8192, 2048, 8192)}
+"""(rows, inner, cols) of the timed matmul per device type: 2048 tokens through a 512 → 2048
+projection on the CPU; 8192 through 2048 → 8192 on CUDA (a GPU needs more work per call)."""
+OPTIMIZER_PARAMS = {"cpu": 2**20, "cuda": 2**26}
+"""Parameters of the timed optimizer step per device type (a GPU needs more to reach its
+memory bandwidth: 2**26 parameters are 2 GiB of weights, gradients and moments)."""
+CALIBRATED_DTYPES = ("fp32", "bf16")
+"""The dtypes whose matmul rate is measured: what `interlace plan --hardware local` prices."""
 
 
 @dataclass(frozen=True)
 class Calibration:
     """Measured machine quantities.
 
-    matmul_flops: sustained fp32 FLOP/s of one rank, by its thread count ("1", "2", ...);
-    link_latency: α seconds per message; link_bandwidth: bytes/s per direction;
-    memory_bytes: the machine's RAM; overlap_efficiency: the fraction of a collective that hides
-    under concurrent compute (`measure_overlap`); memory_bandwidth: bytes/s of an optimizer step
-    per thread count, like matmul_flops (`measure_optimizer_bandwidth`); fingerprint: what the
-    numbers belong to; seconds: how long the calibration took.
+    matmul_flops: sustained FLOP/s of one rank per dtype ("fp32", "bf16") and thread count
+    ("1", "2", ...; on CUDA one entry, "1"); link_latency: α seconds per message;
+    link_bandwidth: bytes/s per direction; memory_bytes: the machine's RAM (on CUDA one
+    device's memory); overlap_efficiency: the fraction of a collective that hides under
+    concurrent compute (`measure_overlap`); memory_bandwidth: bytes/s of an optimizer step per
+    thread count, like matmul_flops (`measure_optimizer_bandwidth`); fingerprint: what the
+    numbers belong to (its "device": "cpu" or "cuda"); seconds: how long the calibration took.
     """
 
-    matmul_flops: dict[str, float]
+    matmul_flops: dict[str, dict[str, float]]
     link_latency: float
     link_bandwidth: float
     memory_bytes: float
@@ -81,9 +95,15 @@ class Calibration:
     memory_bandwidth: dict[str, float]
     seconds: float = 0.0
 
-    def flops_for_threads(self, threads: int) -> float:
-        """FLOP/s measured with `threads` threads (the nearest measured count below it)."""
-        return _for_threads(self.matmul_flops, threads)
+    def flops_for_threads(self, threads: int, dtype: str = "fp32") -> float:
+        """FLOP/s in `dtype` measured with `threads` threads (the nearest measured count
+        below it); ConfigError for a dtype not measured."""
+        if dtype not in self.matmul_flops:
+            raise ConfigError(
+                f"the calibration measured no {dtype} matmul rate; choose one of: "
+                f"{', '.join(self.matmul_flops)}"
+            )
+        return _for_threads(self.matmul_flops[dtype], threads)
 
     def bandwidth_for_threads(self, threads: int) -> float:
         """Optimizer-step bytes/s measured with `threads` threads (the nearest count below)."""
@@ -101,11 +121,13 @@ def _for_threads(by_threads: dict[str, float], threads: int) -> float:
 
 
 def fingerprint() -> dict[str, Any]:
-    """What a calibration depends on: CPU count, torch version, architecture."""
+    """What a calibration depends on: CPU count, torch version, architecture, and the type of
+    device a run computes on ("cpu" or "cuda"; read without initialising CUDA)."""
     return {
         "cpus": os.cpu_count() or 1,
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "device": default_device().type,
     }
 
 
@@ -123,54 +145,69 @@ def threads_per_rank(ranks: int) -> int:
 
 
 # --------------------------------------------------------------------------- compute
-def measure_matmul_flops(threads: int, min_seconds: float = 0.3) -> float:
-    """Sustained FLOP/s of [n, k] @ [k, m] fp32 matmuls (`MATMUL_SHAPE`) on `threads` threads:
+def measure_matmul_flops(
+    threads: int,
+    min_seconds: float = 0.3,
+    dtype: str = "fp32",
+    device: torch.device | None = None,
+) -> float:
+    """Sustained FLOP/s of [n, k] @ [k, m] matmuls (`MATMUL_SHAPES` of the device type) in
+    `dtype` ("fp32", "bf16", "fp16") on `device` (default: the CPU) with `threads` CPU threads:
     the best of repeated timings within about `min_seconds`."""
-    n, k, m = MATMUL_SHAPE
-    a, b = torch.randn(n, k), torch.randn(k, m)
+    device = device or torch.device("cpu")
+    n, k, m = MATMUL_SHAPES[device.type]
+    a = torch.randn(n, k, device=device, dtype=DTYPES[dtype])
+    b = torch.randn(k, m, device=device, dtype=DTYPES[dtype])
+    return 2 * n * k * m / _best_seconds(lambda: a @ b, threads, min_seconds, device)
+
+
+def measure_optimizer_bandwidth(
+    threads: int,
+    params: int | None = None,
+    min_seconds: float = 0.3,
+    device: torch.device | None = None,
+) -> float:
+    """Bytes/s the run's AdamW step (`optim.build_optimizer`: fused on CUDA) with gradient-norm
+    clipping streams on `device` (default: the CPU) with `threads` threads:
+    `bytes.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
+    parameter tensors of `params` / 8 elements, with gradients; default `OPTIMIZER_PARAMS` of
+    the device type)."""
+    device = device or torch.device("cpu")
+    params = params or OPTIMIZER_PARAMS[device.type]
+    weights = nn.ParameterList(torch.randn(params // 8, device=device) for _ in range(8))
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    optimizer = build_optimizer(weights, lr=1e-6, weight_decay=0.0)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(weights.parameters(), 1.0)
+        optimizer.step()
+
+    seconds = _best_seconds(step, threads, min_seconds, device)  # its warm-up makes the moments
+    return OPTIMIZER_BYTES_PER_PARAM * 8 * (params // 8) / seconds
+
+
+def _best_seconds(
+    fn: Callable[[], object], threads: int, min_seconds: float, device: torch.device
+) -> float:
+    """The shortest of repeated calls of `fn` (after one warm-up) within about `min_seconds`,
+    on `threads` CPU threads; on CUDA each call is timed to a device sync."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a @ b  # warm-up
+        fn()
+        sync()
         best, spent = float("inf"), 0.0
         while spent < min_seconds:
             start = time.perf_counter()
-            a @ b
+            fn()
+            sync()
             elapsed = time.perf_counter() - start
             best, spent = min(best, elapsed), spent + elapsed
     finally:
         torch.set_num_threads(saved)
-    return 2 * n * k * m / best
-
-
-def measure_optimizer_bandwidth(
-    threads: int, params: int = 2**20, min_seconds: float = 0.3
-) -> float:
-    """Bytes/s an AdamW step with gradient-norm clipping streams on `threads` threads:
-    `bytes.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
-    parameter tensors of `params` / 8 elements, with gradients)."""
-    weights = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
-    for w in weights:
-        w.grad = torch.randn_like(w)
-    optimizer = torch.optim.AdamW(weights, lr=1e-6)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-
-        def step() -> float:
-            start = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(weights, 1.0)
-            optimizer.step()
-            return time.perf_counter() - start
-
-        step()  # warm-up: the moments are allocated here
-        best, spent = float("inf"), 0.0
-        while spent < min_seconds:
-            elapsed = step()
-            best, spent = min(best, elapsed), spent + elapsed
-    finally:
-        torch.set_num_threads(saved)
-    return OPTIMIZER_BYTES_PER_PARAM * 8 * (params // 8) / best
+    return best
 
 
 def measure_model_efficiency(
@@ -375,27 +412,37 @@ def measure_loopback_link(
     return fit_link(samples)
 
 
-def memory_bytes() -> float:
-    """The machine's physical memory in bytes."""
+def memory_bytes(device: torch.device | None = None) -> float:
+    """The machine's physical memory in bytes, or a CUDA `device`'s."""
+    if device is not None and device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 # --------------------------------------------------------------------------- cache
 def measure() -> Calibration:
     """Measure everything now (a few seconds): the link first (forking before any
-    multi-threaded compute), then matmuls for every thread count a local run can give a rank."""
+    multi-threaded compute or CUDA), then on the run's device matmuls in every
+    `CALIBRATED_DTYPES` and optimizer steps, on the CPU for every thread count a local run can
+    give a rank."""
     started = time.perf_counter()
     samples, overlap = _loopback(SWEEP_BYTES, 15, overlap=True)
     alpha, bandwidth = fit_link(samples)
+    device = default_device()
     cpus = os.cpu_count() or 1
     counts = sorted({threads_per_rank(r) for r in range(1, cpus + 1)})
-    flops = {str(t): measure_matmul_flops(t) for t in counts}
+    if device.type == "cuda":
+        counts = [1]  # one device per rank, whatever its threads
+    flops = {
+        dtype: {str(t): measure_matmul_flops(t, dtype=dtype, device=device) for t in counts}
+        for dtype in CALIBRATED_DTYPES
+    }
     return Calibration(
         matmul_flops=flops,
-        memory_bandwidth={str(t): measure_optimizer_bandwidth(t) for t in counts},
+        memory_bandwidth={str(t): measure_optimizer_bandwidth(t, device=device) for t in counts},
         link_latency=alpha,
         link_bandwidth=bandwidth,
-        memory_bytes=memory_bytes(),
+        memory_bytes=memory_bytes(device),
         fingerprint=fingerprint(),
         overlap_efficiency=overlap,
         seconds=time.perf_counter() - started,
@@ -432,16 +479,21 @@ def calibrate(recalibrate: bool = False, path: Path | None = None) -> Calibratio
 def hardware_from(
     calibration: Calibration, ranks: int = 2, bandwidth: float | None = None
 ) -> Hardware:
-    """A `local` Hardware for `ranks` ranks sharing this machine: one rank's FLOP/s at its
-    thread count, the measured link (or `bandwidth` bytes/s, e.g. an emulated link's rate,
-    keeping the measured α), and RAM / ranks; all ranks on one node."""
+    """A `local` Hardware for `ranks` ranks sharing this machine: one rank's FLOP/s in each
+    measured dtype at its thread count, the measured link (or `bandwidth` bytes/s, e.g. an
+    emulated link's rate, keeping the measured α), and RAM / ranks (on CUDA one device's
+    memory); all ranks on one node."""
     if ranks < 1:
         raise ConfigError(f"ranks={ranks} must be >= 1")
     threads = threads_per_rank(ranks)
+    shared = calibration.fingerprint["device"] == "cpu"  # RAM of one machine
     return local(
-        calibration.flops_for_threads(threads),
+        {
+            dtype: calibration.flops_for_threads(threads, dtype)
+            for dtype in calibration.matmul_flops
+        },
         bandwidth if bandwidth is not None else calibration.link_bandwidth,
-        memory_bytes=calibration.memory_bytes / ranks,
+        memory_bytes=calibration.memory_bytes / (ranks if shared else 1),
         devices_per_node=max(ranks, 1),
         latency=calibration.link_latency,
         reduce_scatter_as_all_reduce=True,  # gloo, the CPU backend
@@ -459,6 +511,7 @@ def local_hardware(
 
 __all__ = [
     "CACHE_ENV",
+    "CALIBRATED_DTYPES",
     "Calibration",
     "cache_path",
     "calibrate",

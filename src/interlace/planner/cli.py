@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from interlace.errors import ConfigError
+from interlace.mesh import default_device
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
@@ -27,6 +28,7 @@ from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 from interlace.planner.simulate import simulate
+from interlace.precision import resolve_precision
 from interlace.rates import parse_rate
 from interlace.timeline import plot_timeline, write_chrome_trace
 
@@ -157,8 +159,11 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
+        "--precision",
+        dest="dtype",
         default=None,
-        help=f"compute dtype: bf16, fp16, tf32, fp32 (default: bf16; fp32 on {LOCAL})",
+        help="compute dtype: bf16, fp16, tf32, fp32 (default: training's, bf16; on "
+        f"{LOCAL} without CUDA fp32)",
     )
 
 
@@ -180,7 +185,7 @@ def run_planner(args: argparse.Namespace) -> int:
     plan = None if args.search else Plan.parse(args.plan)
     n = args.gpus or (args.nproc if plan is None else plan.world_size)
     hardware = resolve_hardware(args, n)
-    args.dtype = args.dtype or ("fp32" if hardware.name == LOCAL else "bf16")
+    args.dtype = args.dtype or default_dtype(hardware)
     if plan is None:
         costs = search(
             spec,
@@ -239,6 +244,15 @@ def run_planner(args: argparse.Namespace) -> int:
         if args.explain:
             print("   " + explain(cost).replace("\n", "\n   "))
     return 0
+
+
+def default_dtype(hardware: Hardware) -> str:
+    """The dtype plans are priced in without --dtype: what a run trains in by default
+    (`precision.resolve_precision("auto", …)`): on `local`, bf16 where runs compute on CUDA
+    and fp32 on the CPU; bf16 on the presets (GPU clusters)."""
+    if hardware.name == LOCAL:
+        return resolve_precision("auto", default_device())
+    return "bf16"
 
 
 def resolve_hardware(args: argparse.Namespace, n: int) -> Hardware:

@@ -6,17 +6,20 @@ Each link is priced α + β·bytes (α: latency of one message, β = 1 / bandwid
 given **per device and per direction**: `inter_node_bandwidth` is one device's share of its
 node's network (a node with 8 × 200 Gb/s NICs and 8 GPUs gives each 25 GB/s).
 
-The presets hold nominal datasheet numbers (dense tensor-core peaks, link rates) and a single
-`matmul_efficiency`, the fraction of peak a large GEMM reaches. They are starting points for
-planning, not measurements: `local(...)` builds a Hardware from numbers measured on the machine
-at hand, and `interlace.planner.calibrate.local_hardware(ranks)` measures this machine (the
-hardware named `local`).
+The presets hold nominal datasheet numbers (dense tensor-core peaks, link rates) and a
+`matmul_efficiency`, the fraction of peak a training step's matmuls reach, with
+`efficiency_by_dtype` where a dtype was measured to reach a different fraction (dgx-h100's bf16
+and fp16: see its entry). They are starting points for planning, not measurements:
+`local(...)` builds a Hardware from numbers measured on the machine at hand, and
+`interlace.planner.calibrate.local_hardware(ranks)` measures this machine (the hardware named
+`local`).
 
 **Efficiency by shape.** A matmul on few rows m (tokens of a micro-batch, a sub-batch or one
 expert) reaches less of the peak than a large one: each call pays a fixed overhead (kernel
 launch, tile quantisation, the non-matmul work around it) that a small m does not amortise.
 `efficiency(m)` = matmul_efficiency · m / (m + matmul_half_rows): at m = matmul_half_rows half
-the large-matmul efficiency. `matmul_half_rows` = 0 (every preset's value: datasheets publish no
+the large-matmul efficiency (efficiency_by_dtype's value in place of matmul_efficiency for the
+dtypes it names). `matmul_half_rows` = 0 (every preset's value: datasheets publish no
 such figure) gives the constant matmul_efficiency at every m; `bench planner` fits it on this
 machine from the model's own step at several row counts (`calibrate.fit_half_rows`).
 """
@@ -24,6 +27,7 @@ machine from the model's own step at several row counts (`calibrate.fit_half_row
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from interlace.errors import ConfigError
@@ -54,6 +58,8 @@ class Hardware:
         pipeline bubbles then run the busy stages faster).
     matmul_half_rows: the rows (tokens) a matmul needs to reach half of matmul_efficiency
         (`efficiency`); 0: matmul_efficiency at every size.
+    efficiency_by_dtype: matmul_efficiency of the dtypes named here, where a step in that
+        dtype was measured to reach another fraction of its peak (each in (0, 1]).
     """
 
     name: str
@@ -70,6 +76,7 @@ class Hardware:
     memory_bandwidth: float = math.inf
     idle_speedup: float = 1.0
     matmul_half_rows: float = 0.0
+    efficiency_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.matmul_half_rows < math.inf:
@@ -84,11 +91,13 @@ class Hardware:
             )
         if not self.idle_speedup >= 1:
             raise ConfigError(f"{self.name}: idle_speedup={self.idle_speedup} must be >= 1")
-        if not 0 < self.matmul_efficiency <= 1:
-            raise ConfigError(
-                f"{self.name}: matmul_efficiency={self.matmul_efficiency} must be in (0, 1], "
-                "e.g. 0.7"
-            )
+        efficiencies = {
+            "matmul_efficiency": self.matmul_efficiency,
+            **{f"efficiency_by_dtype[{k}]": v for k, v in self.efficiency_by_dtype.items()},
+        }
+        for key, value in efficiencies.items():
+            if not 0 < value <= 1:
+                raise ConfigError(f"{self.name}: {key}={value} must be in (0, 1], e.g. 0.7")
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ConfigError(
                 f"{self.name}: devices_per_node={self.devices_per_node!r} must be a positive "
@@ -119,18 +128,19 @@ class Hardware:
             )
         return self.peak_flops[dtype]
 
-    def efficiency(self, rows: float | None = None) -> float:
-        """Fraction of peak a matmul on `rows` rows (tokens) reaches: matmul_efficiency ·
-        rows / (rows + matmul_half_rows); matmul_efficiency itself for `rows` None (a large
-        matmul) or matmul_half_rows 0."""
+    def efficiency(self, rows: float | None = None, dtype: str | None = None) -> float:
+        """Fraction of peak a matmul on `rows` rows (tokens) in `dtype` reaches: E · rows /
+        (rows + matmul_half_rows), E = efficiency_by_dtype[dtype] where given, else
+        matmul_efficiency; E itself for `rows` None (a large matmul) or matmul_half_rows 0."""
+        large = self.efficiency_by_dtype.get(dtype, self.matmul_efficiency)
         if rows is None or not self.matmul_half_rows:
-            return self.matmul_efficiency
-        return self.matmul_efficiency * rows / (rows + self.matmul_half_rows)
+            return large
+        return large * rows / (rows + self.matmul_half_rows)
 
     def matmul_flops(self, dtype: str, rows: float | None = None) -> float:
         """FLOP/s a device sustains on matmuls of `rows` rows (tokens; None: large matmuls):
-        peak(dtype) · efficiency(rows)."""
-        return self.peak(dtype) * self.efficiency(rows)
+        peak(dtype) · efficiency(rows, dtype)."""
+        return self.peak(dtype) * self.efficiency(rows, dtype)
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(α seconds per message, bandwidth bytes/s) of the intra- or inter-node link."""
@@ -171,10 +181,16 @@ PRESETS: dict[str, Hardware] = {
         memory_bandwidth=1555 * GB,
     ),
     # 8 × H100-SXM5-80GB, NVLink 4 (900 GB/s both directions), 8 × 400 Gb/s InfiniBand.
+    # Efficiency measured on one H100 80GB (torch 2.11, T = 1024, vocabulary 4096, one device):
+    # bf16 autocast + torch.compile reaches 34.8 % of the bf16 peak for gpt2-124m (batch 16)
+    # and 40.6 % for gpt2-1.5b (batch 8); 0.39 prices them at 37.8 % and 36.5 % (+9 %, −10 %:
+    # non-matmul work weighs more on the narrower model). fp32 reaches 68 % of the fp32 peak
+    # (4.6 % of bf16's), which 0.7 prices. tf32 is not measured.
     "dgx-h100": Hardware(
         name="dgx-h100",
         peak_flops={"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
         matmul_efficiency=0.7,
+        efficiency_by_dtype={"bf16": 0.39, "fp16": 0.39},
         memory_bytes=80 * GIB,
         devices_per_node=8,
         intra_node_bandwidth=450 * GB,
@@ -214,7 +230,7 @@ PRESETS: dict[str, Hardware] = {
 
 
 def local(
-    matmul_flops: float,
+    matmul_flops: float | Mapping[str, float],
     link_bandwidth: float,
     *,
     memory_bytes: float = 16 * GIB,
@@ -229,14 +245,18 @@ def local(
     idle_speedup: float = 1.0,
 ) -> Hardware:
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
-    `dtype` (so matmul_efficiency is 1), `link_bandwidth` bytes/s per direction between two
-    devices of a node; `inter_node_bandwidth` defaults to the same link, `latency` is α of
-    both links; `reduce_scatter_as_all_reduce` for a backend that runs it so (gloo);
-    `overlap_efficiency`, `memory_bandwidth` and `idle_speedup` as measured
-    (`calibrate.measure_overlap`, `calibrate.measure_optimizer_bandwidth`)."""
+    `dtype`, or one such rate per dtype name (so matmul_efficiency is 1); `link_bandwidth`
+    bytes/s per direction between two devices of a node; `inter_node_bandwidth` defaults to
+    the same link, `latency` is α of both links; `reduce_scatter_as_all_reduce` for a backend
+    that runs it so (gloo); `overlap_efficiency`, `memory_bandwidth` and `idle_speedup` as
+    measured (`calibrate.measure_overlap`, `calibrate.measure_optimizer_bandwidth`)."""
     return Hardware(
         name=name,
-        peak_flops={dtype: float(matmul_flops)},
+        peak_flops=(
+            {k: float(v) for k, v in matmul_flops.items()}
+            if isinstance(matmul_flops, Mapping)
+            else {dtype: float(matmul_flops)}
+        ),
         matmul_efficiency=1.0,
         memory_bytes=memory_bytes,
         devices_per_node=devices_per_node,
