@@ -1,8 +1,7 @@
 """Sharded data parallelism (`dp_shard`, FSDP2): every sharded plan trains step for step as one
 process on the same global batch (fp32: losses, pre-clipping norms, the first step's gradients
 and the weights after three steps; bf16 within the precision tests' tolerance), resumes
-exactly, and holds 1/dp_shard of the parameters, gradients and optimizer states per rank
-(measured: the bytes of the tensors each rank keeps)."""
+exactly; its memory per rank is tested in test_memory.py."""
 
 import dataclasses
 
@@ -40,41 +39,25 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None) -> dict:
-    """Every step's row, the first step's unclipped synced gradients (whole), the weights at the
-    end (whole), and the bytes this rank keeps of parameters, gradients and optimizer states."""
+    """Every step's row, the first step's unclipped synced gradients (whole) and the weights at
+    the end (whole)."""
     plan = Plan.parse(plan_text)
     mesh = build_mesh(plan) if world_size > 1 else None
     trainer = Trainer(prepare_run(config, plan, world_size), mesh)
     if resume_from is not None:
         trainer.resume(resume_from)
-    rows, grads, held = [], None, {}
+    rows, grads = [], None
     zero_grad = trainer.optimizer.zero_grad
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
     while trainer.step < config.steps:
         rows.append(trainer.train_step())
         if grads is None:
             grads = {n: _full(p.grad).clone() for n, p in trainer.model.named_parameters()}
-            held = _held_bytes(trainer)
         zero_grad()
         if config.out and trainer.step % config.ckpt_every == 0:
             trainer.save()
     params = {n: _full(p).clone() for n, p in trainer.model.named_parameters()}
-    return {"rows": rows, "grads": grads, "params": params, "held": held}
-
-
-def _held_bytes(trainer: Trainer) -> dict[str, int]:
-    """Bytes of the parameter, gradient and optimizer-state tensors this rank keeps."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    params = list(trainer.model.parameters())
-    states = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
-    return {
-        "params": sum(local(p).nbytes for p in params),
-        "grads": sum(local(p.grad).nbytes for p in params),
-        "optimizer": sum(local(v).nbytes for v in states),
-    }
+    return {"rows": rows, "grads": grads, "params": params}
 
 
 def _assert_same(result: dict, reference: dict, what: str = "") -> None:
@@ -121,16 +104,6 @@ def test_accumulation_and_clipping_follow_serial(plan_text):
     assert serial_run["rows"][0]["grad_norm"] > 1.0  # the clip acts
     for rank, result in enumerate(run_ranks(2, _run, config, plan_text, 2)):
         _assert_same(result, serial_run, f"rank {rank}")
-
-
-def test_each_rank_holds_its_share_of_the_model_state(serial):
-    # parameters + gradients + AdamW's two moments per rank = the serial total / dp_shard
-    # (FSDP pads each tensor's first dimension to a multiple of dp_shard: within 5 %)
-    config = dataclasses.replace(BASE, steps=1)
-    for dp_shard in (2, 4):
-        for result in run_ranks(dp_shard, _run, config, f"dp_shard={dp_shard}", dp_shard):
-            for part, nbytes in result["held"].items():
-                assert nbytes == pytest.approx(serial["held"][part] / dp_shard, rel=0.05), part
 
 
 def test_sharded_run_resumes_exactly(tmp_path):

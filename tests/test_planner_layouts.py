@@ -58,10 +58,9 @@ def test_recomputation_trades_activation_memory_for_time():
     assert costs["full"].breakdown["recompute"] == pytest.approx(
         costs["full"].breakdown["compute"] / 3, rel=0.05
     )  # one more forward (F) against 3F, the head not recomputed
-    assert (
-        "recompute" not in costs["selective"].breakdown
-        or not costs["selective"].breakdown["recompute"]
-    )
+    # selective replays elementwise work only: its tensors' traffic at the memory bandwidth
+    selective, full = (costs[m].breakdown["recompute"] for m in ("selective", "full"))
+    assert 0 < selective < full / 10
 
 
 def test_sharding_divides_the_state_and_adds_gathers():

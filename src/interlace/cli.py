@@ -208,6 +208,10 @@ def _print_summary(report: dict, out: str) -> None:
         f"{_loss(report['final_loss'])}{tail}, {report['mean_tokens_per_s']:.0f} tokens/s; "
         f"report in {out}/"
     )
+    if report.get("memory"):
+        from interlace.memory import describe_memory
+
+        print(describe_memory(report["memory"]))
     for note in report.get("notes", []):
         print(f"note: {note}")
 
@@ -257,7 +261,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     plan = Plan.parse_for(args.plan or "", args.nproc).validate(args.nproc, model)
     names, sizes = mesh_dims(plan)
     params = model.num_params()
-    shard = plan.pp * plan.tp_size
+    shard = plan.pp * plan.tp_size * plan.dp_shard
     print(f"plan        {plan}")
     print(
         f"mesh        {' x '.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))} "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from interlace import comm
+from interlace.tensors import local_tensor
 
 _WATCHED = {"loss": "loss", "grad_norm": "gradient norm"}
 
@@ -67,8 +68,9 @@ class NonFiniteGuard:
 
 def all_finite(tensors: Iterable[torch.Tensor], device: torch.device) -> bool:
     """True when every entry of every tensor is finite on every rank (collective under
-    torch.distributed: one all-reduce over the world, one host sync)."""
-    flags = [torch.isfinite(t).all() for t in tensors]
+    torch.distributed: one all-reduce over the world, one host sync); a DTensor (a sharded
+    parameter) by its local shard."""
+    flags = [torch.isfinite(local_tensor(t)).all() for t in tensors]
     flag = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
     flag = flag.to(device=device, dtype=torch.int32)
     if dist.is_initialized() and dist.get_world_size() > 1:

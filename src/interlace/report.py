@@ -65,13 +65,14 @@ def read_metrics(file: Path) -> list[dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Summary numbers of a run from its metric rows: first/final loss, last eval loss, steps
-    skipped for a non-finite loss or gradient norm, mean
-    step time, tokens/s, model TFLOP/s per device and MFU (first step excluded as warm-up;
-    MFU None where the device's peak is unknown), peak device memory, mean comm bytes per group, and
-    the mean expert load per MoE layer and rank (`moe_load`, None without expert parallelism)."""
+    skipped for a non-finite loss or gradient norm, mean step time, tokens/s, model TFLOP/s
+    per device and MFU (the first step excluded as warm-up, and the step whose memory was
+    measured; MFU None where the device's peak is unknown), peak device memory, mean comm
+    bytes per group, and the mean expert load per MoE layer and rank (`moe_load`, None without
+    expert parallelism)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    steady = train[1:] or train
+    steady = [r for r in train[1:] if not r.get("memory_measured")] or train
     groups = sorted({g for r in steady for g in r.get("comm_bytes", {})})
     return {
         "steps": train[-1]["step"] if train else 0,

@@ -40,6 +40,7 @@ from interlace.data import (
 from interlace.data import load_corpus as read_corpus
 from interlace.data.tokens import SYNTHETIC
 from interlace.errors import NonFiniteError, OutputError
+from interlace.memory import measure_step
 from interlace.mesh import Mesh, default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
@@ -51,6 +52,7 @@ from interlace.parallel.parallelize import parallelize
 from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
+from interlace.planner.cost import plan_memory
 from interlace.precision import resolve_precision
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.run_folder import remove_stale
@@ -172,6 +174,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.config.lr, self.config.weight_decay)
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
         self.step = 0
+        self.memory: dict[str, Any] | None = None  # measured on one step by `fit`
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
         self.guard = NonFiniteGuard(
@@ -306,9 +309,10 @@ class Trainer:
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
         traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
+        measured_step = min(self.step + 1, cfg.steps - 1) if cfg.measure_memory else -1
         while self.step < cfg.steps:
             with self._traced(traced_step):
-                row = self.train_step()
+                row = self._measured_step() if self.step == measured_step else self.train_step()
             final = self.step == cfg.steps
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or final):
                 row["eval_loss"] = self.evaluate()
@@ -327,6 +331,20 @@ class Trainer:
         if bar is not None:
             bar.close()
         return self._finish(history, time.perf_counter() - started)
+
+    def _measured_step(self) -> dict[str, Any]:
+        """`train_step()` with every rank's memory measured (`interlace.memory.measure_step`),
+        kept in `self.memory` with the planner's estimate for the plan (collective)."""
+        row, mine = measure_step(self.train_step, self.model, self.optimizer)
+        row["memory_measured"] = True
+        ranks = [mine]
+        if dist.is_initialized():
+            ranks = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(ranks, mine)
+        rows = self.plan.micro_batch_rows(self.config.global_batch, self.accum)
+        predicted = plan_memory(self.plan, self.setup.model_config, rows, self.setup.precision)
+        self.memory = {"step": row["step"], "per_rank": ranks, "predicted": predicted}
+        return row
 
     def _traced(self, step: int) -> contextlib.AbstractContextManager:
         """Record this step's pipeline timeline to `trace` if it is `step`."""
@@ -404,6 +422,7 @@ class Trainer:
             "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
             "wall_time_s": seconds,
             "parallel": self.parallel.report,
+            "memory": self.memory,
             **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:

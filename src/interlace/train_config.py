@@ -101,6 +101,12 @@ class TrainConfig:
         metavar="DIR",
     )
     progress: bool = option(True, "show a progress bar")
+    measure_memory: bool = option(
+        True,
+        "measure each rank's memory on the run's second step (parameters, gradients, optimizer "
+        "states, activations) beside the planner's estimate; on the CPU that step runs slower "
+        "and is left out of the throughput means",
+    )
     split_points: tuple[str, ...] = option(
         (),
         "with pp > 1: the modules that begin stages 1, 2, ..., e.g. blocks.3,blocks.6, instead "

@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from interlace import comm
 from interlace.comm import Group
+from interlace.tensors import local_tensor
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = 
     total = torch.zeros((), device=device)
     for p in params:
         held = math.prod(share.holders(p) for share in shares)
-        total += _local(p.grad).detach().float().pow(2).sum() / held
+        total += local_tensor(p.grad).detach().float().pow(2).sum() / held
     for share in shares:
         if share.group.size > 1:
             comm.all_reduce(total, share.group)
@@ -65,10 +65,5 @@ def clip_grad_norm_(
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
-            _local(p.grad).detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+            local_tensor(p.grad).detach().mul_(scale.to(p.grad.device, p.grad.dtype))
     return norm
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `tensor` (a DTensor's local shard), or `tensor` itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

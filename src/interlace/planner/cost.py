@@ -47,10 +47,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from interlace.models.config import GPTConfig
+from interlace.parallel.pipeline.schedule_rules import virtual_stages_for
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
+from interlace.planner.cost_pipeline import pipeline_stages
 from interlace.planner.hardware import Hardware
-from interlace.planner.profile import stage_memory
+from interlace.planner.profile import Stage, model_profile, stage_memory
 from interlace.planner.step import step_terms
 
 
@@ -117,16 +119,7 @@ def estimate(
     breakdown, hidden = terms.breakdown()
     profile = terms.profile
     seq = profile.config.seq_len
-    act_bytes = activation_bytes(dtype)
-    memory = max(
-        (
-            stage_memory(
-                st, plan, terms.tokens, act_bytes, profile.config.d_model, s, terms.virtual_stages
-            )
-            for s, st in enumerate(terms.stages)
-        ),
-        key=lambda mem: mem["total"],
-    )
+    memory = _largest_stage_memory(terms.stages, plan, terms.tokens, dtype, profile.config)
     step = sum(breakdown.values())
     n_devices = plan.world_size
     model_flops = 3 * profile.forward_flops_per_token * global_batch * seq
@@ -149,10 +142,36 @@ def estimate(
     )
 
 
+def plan_memory(
+    plan: Plan, config: GPTConfig, micro_batch_rows: int, dtype: str = "bf16"
+) -> dict[str, float]:
+    """Bytes per device of `config` under `plan` (its largest stage) for micro-batches of
+    `micro_batch_rows` sequences with activations in `dtype`: the memory part of `estimate`,
+    with no hardware (`profile.stage_memory`'s parts and their `total`)."""
+    profile = model_profile(config)
+    stages = pipeline_stages(profile, plan)
+    tokens = micro_batch_rows * config.seq_len
+    return _largest_stage_memory(stages, plan, tokens, dtype, config)
+
+
+def _largest_stage_memory(
+    stages: tuple[Stage, ...], plan: Plan, tokens: int, dtype: str, config: GPTConfig
+) -> dict[str, float]:
+    v = virtual_stages_for(plan.schedule, None)
+    act_bytes = activation_bytes(dtype)
+    return max(
+        (
+            stage_memory(st, plan, tokens, act_bytes, config.d_model, s, v)
+            for s, st in enumerate(stages)
+        ),
+        key=lambda mem: mem["total"],
+    )
+
+
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Share of a pipelined step spent idle: (p − 1)/(v·m + p − 1) (1F1B/GPipe v = 1)."""
     bubble = (pp - 1) / virtual_stages
     return bubble / (micro_batches + bubble) if pp > 1 else 0.0
 
 
-__all__ = ["PlanCost", "bubble_fraction", "estimate"]
+__all__ = ["PlanCost", "bubble_fraction", "estimate", "plan_memory"]

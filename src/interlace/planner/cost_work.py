@@ -2,6 +2,8 @@
 
 FLOPs per token of each layer, the embeddings and the head come from the stage's shards
 (`planner.profile`): forward F, backward 2F, a checkpointed layer's recomputed forward +F.
+Selective recomputation replays elementwise work only: priced as writing and reading once the
+tensors it recomputes at the hardware's memory bandwidth.
 Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows)`), at the rows each matmul sees:
 
 - the micro-batch's tokens; under 3D tensor parallelism tokens / z, and the replicated
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
+from interlace.planner.bytes import activation_bytes
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage
 
@@ -64,7 +67,10 @@ def stage_work(
         )
         expert = tokens * config.top_k * 4 * config.d_model * config.ffn_dim / tp  # per layer
         compute += _slower(3 * stage.n_moe * expert, expert_rate, rate)
-        recompute += _slower(stage.n_moe_checkpointed * expert, expert_rate, rate)
+        if not stage.selective:  # selective keeps the experts' matmul outputs
+            recompute += _slower(stage.n_moe_checkpointed * expert, expert_rate, rate)
+    traffic = 2 * stage.selective_elements * tokens / tp * activation_bytes(dtype)
+    recompute += traffic / hardware.memory_bandwidth
     return StageWork(compute, recompute, rate, expert_rate)
 
 

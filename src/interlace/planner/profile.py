@@ -120,6 +120,16 @@ class Stage:
         return sum(s.flops for s, c in zip(self.shards, self.checkpointed, strict=True) if c)
 
     @functools.cached_property
+    def selective_elements(self) -> float:
+        """Elements per token that selective recomputation recomputes (its checkpointed layers'
+        saved activations beyond what they keep): elementwise work, priced by memory traffic.
+        0 unless `selective`."""
+        if not self.selective:
+            return 0.0
+        pairs = zip(self.shards, self.checkpointed, strict=True)
+        return sum(s.activations - s.selective for s, c in pairs if c)
+
+    @functools.cached_property
     def params(self) -> int:
         """Parameters of all the stage's shards (expert parameters included)."""
         return sum(s.params for s in self.shards)
@@ -250,9 +260,9 @@ def stage_memory(
         in_flight = 1.0
     activations = in_flight * tokens * saved * act_bytes
     working = 0.0
-    if stage.n_checkpointed:
+    if stage.n_checkpointed:  # one layer's recomputed tensors (selective: beyond what it kept)
         widest = max(
-            _per_rank(sh, tp, plan.sequence_parallel)
+            _per_rank(sh, tp, plan.sequence_parallel) - (kept(sh) if stage.selective else 0.0)
             for sh, c in zip(stage.shards, stage.checkpointed, strict=True)
             if c
         )
