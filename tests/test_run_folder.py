@@ -158,3 +158,17 @@ def test_a_failed_append_leaves_no_part_of_a_line(tmp_path, monkeypatch):
         append_line(file, json.dumps({"step": 2, "loss": 3.5}))
     monkeypatch.undo()
     assert file.read_text() == '{"step": 1}\n'
+
+
+def test_resume_auto_continues_the_newest_checkpoint_or_starts_afresh(tmp_path):
+    out = tmp_path / "run"
+    assert main(train_args(out, 2, "--resume", "auto")) == 0  # nothing there: a fresh start
+    first = read_metrics(out / "metrics.jsonl")
+    assert main(train_args(out, 3, "--resume", "auto")) == 0  # continues from step 2
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[:2] == first and [r["step"] for r in rows] == [1, 2, 3]
+    # an attempt that saved no checkpoint is replaced, not refused as an earlier run
+    os.rename(out / "checkpoints", tmp_path / "moved")
+    assert main(train_args(out, 2, "--resume", "auto")) == 0
+    again = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"]) for r in first]

@@ -41,6 +41,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="ranks to start on this machine (ignored under torchrun)",
     )
     p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when a rank fails, restart every rank up to N times, each restart continuing "
+        "from the newest valid checkpoint in --out (ignored under torchrun, which has its own)",
+    )
+    p.add_argument(
         "--plan",
         default=None,
         help="parallel plan, e.g. 'dp=4' or 'ep=4,moe_balance=prophet'; dp not given fills "
@@ -53,7 +60,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="CKPT",
         help="continue from CKPT (a checkpoint or run folder; default: the newest "
-        "checkpoint in --out)",
+        "checkpoint in --out); auto: the newest checkpoint in --out if it holds one, else "
+        "start afresh there (what every restart does)",
     )
     p.add_argument(
         "--overwrite",
@@ -124,6 +132,21 @@ def _clear_out_dir(args: argparse.Namespace) -> None:
                 target.unlink()
 
 
+def _resolve_auto_resume(args: argparse.Namespace) -> None:
+    """`--resume auto`, which every restart of a launched job implies: continue from the newest
+    checkpoint in --out when it holds one (`resolve_checkpoint` falls back from a bad newest
+    one), else start afresh there, replacing the files of an attempt that saved none."""
+    from interlace.launch import restart_count
+
+    if restart_count() > 0:
+        args.resume = "auto"
+    if args.resume != "auto":
+        return
+    checkpoints = Path(args.out) / "checkpoints"
+    saved = any(not p.name.endswith(".tmp") for p in checkpoints.glob("step-*"))
+    args.resume, args.overwrite = ("", False) if saved else (None, True)
+
+
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from interlace.launch import in_launched_rank, launch_local
 
@@ -131,6 +154,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return _train_rank(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc={args.nproc} must be >= 1")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0 (0: no restart)")
+    _resolve_auto_resume(args)
     config = dataclass_from_args(TrainConfig, args).validate()
     if args.plan == "auto":
         argv = _choose_plan(args, argv, config)
@@ -142,8 +168,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     _check_out_dir(args, setup)
     checkpoint = _checkpoint_to_resume(args, setup)
     _clear_out_dir(args)
-    if args.nproc > 1:
-        launch_local(args.nproc, ["interlace.train", *argv])
+    if args.nproc > 1 or args.max_restarts:
+        launch_local(args.nproc, ["interlace.train", *argv], args.max_restarts)
         return 0
     trainer = Trainer(setup)
     if checkpoint is not None:
@@ -174,10 +200,12 @@ def _train_rank(args: argparse.Namespace) -> int:
     """One rank under torchrun or `interlace train --nproc N`."""
     import torch.distributed as dist
 
-    from interlace.launch import init_from_env
+    from interlace.launch import die_with_parent, init_from_env
     from interlace.mesh import build_mesh
     from interlace.train import Trainer, prepare_run
 
+    die_with_parent()
+    _resolve_auto_resume(args)
     device = init_from_env()
     try:
         plan = Plan.parse_for(args.plan or "", dist.get_world_size())

@@ -1,11 +1,15 @@
 """Start N local ranks of `python -m interlace.train` with torch's elastic launcher (the engine
-behind torchrun), and initialise a rank's process group from the environment it provides."""
+behind torchrun), restarting them all up to `max_restarts` times when one fails, and initialise a
+rank's process group from the environment it provides. A rank dies with the process that
+started it (`die_with_parent`), so a killed launcher leaves no rank training on its own."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
 import sys
 import uuid
 
@@ -15,6 +19,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from interlace.mesh import backend_for, default_device
+
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchFailed(RuntimeError):
@@ -26,13 +32,20 @@ class LaunchFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-def launch_local(nproc: int, module_args: list[str]) -> None:
-    """Run `python -m <module_args>` on `nproc` local ranks (single node, no restarts) and wait.
+def launch_local(nproc: int, module_args: list[str], max_restarts: int = 0) -> None:
+    """Run `python -m <module_args>` on `nproc` local ranks (single node) and wait; when a rank
+    fails, stop them all and start them again, up to `max_restarts` times (each start sees
+    `restart_count()`).
 
     Sets OMP_NUM_THREADS to share the cores between ranks unless the user set it. Raises
-    LaunchFailed with the first failing rank's error.
+    LaunchFailed with the first failing rank's error once no restart is left.
     """
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts:
+        # The ranks' process group otherwise lives in the launcher's one shared store, whose
+        # keys outlive a restart: restarted ranks read the dead ranks' gloo addresses there
+        # and fail to connect. torch's opt-out gives each start a store of its own.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=1,
@@ -41,7 +54,7 @@ def launch_local(nproc: int, module_args: list[str]) -> None:
         run_id=f"interlace-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
@@ -53,6 +66,26 @@ def launch_local(nproc: int, module_args: list[str]) -> None:
             f"rank {rank} failed (exit code {failure.exitcode}); its output is above",
             failure.exitcode if failure.exitcode > 0 else 1,
         ) from None
+
+
+def restart_count() -> int:
+    """How many times the elastic launcher (or torchrun) has restarted this rank's job: 0 on the
+    first start and outside a launcher."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent, the launcher, dies (Linux's
+    PR_SET_PDEATHSIG, through ctypes: torch's launcher does not ask for it). Exits at once if
+    the parent is already gone. Does nothing on other systems."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def in_launched_rank() -> bool:
