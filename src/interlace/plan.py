@@ -327,10 +327,10 @@ class Plan:
             ),
             (bool(tp3d) and self.pipelined, f"{tp3d} with pp={self.pp}", "pp=1"),
             (
-                self.sharded_data_parallel and (self.pipelined or self.expert_parallel),
-                f"dp_shard={self.dp_shard} with "
-                + (f"pp={self.pp}" if self.pipelined else "expert parallelism"),
-                "dp_shard=1 (replicated data parallelism, dp=N)",
+                self.sharded_data_parallel and self.pipelined and self.schedule == "shifted",
+                f"dp_shard={self.dp_shard} with schedule=shifted (its executor runs a stage's "
+                "pieces outside the stage's forward, where FSDP2 gathers)",
+                "schedule=1f1b, gpipe or interleaved",
             ),
             (
                 self.sharded_data_parallel and bool(tp3d),

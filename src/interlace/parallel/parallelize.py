@@ -54,6 +54,7 @@ from interlace.parallel.expert.apply import parallelize_experts
 from interlace.parallel.expert.grads import (
     expert_norm_share,
     expert_parameter_names,
+    expert_parameters,
     reduce_expert_gradients,
 )
 from interlace.parallel.expert.groups import build_expert_groups
@@ -81,7 +82,8 @@ class Parallelized:
     `model`: this rank's part under the full model's parameter names (a pipeline rank's stages),
     for the optimizer and checkpoints. `module`: what to call (`model`, or its DDP wrapper).
     `report`: one line per split module. `layers`: the name of the model's list of blocks, if
-    it has one. `checkpoint_keys`: {parameter name: key} for pieces
+    it has one, and `blocks` the blocks themselves (the same modules after every step).
+    `checkpoint_keys`: {parameter name: key} for pieces
     that differ between ranks of a split (`.tp1`, `.x0.y1`), so every piece is saved.
     """
 
@@ -100,6 +102,7 @@ class Parallelized:
         self.data: DataParallel | ShardedDataParallel | None = None
         self.z: Group | None = None
         self.layers: str | None = None
+        self.blocks: list[nn.Module] = []
 
     # ------------------------------------------------------------------ one step
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -216,6 +219,7 @@ def parallelize(
     plan.validate(1 if mesh is None else mesh.device_mesh.size())
     result = Parallelized(model, plan, cross_entropy)
     result.layers = _layer_list(model)
+    result.blocks = list(model.get_submodule(result.layers)) if result.layers else []
     if mesh is None:
         apply_recompute(result)
         apply_precision(result, precision)
@@ -280,7 +284,8 @@ def apply_expert(result: Parallelized, mesh: Mesh) -> None:
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance)
     result.expert_groups = (ep, ep_dp)
-    result.norm_shares.append(expert_norm_share(result.model, ep))
+    if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
+        result.norm_shares.append(expert_norm_share(result.model, ep))
 
 
 def apply_recompute(result: Parallelized) -> None:
@@ -353,16 +358,25 @@ def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> 
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
+        _layers(result, f"dp_shard={result.plan.dp_shard}")  # FSDP shards block by block
+        pipeline = result.pipeline
         result.data = apply_fully_shard(
             result.model,
-            _layers(result, f"dp_shard={result.plan.dp_shard}"),
+            pipeline.stages if pipeline is not None else [result.model],
+            result.blocks,
             mesh.data_mesh,
             result.precision,
             reduce_dtype,
             result.plan.reshard_after_forward,
+            ignored=set(expert_parameters(result.model)),
         )
         result.module = result.data.module
-        result.norm_shares.append(sharded_norm_share(mesh.group("dp_shard")))
+        if pipeline is not None:
+            pipeline.rebind_parameters()
+        plan = result.plan
+        result.norm_shares.append(
+            sharded_norm_share(mesh.group("dp"), plan.dp, plan.dp_size // plan.ep)
+        )
         result.report.append(
             f"data: parameters, gradients and optimizer states sharded over dp_shard="
             f"{result.plan.dp_shard} (FSDP2"

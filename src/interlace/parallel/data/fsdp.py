@@ -11,7 +11,9 @@ bf16 or fp16 its `MixedPrecisionPolicy` gathers the parameters in the compute dt
 reduces gradients in `grad_reduce_dtype` (fp32 by default) onto fp32 master shards.
 
 Micro-batches before a step's last accumulate unreduced gradients and keep the gathered
-parameters (`no_sync`): one reduce-scatter per step, no gathers between micro-batches.
+parameters (`no_sync`): one reduce-scatter per step, no gathers between micro-batches. Under a
+pipeline each of this rank's stages is a root of its own, and its micro-batches' backward
+passes each reduce-scatter into the sharded gradients (FSDP2 accumulates them).
 
 Each sharded parameter is a new `nn.Parameter` holding a DTensor; the Python attributes earlier
 steps attached to the old one (tensor-parallel shard specs) are carried over. A 1D tensor
@@ -21,11 +23,12 @@ parallel model shards its local pieces (2D: tensor parallel inside, FSDP outside
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from interlace.comm import Group
 from interlace.parallel.grad_norm import NormShare
@@ -35,23 +38,28 @@ from interlace.precision import DTYPES
 class ShardedDataParallel:
     """The model FSDP2 shards, with the data-parallel interface `Parallelized` uses (as
     `DataParallel`): `module`, `no_sync()`, `sync_gradients()` (nothing: FSDP2 reduces during
-    backward), `compression` (None)."""
+    backward), `compression` (None). `roots`: the modules sharded last (the model, or each
+    pipeline stage of this rank)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, roots: Sequence[nn.Module]) -> None:
         self.module = module
+        self.roots = list(roots)
         self.compression = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Within: backward accumulates full, unreduced gradients and keeps the gathered
         parameters (a step's micro-batches before its last)."""
-        self.module.set_requires_gradient_sync(False)
-        self.module.set_reshard_after_backward(False)
+        self._set_sync(False)
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
-            self.module.set_reshard_after_backward(True)
+            self._set_sync(True)
+
+    def _set_sync(self, sync: bool) -> None:
+        for root in self.roots:
+            root.set_requires_gradient_sync(sync)
+            root.set_reshard_after_backward(sync)
 
     def sync_gradients(self) -> None:
         """Nothing: the gradients were reduce-scattered during the last backward."""
@@ -59,15 +67,19 @@ class ShardedDataParallel:
 
 def apply_fully_shard(
     model: nn.Module,
-    layers: str,
+    roots: Sequence[nn.Module],
+    blocks: Sequence[nn.Module],
     mesh: DeviceMesh,
     precision: str,
     reduce_dtype: str,
     reshard_after_forward: bool,
+    ignored: set[nn.Parameter],
 ) -> ShardedDataParallel:
-    """Shard every block of `model`'s layer list `layers`, then the rest of `model`, over `mesh`
-    (1D: dp_shard; 2D: dp_replicate × dp_shard), gathering parameters in `precision`'s dtype
-    and reducing gradients in `reduce_dtype` ("fp32" or "bf16"). In place."""
+    """Shard each of the `blocks` inside `roots`, then each of the `roots` (`model` itself, or
+    this rank's pipeline stages, parts of `model`) over `mesh` (1D: dp_shard; 2D: dp_replicate
+    × dp_shard), gathering parameters in `precision`'s dtype and reducing gradients in
+    `reduce_dtype` ("fp32" or "bf16"); the `ignored` parameters (experts, placed by expert
+    parallelism) stay as they are. In place."""
     attributes = {
         name: dict(vars(param)) for name, param in model.named_parameters() if vars(param)
     }
@@ -75,17 +87,32 @@ def apply_fully_shard(
         param_dtype=None if precision == "fp32" else DTYPES[precision],
         reduce_dtype=DTYPES[reduce_dtype],
     )
-    for block in model.get_submodule(layers):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    # the root's parameters (embeddings, final norm, head) are used first and last: kept
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    held = {id(m) for root in roots for m in root.modules()}
+    for block in blocks:
+        if id(block) in held:
+            fully_shard(
+                block,
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored,
+            )
+    for root in roots:  # embeddings, final norm and head are used first and last: kept
+        fully_shard(
+            root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
+        )
     for name, param in model.named_parameters():
         for key, value in attributes.get(name, {}).items():
             setattr(param, key, value)
-    return ShardedDataParallel(model)
+    return ShardedDataParallel(model, roots)
 
 
-def sharded_norm_share(group: Group) -> NormShare:
-    """Sharded data parallelism's share of the gradient norm: every gradient is split over
-    `group` ("dp_shard"), each rank holding its own piece."""
-    return NormShare(group, lambda param: 1)
+def sharded_norm_share(group: Group, replicas: int, expert_holders: int) -> NormShare:
+    """Sharded data parallelism's share of the gradient norm over `group`, every data-parallel
+    rank ("dp"): a sharded piece is held by the `replicas` (dp) ranks of its replica group, an
+    expert's gradient (left unsharded, a DTensor it is not) by the `expert_holders` ranks
+    holding that expert (dp · dp_shard / ep). It stands for expert parallelism's share, whose
+    group lies inside this one."""
+    return NormShare(
+        group, lambda param: replicas if isinstance(param, DTensor) else expert_holders
+    )

@@ -24,7 +24,8 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     ]
 
 
-def _expert_params(model: nn.Module) -> list[nn.Parameter]:
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert parameters of every `ExpertParallelMoE` in `model`, in module order."""
     return [
         p
         for module in model.modules()
@@ -37,12 +38,12 @@ def reduce_expert_gradients(model: nn.Module, ep_dp: Group, dp_size: int) -> Non
     """Turn each local expert's gradient (the sum over its expert group's tokens) into data
     parallelism's average: sum over `ep_dp` (ranks holding the same experts), divide by
     `dp_size` (the whole data parallel degree). One flat all-reduce; collective over ep_dp."""
-    grads = [p.grad for p in _expert_params(model) if p.grad is not None]
+    grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
     comm.all_reduce_flat_(grads, ep_dp, dp_size)
 
 
 def expert_norm_share(model: nn.Module, ep: Group) -> NormShare:
     """Expert parallelism's share of the gradient norm: a local expert's gradient is this rank's
     alone in `ep`; every other parameter is replicated over it."""
-    experts = {id(p) for p in _expert_params(model)}
+    experts = {id(p) for p in expert_parameters(model)}
     return NormShare(ep, lambda p: 1 if id(p) in experts else ep.size)

@@ -131,14 +131,26 @@ class PipelineRunner:
         self.holds_first = 0 in self.stage_indices
         self.holds_last = n_stages - 1 in self.stage_indices
         # the head's copy of the tied embedding is counted once, at the embedding
-        part = self.module.get_submodule
-        self._tied_copy = part(head).weight if tied and self.holds_last else None
-        tied_param = part(embedding).weight if self.holds_first else self._tied_copy
-        self.tied = TiedEmbedding(mesh, tied_param) if tied else None
+        self._tied_names = (embedding, head)
+        self.tied = TiedEmbedding(mesh, self._tied_param()) if tied else None
         self.pipeline_stages: list[PipelineStage] = []  # torch's stages (none when shifted)
         self.schedule = self._schedule()
         self._losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
+
+    def _tied_param(self) -> nn.Parameter | None:
+        """This rank's copy of the tied embedding: the embedding's on the first rank, the
+        head's on the last, None in between."""
+        embedding, head = self._tied_names
+        if self.holds_first:
+            return self.module.get_submodule(embedding).weight
+        return self.module.get_submodule(head).weight if self.holds_last else None
+
+    def rebind_parameters(self) -> None:
+        """Find the tied embedding's copy again after a later step replaced the stages'
+        parameters (sharded data parallelism makes each a new DTensor parameter)."""
+        if self.tied is not None:
+            self.tied.param = self._tied_param()
 
     # ------------------------------------------------------------------ construction
     def _stage(self, model: nn.Module, index: int, n_stages: int, tied: bool) -> GPTStage | HFStage:
@@ -281,8 +293,9 @@ class PipelineRunner:
         """The pipeline's share of the gradient norm: each stage's parameters are its rank's
         alone in "pp", but the tied embedding's two copies (first and last rank, equal after
         `step`'s sync) count once."""
-        tied = self.tied.param if self.tied is not None else None
-        return NormShare(self.pp, lambda p: 2 if p is tied else 1)
+        return NormShare(
+            self.pp, lambda p: 2 if self.tied is not None and p is self.tied.param else 1
+        )
 
 
 def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | None:

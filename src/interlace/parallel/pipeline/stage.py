@@ -37,6 +37,7 @@ from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import VocabParallelHead
 from interlace.parallel.tensor.reduction import ReductionReplay
 from interlace.parallel.tensor.shard import copy_shard_spec
+from interlace.tensors import local_tensor
 
 TIED_GROUP_NAME = "pp_ends"
 """Comm-meter name of the {first, last} pipeline rank group that sums the tied embedding."""
@@ -153,7 +154,7 @@ class TiedEmbedding:
             return
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        comm.all_reduce(self.param.grad, self.group)
+        comm.all_reduce(local_tensor(self.param.grad), self.group)  # sharded: piece by piece
 
 
 def _ends_group(mesh: Mesh) -> Group | None:
