@@ -131,12 +131,26 @@ def test_accumulation_and_clipping_follow_serial(plan_text):
         _assert_same(result, serial_run, f"rank {rank}")
 
 
-def test_sharded_run_resumes_exactly(tmp_path):
+def _moe_file(tmp_path) -> str:
+    """moe-tiny with dropless routing and no auxiliary loss (see the expert test below)."""
+    spec = dataclasses.replace(get_preset("moe-tiny"), dropless=True, aux_loss_coef=0.0)
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps(spec.to_dict()))
+    return str(model)
+
+
+@pytest.mark.parametrize(
+    "plan_text", ["dp_shard=2", "dp_shard=2,pp=2,micro_batches=2", "dp_shard=2,ep=2"]
+)
+def test_sharded_run_resumes_exactly(tmp_path, plan_text):
     config = dataclasses.replace(BASE, steps=4, ckpt_every=2, out=str(tmp_path / "full"))
-    full = run_ranks(2, _run, config, "dp_shard=2", 2)
+    if "ep" in plan_text:
+        config = dataclasses.replace(config, model=_moe_file(tmp_path))
+    world_size = Plan.parse(plan_text).world_size
+    full = run_ranks(world_size, _run, config, plan_text, world_size)
     checkpoint = tmp_path / "full" / "checkpoints" / checkpoint_name(2)
     resumed_config = dataclasses.replace(config, out=str(tmp_path / "resumed"))
-    resumed = run_ranks(2, _run, resumed_config, "dp_shard=2", 2, checkpoint)
+    resumed = run_ranks(world_size, _run, resumed_config, plan_text, world_size, checkpoint)
     for before, after in zip(full, resumed, strict=True):
         assert [r["step"] for r in after["rows"]] == [3, 4]
         assert [r["loss"] for r in after["rows"]] == [r["loss"] for r in before["rows"][2:]]
@@ -171,10 +185,7 @@ def test_sharding_with_expert_parallelism_equals_serial(tmp_path, plan_text):
     # non-expert parameters sharded over dp_shard, experts placed by expert parallelism and
     # reduced over their replicas; dropless routing without the auxiliary loss, whose per-rank
     # statistics differ from serial by design (as in test_train)
-    spec = dataclasses.replace(get_preset("moe-tiny"), dropless=True, aux_loss_coef=0.0)
-    model = tmp_path / "moe.json"
-    model.write_text(json.dumps(spec.to_dict()))
-    config = dataclasses.replace(BASE, model=str(model), grad_clip=0.0)
+    config = dataclasses.replace(BASE, model=_moe_file(tmp_path), grad_clip=0.0)
     serial_run = _tied_copy(_run(config, "dp=1", 1))
     world_size = Plan.parse(plan_text).world_size
     for rank, result in enumerate(run_ranks(world_size, _run, config, plan_text, world_size)):
