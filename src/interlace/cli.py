@@ -212,6 +212,7 @@ def _train_rank(args: argparse.Namespace) -> int:
         setup = prepare_run(dataclass_from_args(TrainConfig, args), plan, dist.get_world_size())
         checkpoint = _checkpoint_to_resume(args, setup)
         if dist.get_rank() == 0:
+            _report_restart(checkpoint)
             _check_out_dir(args, setup)
             _clear_out_dir(args)
         dist.barrier()
@@ -224,6 +225,15 @@ def _train_rank(args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _report_restart(checkpoint: Path | None) -> None:
+    """On a restart of a launched job, one stderr line saying where it continues."""
+    from interlace.launch import restart_count
+
+    if restart_count():
+        where = f"continuing from '{checkpoint}'" if checkpoint else "no checkpoint, from step 0"
+        print(f"interlace: restart {restart_count()}: {where}", file=sys.stderr)
 
 
 def _print_summary(report: dict, out: str) -> None:

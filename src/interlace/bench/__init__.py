@@ -25,6 +25,7 @@ REGISTRY: dict[str, str] = {
     "pipeline": "interlace.bench.pipeline",
     "scale": "interlace.bench.scale",
     "mfu": "interlace.bench.mfu",
+    "restart": "interlace.bench.restart",
 }
 
 
