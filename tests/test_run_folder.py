@@ -172,3 +172,25 @@ def test_resume_auto_continues_the_newest_checkpoint_or_starts_afresh(tmp_path):
     assert main(train_args(out, 2, "--resume", "auto")) == 0
     again = read_metrics(out / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"]) for r in first]
+
+
+def test_checkpoint_files_and_the_latest_pointer_are_flushed_to_disk(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "run"
+    assert main(train_args(out, 1)) == 0
+    ckpt = out / "checkpoints" / checkpoint_name(1)
+    tmp = out / "checkpoints" / f"{checkpoint_name(1)}.tmp"  # the files' names while written
+    written_as = {p.name.removesuffix(".tmp").removesuffix(".partial").lstrip(".") for p in synced}
+    for name in ("__0_0.distcp", "metadata", "rng-rank0.pt", "meta.json", "manifest.json"):
+        assert name in written_as, name  # DCP writes .metadata as .metadata.tmp, renamed
+    assert tmp in synced  # the folder, before its rename
+    assert out / "checkpoints" in synced  # after the rename, and after latest's
+    assert out / "checkpoints" / ".latest.partial" in synced
+    assert (ckpt / "manifest.json").exists()
