@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,21 @@ def test_checkpoint_files_and_the_latest_pointer_are_flushed_to_disk(tmp_path, m
     assert out / "checkpoints" in synced  # after the rename, and after latest's
     assert out / "checkpoints" / ".latest.partial" in synced
     assert (ckpt / "manifest.json").exists()
+
+
+@pytest.mark.slow  # a launch of two ranks: seconds of process start-up
+def test_a_full_disk_under_two_ranks_exits_3_with_the_ranks_line(mount):
+    out = mount("size=4m") / "run"
+    args = train_args(out, 6, "--ckpt-every", "1", "--keep-checkpoints", "9", "--nproc", "2")
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "interlace"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=240,
+    )
+    assert proc.returncode == 3, proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("interlace:")]
+    assert ours and all("the run stopped at step 3: No space left" in line for line in ours)
+    assert checkpoint_dir(out).name == checkpoint_name(2)
+    assert not [p for p in out.rglob("*") if p.name.endswith((".tmp", ".partial"))]
