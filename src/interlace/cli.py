@@ -200,11 +200,11 @@ def _train_rank(args: argparse.Namespace) -> int:
     """One rank under torchrun or `interlace train --nproc N`."""
     import torch.distributed as dist
 
-    from interlace.launch import die_with_parent, init_from_env
+    from interlace.launch import die_with_launcher, init_from_env
     from interlace.mesh import build_mesh
     from interlace.train import Trainer, prepare_run
 
-    die_with_parent()
+    die_with_launcher()
     _resolve_auto_resume(args)
     device = init_from_env()
     try:

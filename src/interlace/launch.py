@@ -1,7 +1,7 @@
 """Start N local ranks of `python -m interlace.train` with torch's elastic launcher (the engine
 behind torchrun), restarting them all up to `max_restarts` times when one fails, and initialise a
 rank's process group from the environment it provides. A rank dies with the process that
-started it (`die_with_parent`), so a killed launcher leaves no rank training on its own."""
+started it (`die_with_launcher`), so a killed launcher leaves no rank training on its own."""
 
 from __future__ import annotations
 
@@ -74,11 +74,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def die_with_parent() -> None:
-    """Have the kernel kill this process (SIGKILL) when its parent, the launcher, dies (Linux's
-    PR_SET_PDEATHSIG, through ctypes: torch's launcher does not ask for it). Exits at once if
-    the parent is already gone. Does nothing on other systems."""
-    if not sys.platform.startswith("linux"):
+def die_with_launcher() -> None:
+    """In a rank started by torch's elastic agent (`--nproc`, torchrun), have the kernel kill
+    this process (SIGKILL) when its parent, the agent, dies (Linux's PR_SET_PDEATHSIG, through
+    ctypes: torch's agent does not ask for it); exit at once if the parent is already gone.
+    Does nothing elsewhere: a rank a shell or scheduler started may outlive its parent."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
