@@ -5,10 +5,11 @@ well, the mesh `Mesh.data_mesh`).
 
 FSDP2 all-gathers a block's parameters before its forward (and, with `reshard_after_forward`,
 again before its backward, having freed them in between), prefetching the next block's gather
-under the current block's compute, and reduce-scatters its gradients during backward (then
-all-reduces them over `dp_replicate`): each rank keeps 1/dp_shard of the model's state. Under
-bf16 or fp16 its `MixedPrecisionPolicy` gathers the parameters in the compute dtype and
-reduces gradients in `grad_reduce_dtype` (fp32 by default) onto fp32 master shards.
+under the current block's compute (on the CPU, where FSDP2's own prefetch is a CUDA stream's,
+as asynchronous gathers issued a block ahead), and reduce-scatters its gradients during
+backward (then all-reduces them over `dp_replicate`): each rank keeps 1/dp_shard of the model's
+state. Under bf16 or fp16 its `MixedPrecisionPolicy` gathers the parameters in the compute
+dtype and reduces gradients in `grad_reduce_dtype` (fp32 by default) onto fp32 master shards.
 
 Micro-batches before a step's last accumulate unreduced gradients and keep the gathered
 parameters (`no_sync`): one reduce-scatter per step, no gathers between micro-batches. Under a
@@ -23,6 +24,7 @@ parallel model shards its local pieces (2D: tensor parallel inside, FSDP outside
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 
 from torch import nn
@@ -87,9 +89,10 @@ def apply_fully_shard(
         param_dtype=None if precision == "fp32" else DTYPES[precision],
         reduce_dtype=DTYPES[reduce_dtype],
     )
-    held = {id(m) for root in roots for m in root.modules()}
-    for block in blocks:
-        if id(block) in held:
+    for root in roots:
+        mine = {id(m) for m in root.modules()}
+        held = [block for block in blocks if id(block) in mine]
+        for block in held:
             fully_shard(
                 block,
                 mesh=mesh,
@@ -97,6 +100,8 @@ def apply_fully_shard(
                 reshard_after_forward=reshard_after_forward,
                 ignored_params=ignored,
             )
+        if mesh.device_type == "cpu":
+            _prefetch_without_streams(held)
     for root in roots:  # embeddings, final norm and head are used first and last: kept
         fully_shard(
             root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
@@ -105,6 +110,17 @@ def apply_fully_shard(
         for key, value in attributes.get(name, {}).items():
             setattr(param, key, value)
     return ShardedDataParallel(model, roots)
+
+
+def _prefetch_without_streams(blocks: Sequence[nn.Module]) -> None:
+    """Prefetch where FSDP2's implicit prefetch (gathers on a second CUDA stream) does nothing,
+    on the CPU: every gather of the sharded `blocks` asynchronous (gloo transfers on its own
+    threads while the rank computes), the next block's gathered as a block's forward starts;
+    in backward FSDP2 then prefetches the block before asynchronously itself."""
+    for block, following in itertools.pairwise(blocks):
+        block.set_modules_to_forward_prefetch([following])
+    for block in blocks:
+        block._set_unshard_async_op(True)
 
 
 def sharded_norm_share(group: Group, replicas: int, expert_holders: int) -> NormShare:
