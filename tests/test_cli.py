@@ -452,10 +452,10 @@ def test_crafted_pickle_in_a_checkpoint_is_refused_without_running(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("change", [["--global-batch", "8"], ["--seed", "1"]])
-def test_checkpoint_of_another_run_setup_is_refused(capsys, run_copy, tmp_path, change):
+def test_checkpoint_of_another_run_setup_is_refused(capsys, run_copy, tmp_path):
+    # another data order (a changed global batch or plan is allowed: test_reshard.py)
     out = tmp_path / "never"
-    args = train_args(out, 3, "--resume", str(run_copy), *change)
+    args = train_args(out, 3, "--resume", str(run_copy), "--seed", "1")
     expect_usage_error(capsys, args, "does not match", "data")
     assert not out.exists()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from helpers import assert_grads_close
+from helpers import TINY_RUN, assert_grads_close
 from interlace.checkpoint import checkpoint_name
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -23,16 +23,7 @@ from test_precision import BASE as BF16
 from test_precision import _assert_follows
 from test_precision import _run as _bf16_run
 
-BASE = TrainConfig(
-    model="tiny",
-    steps=3,
-    global_batch=8,
-    eval_every=0,
-    out=None,
-    progress=False,
-    warmup_steps=1,
-    lr=5e-4,
-)
+BASE = TINY_RUN
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from helpers import assert_grads_close
+from helpers import TINY_RUN, assert_grads_close
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -24,17 +24,7 @@ from interlace.testing import run_ranks
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
-BASE = TrainConfig(
-    model="tiny",
-    steps=2,
-    global_batch=8,
-    eval_every=0,
-    out=None,
-    progress=False,
-    warmup_steps=1,
-    lr=5e-4,
-    grad_clip=0.0,
-)
+BASE = dataclasses.replace(TINY_RUN, steps=2, grad_clip=0.0)
 
 
 def _two_steps(config: TrainConfig, plan_text: str, world_size: int) -> dict:

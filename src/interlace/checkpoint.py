@@ -27,6 +27,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from interlace.errors import CheckpointError
+from interlace.plan import Plan
 from interlace.run_folder import fsync_path, write_atomic
 from interlace.safe_load import check_dcp_metadata, load_rng_state
+from interlace.tensors import local_tensor
 
 _META = "meta.json"
 _MANIFEST = "manifest.json"
@@ -63,13 +68,92 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _renamed(state: dict[str, Any], optim: dict[str, Any], keys: dict[str, str]):
-    """Model and optimizer state dicts with the tensors of parameters in `keys` stored under
-    the mapped name: each tensor-parallel shard gets its own key, so DCP keeps every rank's
-    piece. `param_groups` keep the parameter names, which every rank shares."""
-    model_state = {keys.get(k, k): v for k, v in state.items()}
-    optim_state = {**optim, "state": {keys.get(k, k): v for k, v in optim["state"].items()}}
-    return model_state, optim_state
+Layout = tuple[DeviceMesh, tuple[Placement, ...]]
+"""Where a parameter's piece lies in the full tensor: the mesh its split runs over and the
+placement along each of the mesh's dimensions."""
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How this rank's parameters are named and placed in a checkpoint: `aliases` {name: the
+    name it is stored as} (a pipeline's copy of the tied embedding, stored as the embedding);
+    `keys` {name: key of this rank's piece} for pieces only the same split can read; `layouts`
+    {name: where its piece lies in the full tensor} for pieces stored as full tensors, which
+    any split can read. `keys` and `layouts` are looked up under the stored name."""
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    layouts: dict[str, Layout] = field(default_factory=dict)
+
+
+def _stored(
+    state: dict[str, Any], optim: dict[str, Any], storage: Storage
+) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    """Model and optimizer state dicts as DCP stores them, and the names stored as full
+    tensors. A piece of a parameter in `storage.layouts` (and not already a DTensor) becomes a
+    DTensor view of the full tensor, sharing its storage: the checkpoint holds the full tensor,
+    which any other split can read. Another parameter in `storage.keys` is stored under its
+    own key: a piece only the same split can read. `param_groups` keep the parameter names,
+    shared by all."""
+    aliases, keys, layouts = storage.aliases, storage.keys, storage.layouts
+    state = {aliases.get(k, k): v for k, v in state.items()}
+    optim = {**optim, "state": {aliases.get(k, k): v for k, v in optim["state"].items()}}
+    viewed = {n for n in layouts if n in state and not isinstance(state[n], DTensor)}
+
+    def view(name: str, value: Any) -> Any:
+        if name not in viewed or not torch.is_tensor(value) or value.dim() == 0:
+            return value  # AdamW's step count stays as it is
+        mesh, placements = layouts[name]
+        return DTensor.from_local(value, mesh, placements, run_check=False)
+
+    def key(name: str) -> str:
+        return name if name in viewed else keys.get(name, name)
+
+    model_state = {key(k): view(k, v) for k, v in state.items()}
+    optim_state = {
+        **optim,
+        "state": {key(k): {n: view(k, t) for n, t in s.items()} for k, s in optim["state"].items()},
+    }
+    return model_state, optim_state, viewed
+
+
+def _untied(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`state` without the entries that repeat an earlier entry's tensor (a tied LM head, which
+    a state dict lists under both names), and {name left out: the name it repeats}: the tensor
+    is stored once, under its first name, whatever the split."""
+    first: dict[tuple, str] = {}
+    kept, tied = {}, {}
+    for name, value in state.items():
+        if torch.is_tensor(value):
+            local = local_tensor(value)
+            ident = (local.untyped_storage().data_ptr(), local.storage_offset(), local.shape)
+            if ident in first:
+                tied[name] = first[ident]
+                continue
+            first[ident] = name
+        kept[name] = value
+    return kept, tied
+
+
+def _restored(
+    model_state: dict[str, Any], optim_state: dict[str, Any], storage: Storage, viewed: set[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Inverse of `_stored`: this rank's pieces under the parameter names."""
+    back = {stored: name for name, stored in storage.keys.items() if name not in viewed}
+    unalias = {stored: name for name, stored in storage.aliases.items()}
+
+    def local(name: str, value: Any) -> Any:
+        return value.to_local() if name in viewed and isinstance(value, DTensor) else value
+
+    def name(key: str) -> str:
+        stored = back.get(key, key)
+        return unalias.get(stored, stored)
+
+    model = {name(k): local(k, v) for k, v in model_state.items()}
+    state = {
+        name(k): {n: local(k, t) for n, t in s.items()} for k, s in optim_state["state"].items()
+    }
+    return model, {**optim_state, "state": state}
 
 
 def save_checkpoint(
@@ -79,19 +163,19 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     keep: int,
-    shard_keys: dict[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> Path:
     """Write the checkpoint of `step` under `root` (collective: every rank calls it).
 
-    `meta` (JSON-able) is stored as meta.json with `step` added. `shard_keys` maps the names
-    of parameters this rank holds only a piece of to a key unique to that piece. Keeps the
-    newest `keep` checkpoints. Returns the final folder.
+    `meta` (JSON-able) is stored as meta.json with `step` added. `storage` names and places
+    this rank's pieces of split parameters (see `Storage`; default: every tensor whole under
+    its name). Keeps the newest `keep` checkpoints. Returns the final folder.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{checkpoint_name(step)}.tmp"
     try:
-        _write_folder(tmp, step, model, optimizer, meta, shard_keys or {})
+        _write_folder(tmp, step, model, optimizer, meta, storage or Storage())
     except BaseException:  # a full disk on any rank: no half-written folder stays behind
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -112,7 +196,7 @@ def _write_folder(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
-    shard_keys: dict[str, str],
+    storage: Storage,
 ) -> None:
     """Every rank's files of the checkpoint into `tmp`, each fsync'd, the manifest last
     (collective). An OSError of any rank's DCP write is raised as that OSError."""
@@ -120,7 +204,8 @@ def _write_folder(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = _renamed(*get_state_dict(model, optimizer), shard_keys)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state, _ = _stored(_untied(model_state)[0], optim_state, storage)
     # DCP stages tensors ahead (torch's default: 10 MB) on a CUDA stream wherever CUDA is
     # available: useless for CPU tensors, fatal in a CPU rank forked from a CUDA process.
     on_gpu = any(p.is_cuda for p in model.parameters())
@@ -237,34 +322,51 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     expect: dict[str, Any],
-    shard_keys: dict[str, str] | None = None,
+    storage: Storage | None = None,
 ) -> dict[str, Any]:
     """Verify, then load model, optimizer and this rank's RNG state in place (collective);
-    `shard_keys` as given to save_checkpoint. Returns the checkpoint's meta (with `step`)."""
+    `storage` that of this run's split (as given to save_checkpoint). A
+    checkpoint saved under another split loads as long as what this split reads was stored as
+    full tensors (DCP reshards them); its RNG state is restored only under the same world size.
+    Returns the checkpoint's meta (with `step`)."""
     path = Path(path)
     meta = verify_checkpoint(path, expect)
     rng_file = path / f"rng-rank{_rank()}.pt"
-    if not rng_file.exists():
-        raise CheckpointError(
-            f"checkpoint '{path}' has no RNG state for rank {_rank()} "
-            f"(saved with world size {meta.get('world_size')})"
-        )
-    rng_state = load_rng_state(rng_file)
-    keys = shard_keys or {}
-    model_state, optim_state = _renamed(*get_state_dict(model, optimizer), keys)
+    same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
+    if same_world and not rng_file.exists():
+        raise CheckpointError(f"checkpoint '{path}' has no RNG state for rank {_rank()}")
+    rng_state = load_rng_state(rng_file) if same_world else None
+    storage = storage or Storage()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, tied = _untied(model_state)
+    model_state, optim_state, viewed = _stored(model_state, optim_state, storage)
     # DCP keeps one copy of non-tensor values, so ranks holding different parameters (pipeline
     # stages) would get another rank's param_groups: keep this rank's own (hyper-parameters
     # come from the run's config, the per-parameter state from the checkpoint)
     param_groups = copy.deepcopy(optim_state["param_groups"])
     state = {"model": model_state, "optim": optim_state}
-    with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=path)
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=path)
+    except (CheckpointException, RuntimeError) as exc:
+        raise CheckpointError(
+            f"checkpoint '{path}' (plan {Plan.from_dict(meta['plan'])}) cannot be read under "
+            f"this split: {_first_line(exc)}; pieces of fused or grouped-query projections, of "
+            "3D grids that cut one dimension twice and of dp_shard with tp are stored as their "
+            "split had them: resume under the checkpoint's plan"
+        ) from None
     state["optim"]["param_groups"] = param_groups
-    back = {stored: name for name, stored in keys.items()}
-    model_state, optim_state = _renamed(state["model"], state["optim"], back)
+    model_state, optim_state = _restored(state["model"], state["optim"], storage, viewed)
+    model_state.update({name: model_state[first] for name, first in tied.items()})
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    _set_rng_state(rng_state)
+    if rng_state is not None:
+        _set_rng_state(rng_state)
     return meta
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @contextlib.contextmanager

@@ -122,18 +122,41 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
 
 
 def run_identity(setup: RunSetup) -> dict[str, Any]:
-    """What a checkpoint must share with a run to resume it: plan, precision, model, data and
-    sampling."""
+    """What a checkpoint must share with a run to resume it: the model, the data and the order
+    it is drawn in. The plan, the world size, the precision and the global batch may change."""
+    return {
+        "model": setup.model_config.to_dict(),
+        "data": {"fingerprint": setup.data.fingerprint, "seed": setup.config.seed},
+    }
+
+
+def run_layout(setup: RunSetup) -> dict[str, Any]:
+    """How a run splits its work, recorded in a checkpoint beside its identity: plan,
+    precision and global batch."""
     return {
         "plan": setup.plan.to_dict(),
         "precision": setup.precision,
-        "model": setup.model_config.to_dict(),
-        "data": {
-            "fingerprint": setup.data.fingerprint,
-            "global_batch": setup.config.global_batch,
-            "seed": setup.config.seed,
-        },
+        "global_batch": setup.config.global_batch,
     }
+
+
+def layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Lines telling how a resumed run's `now` layout (`run_layout`) differs from the `saved`
+    checkpoint's: another plan or precision (a note), another global batch (a warning: the
+    data no longer continues at the same global sample)."""
+    lines = []
+    plan, saved_plan = Plan.from_dict(now["plan"]), Plan.from_dict(saved.get("plan", {}))
+    if plan != saved_plan:
+        lines.append(f"resuming a checkpoint of plan '{saved_plan}' under plan '{plan}'")
+    if saved.get("precision", now["precision"]) != now["precision"]:
+        lines.append(f"resuming a {saved['precision']} checkpoint in {now['precision']}")
+    if saved.get("global_batch", now["global_batch"]) != now["global_batch"]:
+        lines.append(
+            f"warning: the global batch changed from {saved['global_batch']} to "
+            f"{now['global_batch']}; the data order continues from the same step, not the "
+            "same sample"
+        )
+    return lines
 
 
 class Trainer:
@@ -189,7 +212,9 @@ class Trainer:
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
-        optimizer, RNG and data position."""
+        optimizer, RNG and data position, under this run's plan, which may differ from the
+        checkpoint's (its tensors are resharded; the data continues at the same global sample
+        when the global batch is unchanged)."""
         checkpoint = resolve_checkpoint(checkpoint)
         with _output_errors(self):
             meta = load_checkpoint(
@@ -197,9 +222,12 @@ class Trainer:
                 self.model,
                 self.optimizer,
                 run_identity(self.setup),
-                self.parallel.checkpoint_keys,
+                self.parallel.storage,
             )
         self.step = meta["step"]
+        if self.is_main:
+            for line in layout_changes(meta, run_layout(self.setup)):
+                print(f"interlace: {line}", file=sys.stderr)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, Any]:
@@ -357,6 +385,7 @@ class Trainer:
         assert self.out is not None
         meta = {
             **run_identity(self.setup),
+            **run_layout(self.setup),
             "world_size": self.plan.world_size,
             "train": self.config.to_dict(),
             "interlace": __version__,
@@ -368,7 +397,7 @@ class Trainer:
             self.optimizer,
             meta,
             self.config.keep_checkpoints,
-            self.parallel.checkpoint_keys,
+            self.parallel.storage,
         )
 
     def _save_if_finite(self) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from interlace.checkpoint import Storage
 from interlace.comm import Group
 from interlace.compile import compile_blocks, uncompilable
 from interlace.errors import PlanError
@@ -65,10 +66,19 @@ from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisib
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.moe import check_expert_blocks
 from interlace.parallel.tensor.overlap import apply_tp_overlap, check_tp_overlap
-from interlace.parallel.tensor.shard import sharded_parameter_names, tensor_norm_share
+from interlace.parallel.tensor.shard import (
+    sharded_parameter_names,
+    tensor_layouts,
+    tensor_norm_share,
+)
 from interlace.parallel.tensor3d.apply import apply_tensor3d, check_tensor3d, z_rows
 from interlace.parallel.tensor3d.comm import mean_over
-from interlace.parallel.tensor3d.shard import Grid, shard3d_keys, tensor3d_norm_shares
+from interlace.parallel.tensor3d.shard import (
+    Grid,
+    shard3d_keys,
+    tensor3d_layouts,
+    tensor3d_norm_shares,
+)
 from interlace.plan import Plan
 from interlace.precision import forward_in_precision, grad_scaler
 from interlace.recompute import recompute_blocks
@@ -83,8 +93,11 @@ class Parallelized:
     for the optimizer and checkpoints. `module`: what to call (`model`, or its DDP wrapper).
     `report`: one line per split module. `layers`: the name of the model's list of blocks, if
     it has one, and `blocks` the blocks themselves (the same modules after every step).
-    `checkpoint_keys`: {parameter name: key} for pieces
-    that differ between ranks of a split (`.tp1`, `.x0.y1`), so every piece is saved.
+    `storage`: how checkpoints name and place this rank's pieces (`interlace.checkpoint.Storage`):
+    a key per piece that differs between ranks of a split (`.tp1`, `.x0.y1`), and for the pieces
+    that are one block of the full tensor their place in it (mesh and placements), so that they
+    are stored as the full tensor any other split can read (where the parameter is not
+    already a DTensor; the key otherwise).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
@@ -95,7 +108,7 @@ class Parallelized:
         self.plan = plan
         self.scores = scores
         self.report: list[str] = []
-        self.checkpoint_keys: dict[str, str] = {}
+        self.storage = Storage()
         self.norm_shares: list[NormShare] = []
         self.expert_groups: tuple[Group, Group] | None = None
         self.pipeline: PipelineRunner | None = None
@@ -261,9 +274,11 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
                 logits, targets, tp
             )
         result.norm_shares.append(tensor_norm_share(tp))
-        result.checkpoint_keys = {
-            name: f"{name}.tp{tp.rank}" for name in sharded_parameter_names(model)
-        }
+        tp_mesh = mesh.device_mesh["tp"]
+        result.storage = Storage(
+            keys={name: f"{name}.tp{tp.rank}" for name in sharded_parameter_names(model)},
+            layouts={name: (tp_mesh, p) for name, p in tensor_layouts(model, tp_mesh).items()},
+        )
     if plan.tensor3d_parallel:
         structure = _structure(model, "tp3d")
         check_tensor3d(model, structure, plan.tp3d)  # type: ignore[arg-type]
@@ -273,7 +288,11 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
             z = result.z = grid.z
             result.scores = lambda logits, targets: mean_over(cross_entropy(logits, targets), z)
         result.norm_shares += tensor3d_norm_shares(grid)
-        result.checkpoint_keys = shard3d_keys(model, grid)
+        grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
+        result.storage = Storage(
+            keys=shard3d_keys(model, grid),
+            layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
+        )
 
 
 def apply_expert(result: Parallelized, mesh: Mesh) -> None:
@@ -343,11 +362,13 @@ def apply_pipeline(
     result.pipeline = runner
     result.model = result.module = runner.module
     result.norm_shares.append(runner.norm_share())
-    result.checkpoint_keys = {
-        name: key
-        for name, key in result.checkpoint_keys.items()
-        if name in dict(runner.module.named_parameters(remove_duplicate=False))
-    }
+    held = dict(runner.module.named_parameters(remove_duplicate=False))
+    storage = result.storage
+    result.storage = Storage(
+        aliases=runner.checkpoint_aliases(),
+        keys={n: k for n, k in storage.keys.items() if n in held},
+        layouts={n: layout for n, layout in storage.layouts.items() if n in held},
+    )
     result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
 
 

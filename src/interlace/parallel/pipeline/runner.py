@@ -146,6 +146,15 @@ class PipelineRunner:
             return self.module.get_submodule(embedding).weight
         return self.module.get_submodule(head).weight if self.holds_last else None
 
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """{the last stage's copy of the tied embedding: the embedding}, on a rank holding the
+        copy but not the embedding: checkpoints store both as the embedding, as an unsplit
+        model does, so any other split reads them."""
+        embedding, head = self._tied_names
+        if self.tied is None or self.holds_first or not self.holds_last:
+            return {}
+        return {f"{head}.weight": f"{embedding}.weight"}
+
     def rebind_parameters(self) -> None:
         """Find the tied embedding's copy again after a later step replaced the stages'
         parameters (sharded data parallelism makes each a new DTensor parameter)."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
 
 from interlace import comm
 from interlace.comm import Group
@@ -126,3 +128,15 @@ def tensor_norm_share(group: Group) -> NormShare:
         return group.size if spec is None else spec.replicas
 
     return NormShare(group, holders)
+
+
+def tensor_layouts(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[Placement, ...]]:
+    """{parameter name: placements over the 1D `mesh` ("tp")} of the sharded parameters whose
+    piece is one contiguous block of the full tensor (`Shard(spec.dim)`): what a checkpoint
+    stores as the full tensor's piece, readable under any other split. Fused q|k|v and
+    grouped-query kv pieces are not such blocks and are left out."""
+    return {
+        name: (Shard(spec.dim),)
+        for name, spec in sharded_parameter_names(model).items()
+        if spec.segments == 1 and spec.replicas == 1
+    }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from interlace.comm import Group
 from interlace.mesh import Mesh
@@ -120,3 +121,20 @@ def tensor3d_norm_shares(grid: Grid) -> list[NormShare]:
         return NormShare(group, holders)
 
     return [axis_share(axis) for axis in AXES]
+
+
+def tensor3d_layouts(model: nn.Module, grid: Grid) -> dict[str, tuple[Placement, ...]]:
+    """{parameter name: placements over the ("tp_z", "tp_y", "tp_x") mesh} of the pieces that
+    are one contiguous block of the full tensor: each dim cut by at most one axis of more than
+    one rank, no fused or replicated rows, no transposed storage. What a checkpoint stores as
+    the full tensor's piece, readable under any other split; the rest keep `shard3d_keys`."""
+    layouts = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        spec = shard3d_spec(param)
+        if spec is None or spec.segments != 1 or spec.replicas != 1 or spec.conv1d:
+            continue
+        cuts = {axis: dim for dim, axis in ((0, spec.rows), (1, spec.cols), (0, spec.flat))}
+        cuts = {a: d for a, d in cuts.items() if a is not None and grid.axis(a).size > 1}
+        if len(set(cuts.values())) == len(cuts):
+            layouts[name] = tuple(Shard(cuts[a]) if a in cuts else Replicate() for a in "zyx")
+    return layouts

@@ -1,0 +1,98 @@
+"""Resume under another plan: a checkpoint taken under any plan resumes under any other the model
+supports, on another world size, and the next steps' losses equal those of continuing under the
+original plan (fp32; the checkpoint stores the pieces of split tensors as full tensors, DCP
+reshards them). Pieces no other split can read are refused (a CheckpointError naming the
+checkpoint's plan)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from helpers import TINY_RUN
+from interlace.checkpoint import checkpoint_name
+from interlace.mesh import build_mesh
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.testing import RankFailed, run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+
+BASE = dataclasses.replace(TINY_RUN, steps=5, measure_memory=False)
+SAVED_AT = 2
+
+DENSE = ["dp=2", "tp=2", "pp=2,micro_batches=2", "tp3d=2x1x1", "dp_shard=2"]
+MOE = ["dp=2,ep=2", "dp=2", "dp_shard=2,ep=2"]
+
+
+def _losses(config: TrainConfig, plan_text: str, resume_from=None) -> list[float]:
+    """The losses of the steps this run takes; with `config.out`, a checkpoint at SAVED_AT."""
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(
+        prepare_run(config, plan, plan.world_size),
+        build_mesh(plan) if plan.world_size > 1 else None,
+    )
+    if resume_from is not None:
+        trainer.resume(resume_from)
+    losses = []
+    while trainer.step < config.steps:
+        losses.append(trainer.train_step()["loss"])
+        if config.out and trainer.step == SAVED_AT:
+            trainer.save()
+    return losses
+
+
+def _run(config: TrainConfig, plan_text: str, resume_from=None) -> list[float]:
+    world_size = Plan.parse(plan_text).world_size
+    if world_size == 1:
+        return _losses(config, plan_text, resume_from)
+    return run_ranks(world_size, _losses, config, plan_text, resume_from)[0]
+
+
+def _moe_file(tmp_path) -> str:
+    spec = dataclasses.replace(get_preset("moe-tiny"), dropless=True, aux_loss_coef=0.0)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    return str(path)
+
+
+def _check_matrix(tmp_path, config: TrainConfig, plans: list[str], targets: list[str]) -> None:
+    for source in plans:
+        saved = dataclasses.replace(config, out=str(tmp_path / source))
+        continued = _run(saved, source)[SAVED_AT:]
+        checkpoint = tmp_path / source / "checkpoints" / checkpoint_name(SAVED_AT)
+        for target in targets:
+            if target == source:
+                continue
+            resumed = _run(config, target, checkpoint)
+            assert resumed == pytest.approx(continued, abs=1e-5), f"{source} -> {target}"
+
+
+def test_dense_checkpoints_resume_under_every_other_plan(tmp_path):
+    # 2-rank plans, one process and 4 ranks (dp=2 × tp=2) as targets
+    _check_matrix(tmp_path, BASE, DENSE, [*DENSE, "dp=1", "dp=2,tp=2"])
+
+
+def test_expert_parallel_checkpoints_resume_under_other_plans(tmp_path):
+    config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
+    _check_matrix(tmp_path, config, MOE, MOE)
+
+
+def test_a_changed_global_batch_resumes_with_a_warning(tmp_path, capfd):
+    saved = dataclasses.replace(BASE, out=str(tmp_path / "a"), steps=3)
+    _run(saved, "dp=2")
+    checkpoint = tmp_path / "a" / "checkpoints" / checkpoint_name(SAVED_AT)
+    _run(dataclasses.replace(BASE, global_batch=16, steps=3), "tp=2", checkpoint)
+    err = capfd.readouterr().err
+    assert "resuming a checkpoint of plan 'dp=2' under plan 'tp=2'" in err
+    assert "warning: the global batch changed from 8 to 16" in err
+
+
+def test_pieces_no_other_split_can_read_are_refused_naming_the_plan(tmp_path):
+    # tp3d=1x2x2 cuts the rows of every linear over y, then again over z: kept as pieces
+    saved = dataclasses.replace(BASE, out=str(tmp_path / "a"), steps=3)
+    _run(saved, "tp3d=1x2x2")
+    checkpoint = tmp_path / "a" / "checkpoints" / checkpoint_name(SAVED_AT)
+    with pytest.raises(RankFailed, match=r"\(plan tp3d=1x2x2\) cannot be read under this split"):
+        _run(BASE, "dp=2", checkpoint)
+    assert len(_run(BASE, "tp3d=1x2x2", checkpoint)) == BASE.steps - SAVED_AT  # its own plan
