@@ -102,8 +102,8 @@ def _sharded_terms(
     layer = max(s.params for st in stages for s in st.shards if s.kind == "layer") / plan.tp_size
     root = max(st.params - st.layer_params for st in stages) / plan.tp_size  # kept gathered
 
-    def gather(n: float) -> float:
-        return collective_seconds("all_gather", n * param_bytes, shard, inside, hardware)
+    def gather(n: float) -> float:  # the payload of an all_gather is each rank's shard
+        return collective_seconds("all_gather", n / shard * param_bytes, shard, inside, hardware)
 
     def scatter(n: float) -> float:
         return collective_seconds("reduce_scatter", n * GRAD_BYTES, shard, inside, hardware)
