@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from interlace.bench.planner import _hardware
+from interlace.bench.cluster_calibration import cluster_hardware
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
@@ -148,6 +148,6 @@ def test_bench_hardware_carries_the_fitted_curve():
         "matmul_half_rows": 512.0,
         "overlap_efficiency": 0.5,
     }
-    hardware = _hardware(calibration, 2, 5e10)
+    hardware = cluster_hardware(calibration, 2, 5e10)
     assert hardware.matmul_half_rows == 512.0 and hardware.matmul_efficiency == 0.7
     assert hardware.matmul_flops("fp32", 512) == pytest.approx(5e10 * 0.35)

@@ -25,6 +25,7 @@ REGISTRY: dict[str, str] = {
     "pipeline": "interlace.bench.pipeline",
     "scale": "interlace.bench.scale",
     "mfu": "interlace.bench.mfu",
+    "memory": "interlace.bench.memory",
     "restart": "interlace.bench.restart",
 }
 

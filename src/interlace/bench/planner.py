@@ -1,19 +1,11 @@
 """`planner`: the cost model against real runs — many plans of a small GPT (and of a small
 MoE-GPT) trained for a few steps on the cluster's ranks, each beside its prediction.
 
-On every rank first the machine is calibrated on the cluster itself (so on the emulated link
-when it is shaped): an all_reduce size sweep over the world group, each call after a few
-milliseconds of compute as in a step, fitted as α + bytes / bandwidth on mean times
-(`planner.calibrate.link_sweep`, `fit_link`), matmul FLOP/s at the rank's thread
-count, and the efficiency the dense model's own step reaches at that rate
-(`measure_model_efficiency`, at one rank's share of the batch and at 1/2 and 1/4 of it, all
-ranks measuring at once as they run): the machine's achieved efficiency at the model's shapes,
-fitted as a curve in the tokens a matmul sees (`fit_half_rows`: `Hardware.matmul_efficiency`
-and `matmul_half_rows`); and
-the share of an all-reduce that hides under concurrent compute (`measure_overlap`); and the
-bandwidth of an optimizer step (`measure_optimizer_bandwidth`); and how much faster one rank
-computes while the others wait (`idle_speedup`, which prices pipeline bubbles: ranks sharing
-a CPU's cores compute faster when some of them idle).
+On every rank first the machine is calibrated on the cluster itself, so on the emulated link
+when it is shaped (`bench.cluster_calibration`: link α and bandwidth, matmul FLOP/s, the
+dense model's own efficiency fitted as a curve in the tokens a matmul sees, the hidden share
+of an overlapped all-reduce, the optimizer step's bandwidth, and how much faster one rank
+computes while the others wait, which prices pipeline bubbles).
 Then each plan whose world size is the cluster's runs through the Trainer: one warm-up step,
 then `steps` steps, the slowest rank's step time per step, the median kept. Memory per
 rank is measured as the optimizer's parameter, gradient and AdamW state bytes plus the peak of
@@ -35,29 +27,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from interlace.bench.base import Benchmark, RankContext
+from interlace.bench.cluster_calibration import (
+    calibrate_cluster,
+    cluster_hardware,
+    matmul_rate_now,
+)
 from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
-from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
-from interlace.planner.calibrate import (
-    fit_half_rows,
-    fit_link,
-    link_sweep,
-    measure_matmul_flops,
-    measure_model_efficiency,
-    measure_optimizer_bandwidth,
-    measure_overlap,
-    memory_bytes,
-)
 from interlace.planner.cost import estimate
-from interlace.planner.hardware import local
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
@@ -94,63 +78,13 @@ def _state_bytes(trainer: Trainer) -> int:
     return total
 
 
-def _efficiency_curve(
-    ctx: RankContext, config: GPTConfig, rows: int, threads: int
-) -> dict[int, float]:
-    """Tokens -> the slowest rank's `measure_model_efficiency` of `config` at `rows` sequences
-    per rank (1.5 s of steps) and at rows // 2 and rows // 4 (0.5 s each), all ranks at once."""
-    dist.barrier(group=ctx.group.pg)
-    return {
-        r * config.seq_len: -slowest(
-            -measure_model_efficiency(config, r, threads, min_seconds=1.5 if r == rows else 0.5),
-            ctx.group,
-        )
-        for r in dict.fromkeys((rows, max(1, rows // 2), max(1, rows // 4)))
-    }
-
-
 def _calibrate(ctx: RankContext) -> dict[str, Any]:
-    alpha, bandwidth = (
-        fit_link(link_sweep(ctx.group, repeats=15, compute_between=0.005), ctx.group.size)
-        if ctx.group.size > 1
-        else (
-            0.0,
-            1e12,
-        )
-    )
-    threads = torch.get_num_threads()
-    # every rank measures at once, as they compute at once in the runs
-    dist.barrier(group=ctx.group.pg)
-    flops = measure_matmul_flops(threads)
-    optimizer = measure_optimizer_bandwidth(threads)
-    dist.barrier(group=ctx.group.pg)
-    alone = measure_matmul_flops(threads) if ctx.group.rank == 0 else 0.0  # the others wait
-    alone = slowest(alone, ctx.group)
+    """`calibrate_cluster` for the dense model at one rank's share of the global batch."""
     options = ctx.options
     config = get_preset(options["model"])
     if options["seq_len"]:
         config = dataclasses.replace(config, seq_len=options["seq_len"])
-    rows = max(1, options["global_batch"] // ctx.group.size)
-    curve = _efficiency_curve(ctx, config, rows, threads)
-    efficiency, half_rows = (
-        fit_half_rows(list(curve.items()))
-        if len(curve) > 1
-        else (curve[rows * config.seq_len], 0.0)
-    )
-    overlap = measure_overlap(ctx.group) if ctx.group.size > 1 else 1.0
-    return {
-        "link_latency_s": alpha,
-        "link_bandwidth_Bps": bandwidth,
-        "matmul_flops": slowest(-flops, ctx.group) * -1,  # the slowest rank's rate
-        "model_efficiency": curve[rows * config.seq_len],
-        "model_efficiency_by_tokens": {str(t): e for t, e in curve.items()},
-        "matmul_efficiency": efficiency,
-        "matmul_half_rows": half_rows,
-        "overlap_efficiency": slowest(-overlap, ctx.group) * -1,
-        "memory_bandwidth_Bps": slowest(-optimizer, ctx.group) * -1,
-        "idle_speedup": max(1.0, alone / (slowest(-flops, ctx.group) * -1)),
-        "threads": threads,
-    }
+    return calibrate_cluster(ctx, config, max(1, options["global_batch"] // ctx.group.size))
 
 
 def _run_plan(ctx: RankContext, model: str, text: str) -> dict[str, Any]:
@@ -203,32 +137,6 @@ def _predict(run: dict[str, Any], hardware, options: dict[str, Any]) -> dict[str
     return run
 
 
-def _hardware(calibration: dict[str, Any], ranks: int, matmul_flops: float):
-    """`hardware.local` from the calibration, at the matmul rate `matmul_flops`."""
-    return dataclasses.replace(
-        local(
-            matmul_flops,
-            calibration["link_bandwidth_Bps"],
-            memory_bytes=memory_bytes() / ranks,
-            devices_per_node=ranks,
-            latency=calibration["link_latency_s"],
-            reduce_scatter_as_all_reduce=True,  # gloo
-            memory_bandwidth=calibration["memory_bandwidth_Bps"],
-            idle_speedup=calibration["idle_speedup"],
-        ),
-        matmul_efficiency=calibration["matmul_efficiency"],
-        matmul_half_rows=calibration["matmul_half_rows"],
-        overlap_efficiency=calibration["overlap_efficiency"],
-    )
-
-
-def _matmul_rate_now(ctx: RankContext) -> float:
-    """The slowest rank's matmul FLOP/s, all ranks measuring at once, right now."""
-    dist.barrier(group=ctx.group.pg)
-    rate = measure_matmul_flops(torch.get_num_threads(), min_seconds=0.2)
-    return slowest(-rate, ctx.group) * -1
-
-
 def run_rank(ctx: RankContext) -> dict[str, Any]:
     """Calibrate on the cluster, run every plan of the cluster's size, predict each. The
     matmul rate is measured again just before each plan (a shared machine's speed drifts
@@ -242,10 +150,10 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
         jobs += [(options["moe_model"], t) for t in MOE_PLANS.get(p, [])]
     limit = options["plans"] or len(jobs)
     for model, text in jobs[:limit]:
-        rate = _matmul_rate_now(ctx)
+        rate = matmul_rate_now(ctx)
         run = _run_plan(ctx, model, text)
         run["matmul_flops"] = rate
-        runs.append(_predict(run, _hardware(calibration, p, rate), options))
+        runs.append(_predict(run, cluster_hardware(calibration, p, rate), options))
     return {
         "calibration": calibration,
         "runs": runs,
