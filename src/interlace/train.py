@@ -337,7 +337,8 @@ class Trainer:
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
         traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
-        measured_step = min(self.step + 1, cfg.steps - 1) if cfg.measure_memory else -1
+        # the third step: DDP rebuilds its gradient buckets in the second
+        measured_step = min(self.step + 2, cfg.steps - 1) if cfg.measure_memory else -1
         while self.step < cfg.steps:
             with self._traced(traced_step):
                 row = self._measured_step() if self.step == measured_step else self.train_step()

@@ -103,7 +103,7 @@ class TrainConfig:
     progress: bool = option(True, "show a progress bar")
     measure_memory: bool = option(
         True,
-        "measure each rank's memory on the run's second step (parameters, gradients, optimizer "
+        "measure each rank's memory on the run's third step (parameters, gradients, optimizer "
         "states, activations) beside the planner's estimate; on the CPU that step runs slower "
         "and is left out of the throughput means",
     )

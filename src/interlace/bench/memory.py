@@ -122,7 +122,7 @@ BENCHMARK = Benchmark(
         "One model at one global batch under `dp=N` (DDP), `dp=N` with `recompute=selective` "
         "and `full`, `dp_shard=N` (FSDP2) with and without full recomputation, and "
         "`dp_shard=N/2,tp=2`, all trained through the Trainer on the cluster's ranks. Memory "
-        "per rank is the Trainer's own measurement of the run's second step (parameters, "
+        "per rank is the Trainer's own measurement of the run's third step (parameters, "
         "gradients and AdamW states as the bytes of their storages before the update; "
         "activations as the most the step had allocated and kept at the end of any module's "
         "forward, gradients excepted, which counts FSDP's gathered parameters too; live tensor "
@@ -136,10 +136,7 @@ BENCHMARK = Benchmark(
         "counted at each rank's interface on a shaped link, as FSDP2's collectives bypass the "
         "comm meter). Its step can match DDP's only while those collectives hide under "
         "compute; on the CPU the gathers are asynchronous and issued a block ahead, the "
-        "reduce-scatters block the backward. Under DDP the "
-        "measured activations also hold DDP's gradient buckets (a copy of the gradients), "
-        "which DDP allocates anew in the measured step when it rebuilds them after the first; "
-        "`plan_memory` does not count them."
+        "reduce-scatters block the backward."
     ),
     table=table,
     plot=plot,
