@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import TINY_RUN
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
@@ -26,17 +27,7 @@ from interlace.train_config import TrainConfig
 LOSS_ATOL = 5e-3
 NORM_RTOL = 5e-3
 
-BASE = TrainConfig(
-    model="tiny",
-    steps=3,
-    global_batch=8,
-    eval_every=0,
-    out=None,
-    progress=False,
-    warmup_steps=1,
-    lr=5e-4,
-    precision="bf16",
-)
+BASE = dataclasses.replace(TINY_RUN, precision="bf16")
 
 
 def _model_file(tmp_path, preset: str, **changes) -> str:
