@@ -149,11 +149,23 @@ def test_sharded_run_resumes_exactly(tmp_path, plan_text):
             torch.testing.assert_close(value, before["params"][name], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("plan_text", ["dp_shard=2", "dp=2,dp_shard=2", "dp_shard=2,tp=2"])
-def test_bf16_sharded_plan_follows_the_serial_bf16_run(plan_text):
-    serial_run = _bf16_run(BF16, "dp=1", 1)
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "dp_shard=2",
+        "dp=2,dp_shard=2",
+        "dp_shard=2,tp=2",
+        "dp_shard=2,pp=2,micro_batches=2",
+        "dp_shard=2,ep=2",
+    ],
+)
+def test_bf16_sharded_plan_follows_the_serial_bf16_run(tmp_path, plan_text):
+    config = BF16
+    if "ep" in plan_text:
+        config = dataclasses.replace(BF16, model=_moe_file(tmp_path))
+    serial_run = _bf16_run(config, "dp=1", 1)
     world_size = Plan.parse(plan_text).world_size
-    for result in run_ranks(world_size, _bf16_run, BF16, plan_text, world_size):
+    for result in run_ranks(world_size, _bf16_run, config, plan_text, world_size):
         _assert_follows(result, serial_run)
 
 
