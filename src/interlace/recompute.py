@@ -41,9 +41,6 @@ from torch.utils.checkpoint import (
 
 from interlace.parallel.tensor.reduction import ReductionReplay
 
-BLOCK_MODES = ("none", "full", "selective")
-"""Recomputation of every block alike; the pipeline adds its per-stage modes to these."""
-
 KEPT_BY_SELECTIVE = frozenset(
     getattr(torch.ops.aten, name).default
     for name in (
@@ -72,7 +69,7 @@ def checkpoint_contexts(
 ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """(forward, recompute) contexts of one checkpointed call in `mode` ("full" or "selective"):
     the tensor-parallel reduction replay (`replay_reductions`), and for `selective` torch's
-    policy keeping matmul and attention outputs."""
+    policy keeping matmul and attention outputs (one of the two at least)."""
     contexts = []
     if replay_reductions:
         contexts.append(ReductionReplay.contexts())
@@ -80,8 +77,6 @@ def checkpoint_contexts(
         contexts.append(create_selective_checkpoint_contexts(_keep_matmuls))
     if len(contexts) == 1:
         return contexts[0]
-    if not contexts:
-        return contextlib.nullcontext(), contextlib.nullcontext()
     (record, replay), (keep_forward, keep_recompute) = contexts
     return _both(record, keep_forward), _both(replay, keep_recompute)
 

@@ -36,13 +36,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from interlace.errors import PlanError
 from interlace.parallel.detect import find_structure
 from interlace.parallel.pipeline.partition import seq_len_of
 from interlace.parallel.pipeline.stage import copy_head
 from interlace.parallel.tensor.interleave import deferral_scope
+from interlace.recompute import checkpointed
 
 Piece = Callable[[torch.Tensor], torch.Tensor]
 
@@ -199,8 +199,11 @@ class HFStage(nn.Module):
         """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
         last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
         with deferral_scope():
-            for piece, checkpointed in self.pieces():
-                x = checkpoint(piece, x, use_reentrant=False) if checkpointed else piece(x)
+            for piece, recomputed in self.pieces():
+                if recomputed:  # no tensor parallelism here: no reduction to replay
+                    x = checkpointed(piece, "full", x, replay_reductions=False)
+                else:
+                    x = piece(x)
         return x
 
     def pieces(self) -> list[tuple[Piece, bool]]:

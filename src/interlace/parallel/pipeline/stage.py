@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from interlace import comm
 from interlace.comm import Group
@@ -35,8 +34,8 @@ from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
 from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import VocabParallelHead
-from interlace.parallel.tensor.reduction import ReductionReplay
 from interlace.parallel.tensor.shard import copy_shard_spec
+from interlace.recompute import checkpointed
 from interlace.tensors import local_tensor
 
 TIED_GROUP_NAME = "pp_ends"
@@ -79,13 +78,9 @@ class GPTStage(nn.Module):
         """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
         last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
         with deferral_scope():
-            for piece, checkpointed in self.pieces():
-                if checkpointed:  # the replay reuses the forward's tensor parallel reductions
-                    x = checkpoint(
-                        piece, x, use_reentrant=False, context_fn=ReductionReplay.contexts
-                    )
-                else:
-                    x = piece(x)
+            for piece, recomputed in self.pieces():
+                # the replay reuses the forward's tensor parallel reductions
+                x = checkpointed(piece, "full", x) if recomputed else piece(x)
         return x
 
     def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:

@@ -57,12 +57,12 @@ draws the same masks as its forward whatever order the sub-batches took turns in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from interlace.errors import PlanError
 from interlace.parallel.detect import Structure
@@ -81,7 +81,7 @@ from interlace.parallel.tensor.interleave import (
     set_pending,
     take_pending,
 )
-from interlace.parallel.tensor.reduction import ReductionReplay
+from interlace.recompute import checkpointed
 
 _PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -100,12 +100,7 @@ def _checkpointed(forward: Callable) -> Callable:
     is left with nothing saved (and recomputes nothing), as the layer's outer graph node saves
     no tensor."""
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            forward, *args, use_reentrant=False, context_fn=ReductionReplay.contexts, **kwargs
-        )
-
-    return run
+    return functools.partial(checkpointed, forward, "full")
 
 
 def _batch_size(args: tuple, kwargs: dict, d_model: int) -> int | None:
