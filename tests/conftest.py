@@ -1,14 +1,23 @@
 """Test set-up: one intra-op thread before any compute, so forked ranks start fast and safe; the
 CPU as every test's device, GPU or not (INTERLACE_DEVICE=cpu, inherited by the ranks tests
-launch); tests marked `cuda` skipped without CUDA and run last, so no rank is forked from a
-process that has initialised CUDA."""
+launch). CUDA is hidden from the test process (CUDA_VISIBLE_DEVICES=""): once a process has run
+a backward pass with a GPU visible, autograd's device threads break the backward of every rank
+it forks. Tests marked `cuda` run each in a fresh interpreter that sees the machine's GPUs
+(`interlace.testing.run_fresh`), and are skipped, with the reason, where there is none."""
 
+import glob
 import os
+import subprocess
+import sys
 
-import pytest
-import torch
+MACHINE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")  # None: all of them
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from interlace.mesh import DEVICE_ENV
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from interlace.mesh import DEVICE_ENV  # noqa: E402
+from interlace.testing import run_fresh  # noqa: E402
 
 torch.set_num_threads(1)
 os.environ[DEVICE_ENV] = "cpu"
@@ -16,13 +25,35 @@ os.environ[DEVICE_ENV] = "cpu"
 # DDP imports torch._dynamo lazily; importing it once here spares every forked rank the cost.
 import torch._dynamo  # noqa: E402
 
+CUDA_ENV = {"CUDA_VISIBLE_DEVICES": MACHINE_GPUS, DEVICE_ENV: None}
+
+
+def _machine_has_cuda() -> bool:
+    """torch.cuda.is_available() as a process with the machine's GPUs visible sees it (asked
+    in a subprocess, so this one never initialises CUDA)."""
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return False
+    env = {k: v for k, v in os.environ.items() if k not in CUDA_ENV}
+    env |= {k: v for k, v in CUDA_ENV.items() if v is not None}
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"]
+    return subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "True"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `cuda` tests where CUDA is unavailable; move them after all others."""
-    items.sort(key=lambda item: item.get_closest_marker("cuda") is not None)
-    if torch.cuda.is_available():
+    """Skip `cuda` tests where the machine has no CUDA device."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items or _machine_has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(skip)
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run a `cuda` test in a fresh interpreter that sees the GPUs."""
+    if pyfuncitem.get_closest_marker("cuda") is None:
+        return None
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    run_fresh(pyfuncitem.obj, env=CUDA_ENV, timeout=240, **kwargs)
+    return True

@@ -1,15 +1,26 @@
-"""On a CUDA device (skipped elsewhere): a GPT step under bf16 autocast follows the fp32 step on
-the CPU, and the count sketch encodes and decodes bit for bit as on the CPU."""
+"""On a CUDA device (skipped elsewhere; each test in a fresh interpreter, see conftest): a GPT
+step under bf16 autocast follows the fp32 step on the CPU; the count sketch encodes and decodes
+bit for bit as on the CPU; grouped experts follow the per-expert loop; the Trainer's CUDA
+defaults (bf16, compiled blocks) follow its fp32 CPU run and report MFU."""
 
 import copy
+import dataclasses
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import TINY_RUN
 from interlace.compress import sketch
+from interlace.mesh import DEVICE_ENV
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
+from interlace.moe.grouped import grouped_mlp
+from interlace.plan import Plan
+from interlace.throughput import device_peak_tflops, model_flops_per_token
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
 
 pytestmark = pytest.mark.cuda
 
@@ -72,3 +83,60 @@ def test_count_sketch_on_cuda_equals_the_cpu():
     cpu, cuda = _sketch_round_trip("cpu"), _sketch_round_trip("cuda")
     for key, expected in cpu.items():
         assert torch.equal(cuda[key], expected), key
+
+
+def test_grouped_experts_in_bf16_on_cuda_follow_the_per_expert_loop_in_fp32():
+    """Sixteen experts' feed-forward on CUDA in one grouped call under bf16 autocast
+    (`F.grouped_mm` on sm90+, the padded bmm elsewhere) against each expert's own fp32 matmuls
+    on the CPU: output and every gradient within bf16's tolerance."""
+    gen = torch.Generator().manual_seed(0)
+    n_experts, d, ffn = 16, 64, 128
+    counts = torch.tensor([0, 5, 17, 3, 9, 0, 1, 30, 2, 8, 4, 6, 11, 0, 7, 1])
+    x = torch.randn(int(counts.sum()) + 4, d, generator=gen)  # 4 rows past Σ counts
+    w_up = torch.randn(n_experts, ffn, d, generator=gen) / d**0.5
+    w_down = torch.randn(n_experts, d, ffn, generator=gen) / ffn**0.5
+    b_up, b_down = torch.randn(n_experts, ffn, generator=gen), torch.randn(n_experts, d)
+    leaves = [t.requires_grad_() for t in (x, w_up, b_up, w_down, b_down)]
+
+    expected = torch.zeros_like(x)
+    for e, rows in enumerate(torch.arange(int(counts.sum())).split(counts.tolist())):
+        h = F.gelu(x[rows] @ w_up[e].T + b_up[e])
+        expected = expected.index_add(0, rows, h @ w_down[e].T + b_down[e])
+    expected_grads = torch.autograd.grad((expected**2).sum(), leaves)
+
+    cuda_leaves = [t.detach().cuda().requires_grad_() for t in leaves]
+    with torch.autocast("cuda", torch.bfloat16):
+        out = grouped_mlp(cuda_leaves[0], counts.cuda(), *cuda_leaves[1:], act=F.gelu)
+    grads = torch.autograd.grad((out.float() ** 2).sum(), cuda_leaves)
+    assert out.dtype == torch.bfloat16
+    assert (out.float().cpu() - expected).norm() <= GRAD_RTOL * expected.norm()
+    for grad, want in zip(grads, expected_grads, strict=True):
+        assert (grad.float().cpu() - want).norm() <= GRAD_RTOL * want.norm()
+
+
+def test_trainer_compiled_in_bf16_on_cuda_follows_fp32_on_the_cpu_and_reports_mfu():
+    """The Trainer's defaults on CUDA (bf16, compiled blocks) against the same run in fp32 on
+    the CPU: the loss of each of 4 steps within bf16's tolerance; every row carries tokens/s,
+    model TFLOP/s per device, MFU against the H100-class peak and peak device memory."""
+    run = dataclasses.replace(TINY_RUN, steps=4)
+    os.environ[DEVICE_ENV] = "cpu"
+    try:
+        cpu_rows = _train(run)
+    finally:
+        del os.environ[DEVICE_ENV]
+    setup = prepare_run(run, Plan(), 1)
+    assert (setup.precision, setup.compile) == ("bf16", True)
+    trainer = Trainer(setup)
+    rows = [trainer.train_step() for _ in range(run.steps)]
+    flops = model_flops_per_token(setup.model_config)
+    for row, cpu_row in zip(rows, cpu_rows, strict=True):
+        assert row["loss"] == pytest.approx(cpu_row["loss"], rel=LOSS_RTOL)
+        assert row["model_tflops"] == pytest.approx(flops * row["tokens_per_s"] / 1e12)
+        peak = device_peak_tflops(torch.device("cuda"), "bf16")
+        assert peak is None or row["mfu"] == pytest.approx(row["model_tflops"] / peak)
+        assert row["peak_memory_gib"] > 0
+
+
+def _train(run: TrainConfig) -> list[dict]:
+    trainer = Trainer(prepare_run(run, Plan(), 1))
+    return [trainer.train_step() for _ in range(run.steps)]

@@ -150,9 +150,10 @@ def test_plan_on_local_hardware_prices_the_precision_at_its_measured_rate(cache,
         assert main([*argv, "--global-batch", "8", *option]) == 0
         computes[" ".join(option)] = json.loads(capsys.readouterr().out)["plans"][0]["breakdown"]
     assert computes[""] == computes["--precision fp32"]
-    rate = _calibration().matmul_flops
-    threads = str(cal.threads_per_rank(1))
-    speedup = rate["bf16"][threads] / rate["fp32"][threads]
+    calibration, threads = _calibration(), cal.threads_per_rank(1)
+    speedup = calibration.flops_for_threads(threads, "bf16") / calibration.flops_for_threads(
+        threads, "fp32"
+    )
     assert computes["--precision fp32"]["compute"] == pytest.approx(
         speedup * computes["--precision bf16"]["compute"]
     )

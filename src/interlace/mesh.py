@@ -119,6 +119,7 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
     device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
     data_mesh = None
     if plan.sharded_data_parallel:  # torch has no public way to split a mesh dimension
-        split = device_mesh._unflatten("dp", (plan.dp, plan.dp_shard), SHARDED_DIMS)
+        # by index: torch 2.11's check of a named dimension is inverted and refuses "dp"
+        split = device_mesh._unflatten(names.index("dp"), (plan.dp, plan.dp_shard), SHARDED_DIMS)
         data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
     return Mesh(plan=plan, device_mesh=device_mesh, device=device, data_mesh=data_mesh)

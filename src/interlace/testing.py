@@ -117,6 +117,57 @@ def _wait_all(procs: list[mp.Process], tmp: str, timeout: float) -> None:
         raise RankFailed(_failure_message(procs, tmp))
 
 
+def run_fresh(
+    fn: Callable[..., Any],
+    *args: Any,
+    env: dict[str, str | None],
+    timeout: float = 600.0,
+    **kwargs: Any,
+) -> Any:
+    """Call `fn(*args, **kwargs)` in a fresh (spawned) interpreter whose environment is this
+    one's updated by `env` (None: unset); return its result, or raise RankFailed with its
+    traceback.
+
+    For what must not happen in this process: a test process that has run a backward pass with
+    a GPU visible cannot fork ranks that run one (autograd's device threads), so it keeps CUDA
+    hidden and runs its CUDA tests this way.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="interlace-fresh-") as tmp:
+        proc = ctx.Process(target=_fresh_main, args=(tmp, fn, args, kwargs))
+        saved = {key: os.environ.get(key) for key in env}
+        _set_environ(env)  # the child starts with this environment
+        try:
+            proc.start()
+        finally:
+            _set_environ(saved)
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise RankFailed(f"still running after {timeout:.0f} s (hang?)")
+        if proc.exitcode != 0:
+            raise RankFailed(_failure_message([proc], tmp))
+        return torch.load(Path(tmp) / "result0.pt", weights_only=False)
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _fresh_main(tmp: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    try:
+        result = fn(*args, **kwargs)
+        torch.save(result, Path(tmp) / "result0.pt")
+    except BaseException:
+        (Path(tmp) / "error0.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        os._exit(1)
+
+
 def _failure_message(procs: list[mp.Process], tmp: str) -> str:
     """The traceback of the rank that failed first; other failures are usually its echo."""
     failures = []

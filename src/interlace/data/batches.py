@@ -61,7 +61,7 @@ class TrainBatches:
 
     def global_batch(self, step: int) -> Batch:
         """Return the whole global batch of `step` as (x, y), each LongTensor [G, T]."""
-        return _split_xy(self.data.train_windows[self.window_indices(step)])
+        return _split_xy(self.data.train_windows.index_select(0, self.window_indices(step)))
 
     def micro_batches(
         self, step: int, dp_rank: int = 0, dp_size: int = 1, accum: int = 1
@@ -81,7 +81,7 @@ class TrainBatches:
             )
         per_rank = g // dp_size
         start = _check_step(step) * g + dp_rank * per_rank
-        windows = self.data.train_windows[self._indices(start, start + per_rank)]
+        windows = self.data.train_windows.index_select(0, self._indices(start, start + per_rank))
         return [_split_xy(chunk) for chunk in windows.split(per_rank // accum)]
 
     def state_dict(self, step: int) -> dict[str, int | str]:
@@ -119,14 +119,15 @@ class TrainBatches:
         return int(state["step"])
 
     def _indices(self, start: int, stop: int) -> torch.Tensor:
-        """Window indices of global samples [start, stop)."""
-        g = torch.arange(start, stop)
-        epochs, positions = g // self.num_windows, g % self.num_windows
-        out = torch.empty_like(g)
-        for epoch in epochs.unique().tolist():
-            mask = epochs == epoch
-            out[mask] = self._permutation(epoch)[positions[mask]]
-        return out
+        """Window indices of global samples [start, stop): slices of each epoch's permutation
+        (no indexing, which costs the step's host time)."""
+        pieces = []
+        while start < stop:
+            epoch, offset = divmod(start, self.num_windows)
+            take = min(stop - start, self.num_windows - offset)
+            pieces.append(self._permutation(epoch)[offset : offset + take])
+            start += take
+        return torch.cat(pieces)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:

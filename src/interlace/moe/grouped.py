@@ -59,7 +59,10 @@ def grouped_mm_applies(*operands: torch.Tensor) -> bool:
 
 def _aligned(t: torch.Tensor) -> bool:
     unit = 16 // t.element_size()
-    return t.storage_offset() % unit == 0 and all(s % unit == 0 for s in t.stride() if s != 1)
+    # a compiled graph allocates its operands itself, aligned (and torch.compile cannot trace
+    # storage_offset(): asking would break the graph)
+    offset = torch.compiler.is_compiling() or t.storage_offset() % unit == 0
+    return offset and all(s % unit == 0 for s in t.stride() if s != 1)
 
 
 def grouped_mlp(
@@ -81,7 +84,7 @@ def grouped_mlp(
     for the largest count."""
     dtype = compute_dtype(x)
     x, w_up, w_down = x.to(dtype), w_up.to(dtype), w_down.to(dtype)
-    b_up, b_down = (None if b is None else b.to(dtype) for b in (b_up, b_down))
+    b_up, b_down = [None if b is None else b.to(dtype) for b in (b_up, b_down)]
     n_experts = counts.shape[0]
     ends = torch.cumsum(counts, dim=0)
     position = torch.arange(x.shape[0], device=x.device)
@@ -101,7 +104,7 @@ def grouped_mlp(
     padded = x.new_zeros(trash + 1, x.shape[1]).index_copy(0, flat, x)
     h = act(_padded_linear(padded[:trash].view(n_experts, rows, x.shape[1]), w_up, b_up))
     y = _padded_linear(h, w_down, b_down).reshape(trash, w_down.shape[1])
-    return F.pad(y, (0, 0, 0, 1))[flat]
+    return F.pad(y, (0, 0, 0, 1)).index_select(0, flat)
 
 
 def _grouped_linear(

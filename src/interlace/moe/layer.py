@@ -55,7 +55,9 @@ class MoELayer(nn.Module):
         token = order // top_k
         counts = expert_counts(expert, n_experts + 1)[:n_experts]
         params = stack_parameters(self.experts)
-        y = mlp_experts(self.experts[0], params, tokens[token], counts, routing.capacity)
-        gate = routing.gate_weight.flatten()[order].unsqueeze(1).to(tokens.dtype)
+        # index_select, not indexing: its backward is an index_add, not a sorting index_put
+        rows = tokens.index_select(0, token)
+        y = mlp_experts(self.experts[0], params, rows, counts, routing.capacity)
+        gate = routing.gate_weight.flatten().index_select(0, order).unsqueeze(1).to(tokens.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token, y * gate)
         return out.view_as(x)

@@ -20,10 +20,12 @@ local piece, and sharded data parallelism is a share like the others.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils import get_total_norm
 
 from interlace import comm
 from interlace.comm import Group
@@ -41,17 +43,26 @@ class NormShare:
 
 def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = ()) -> torch.Tensor:
     """Global L2 norm (a 0-d fp32 tensor, equal on every rank) of the whole model's gradient,
-    from this rank's `parameters`; collective over every share's group (every rank calls it)."""
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
+    from this rank's `parameters`; collective over every share's group (every rank calls it).
+    The local part is torch's multi-tensor norm over the gradients alike in holders (a few
+    kernels, not a few per parameter)."""
+    grads = _local_grads(parameters)
+    by_holders: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for p, grad in grads.items():
+        by_holders[math.prod(share.holders(p) for share in shares)].append(grad)
+    device = next(iter(grads.values())).device if grads else torch.device("cpu")
     total = torch.zeros((), device=device)
-    for p in params:
-        held = math.prod(share.holders(p) for share in shares)
-        total += local_tensor(p.grad).detach().float().pow(2).sum() / held
+    for held, group in by_holders.items():
+        total += get_total_norm(group, foreach=True).float().square() / held
     for share in shares:
         if share.group.size > 1:
             comm.all_reduce(total, share.group)
     return total.sqrt()
+
+
+def _local_grads(parameters: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """{parameter: this rank's piece of its gradient} for the parameters that have one."""
+    return {p: local_tensor(p.grad).detach() for p in parameters if p.grad is not None}
 
 
 def clip_grad_norm_(
@@ -60,10 +71,13 @@ def clip_grad_norm_(
     """Scale the gradients in place by min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
     does for one process, with ‖g‖ the `grad_norm` over `shares`; returns ‖g‖ before clipping
     (max_norm = inf: only measure it)."""
-    params = [p for p in parameters if p.grad is not None]
+    params = list(parameters)
     norm = grad_norm(params, shares)
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            local_tensor(p.grad).detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for grad in _local_grads(params).values():
+            by_dtype[grad.dtype].append(grad)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, scale.to(dtype))  # what torch's own clipping calls
     return norm

@@ -250,8 +250,10 @@ class ExpertParallelMoE(nn.Module):
         output_splits = received.sum(dim=1).tolist()
 
         order = torch.argsort(expert, stable=True)
-        token, gate = token[order], gate[order]
-        inbox = all_to_all_rows(tokens[token], self.group, output_splits, input_splits)
+        token, gate = token[order], gate.index_select(0, order)
+        inbox = all_to_all_rows(
+            tokens.index_select(0, token), self.group, output_splits, input_splits
+        )
         self._issue_next_trans()  # flies during these experts and the non-MoE compute after
         results = self._run_local_experts(inbox, received)
         back = all_to_all_rows(results, self.group, input_splits, output_splits)
@@ -270,7 +272,7 @@ class ExpertParallelMoE(nn.Module):
         )
         order = torch.argsort(labels, stable=True)
         params = stack_parameters(self._local_experts())
-        y = self.run_experts(params, inbox[order], received.sum(dim=0).to(device))
+        y = self.run_experts(params, inbox.index_select(0, order), received.sum(dim=0).to(device))
         return torch.empty_like(y).index_copy(0, order, y)
 
     def run_experts(
@@ -362,9 +364,9 @@ class ExpertParallelMoE(nn.Module):
         held = torch.tensor(replicated_here, device=expert.device)
         replica = torch.searchsorted(held, expert)  # each assignment's row in `replicas`
         order = torch.argsort(replica, stable=True)
-        token, gate = token[order], gate[order]
+        token, gate = token[order], gate.index_select(0, order)
         counts = expert_counts(replica, len(replicated_here))
-        y = self.run_experts(params, tokens[token], counts)
+        y = self.run_experts(params, tokens.index_select(0, token), counts)
         out.index_add_(0, token, (y * gate.unsqueeze(1).to(y.dtype)).to(out.dtype))
 
     # ------------------------------------------------------------------ metrics

@@ -244,7 +244,8 @@ class PipelineRunner:
         if isinstance(self.schedule, ShiftedSchedule):
             self.schedule.step(x, y, backward=backward)
             return
-        args = (x.to(self.device),) if self.holds_first else ()
+        # contiguous: torch's stages compare an input's strides with the first step's
+        args = (x.to(self.device).contiguous(),) if self.holds_first else ()
         target = y.to(self.device) if self.holds_last else None
         run = self.schedule.step if backward else self.schedule.eval
         run(*args, target=target, return_outputs=False)
