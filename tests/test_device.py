@@ -21,6 +21,8 @@ def cuda_machine(monkeypatch):
     """One CUDA device reported, no CPU pin from the test session, outside torchrun."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # optimizers ask it where CUDA seems available; with the GPU hidden it would fail
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv(DEVICE_ENV)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 

@@ -330,6 +330,12 @@ def test_tensor_parallel_resume_continues_the_same_trajectory(tmp_path):
         _assert_same_run(after, {"rows": before["rows"][2:], "params": before["params"]}, 1e-6)
 
 
+PARAM_ATOL = 2e-5
+"""Parameters after TINY_RUN's 3 steps: an update is up to lr = 5e-4 per step, and Adam turns
+the rounding of a near-zero gradient element into an update difference (1.4e-5 at most seen, on
+one element of 16384, under torch 2.11's kernels); a wrong gradient moves them by ~lr."""
+
+
 def _assert_follows_serial(result, serial_run):
     """Same losses and gradient norms per step and same values of every parameter this rank
     holds (a subset of the serial model's, under the same names)."""
@@ -340,7 +346,7 @@ def _assert_follows_serial(result, serial_run):
         [r["grad_norm"] for r in serial_run["rows"]], rel=1e-5
     )
     for name, value in result["params"].items():
-        torch.testing.assert_close(value, serial_run["params"][name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(value, serial_run["params"][name], atol=PARAM_ATOL, rtol=0)
 
 
 def _dropless_moe_file(tmp_path):

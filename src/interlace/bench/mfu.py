@@ -36,6 +36,7 @@ from interlace.train_config import TrainConfig
 
 LOOP_MODES = {"loop_fp32": ("fp32", False), "loop_bf16": ("bf16", False)}
 LOOP_COMPILED = {"loop_bf16_compile": ("bf16", True)}
+DENSE_SUFFIX = "(dense equivalent)"
 
 
 def shape(name: str, options: dict[str, Any]) -> GPTConfig:
@@ -109,7 +110,7 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
             config = shape(name, options)
             shapes = [(name, config)]
             if config.n_experts:
-                shapes.append((f"{name} (dense equivalent)", dense_equivalent(config)))
+                shapes.append((f"{name} {DENSE_SUFFIX}", dense_equivalent(config)))
             for label, cfg in shapes:
                 results = {"trainer": time_trainer(cfg, options, Path(tmp))}
                 for mode, (precision, compiled) in modes.items():
@@ -203,14 +204,21 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def headline(doc: dict[str, Any]) -> str:
-    """The Trainer's tokens/s against the plain loop's best, per model."""
+    """The Trainer's tokens/s against the plain loop's best, per model; a MoE model's Trainer
+    against its dense equivalent's."""
     rows = doc["result"]["rows"]
+    trainer = {r["model"]: r for r in rows if r["mode"] == "trainer"}
     parts = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        trainer = next(r for r in rows if r["model"] == model and r["mode"] == "trainer")
-        ratio = trainer["tokens_per_s"] / _best_loop(rows, model)
-        mfu = "" if trainer["mfu"] is None else f", MFU {trainer['mfu']:.1%}"
-        parts.append(f"{model}: Trainer {ratio:.2f}x the plain loop{mfu}")
+    for model, row in trainer.items():
+        ratio = row["tokens_per_s"] / _best_loop(rows, model)
+        mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.1%}"
+        dense = trainer.get(f"{model} {DENSE_SUFFIX}")
+        versus = (
+            ""
+            if dense is None
+            else f", {row['tokens_per_s'] / dense['tokens_per_s']:.2f}x its dense equivalent"
+        )
+        parts.append(f"{model}: Trainer {ratio:.2f}x the plain loop{mfu}{versus}")
     return "; ".join(parts)
 
 
@@ -228,7 +236,8 @@ BENCHMARK = Benchmark(
         "torch.compile) for each model shape at its own vocabulary (padded to a multiple of "
         "128), on uniform random tokens; a MoE preset also beside its dense equivalent. "
         "Tokens/s is the median over timed steps after warm-up; MFU is model FLOPs "
-        "(6N + 12LTd per token) over the device's dense peak in the mode's precision."
+        "(6N + 12LTd per token) over the device's dense peak in the mode's precision (fp32: "
+        "the peak without TF32, which the loop leaves off)."
     ),
     table=table,
     plot=plot,
