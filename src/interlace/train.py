@@ -39,16 +39,17 @@ from interlace.data import (
 )
 from interlace.data import load_corpus as read_corpus
 from interlace.data.tokens import SYNTHETIC
-from interlace.errors import NonFiniteError, OutputError
+from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import measure_step
 from interlace.mesh import Mesh, default_device
+from interlace.models import hf
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel.data.apply import check_reduce_dtype
-from interlace.parallel.parallelize import parallelize
+from interlace.parallel.parallelize import check_fits, parallelize
 from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
@@ -76,6 +77,9 @@ class RunSetup:
     corpus: str
     precision: str
     compile: bool
+    hf_config: Any = None
+    """The transformers config of a `hf:PATH` model (None for the built-in GPT, whose config
+    is `model_config`; for a HF model `model_config` is its shape, `hf.shape_of`)."""
 
 
 SYNTHETIC_BATCHES = 16
@@ -86,7 +90,12 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     """Check everything that can be checked before training (config, preset, data, plan against
     world size and model) and build the tokenized data. Raises an InterlaceError subclass."""
     config.validate()
-    model_config = get_preset(config.model)
+    folder = hf.hf_folder(config.model)
+    hf_config = hf.load_config(folder) if folder is not None else None
+    if hf_config is not None:
+        model_config = hf.shape_of(hf_config, config.seq_len)
+    else:
+        model_config = get_preset(config.model)
     seq_len = config.seq_len or model_config.seq_len
     if config.data == SYNTHETIC:  # the preset's vocabulary, random tokens
         model_config = dataclasses.replace(model_config, seq_len=seq_len)
@@ -97,20 +106,21 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     else:  # the tokenizer's vocabulary
         text = read_corpus(config.data)
         tokenizer = get_tokenizer(config.tokenizer, text)
-        model_config = dataclasses.replace(
-            model_config, vocab_size=tokenizer.vocab_size, seq_len=seq_len
-        )
+        vocab = tokenizer.vocab_size if hf_config is None else model_config.vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise DataError(
+                f"tokenizer '{config.tokenizer}' has {tokenizer.vocab_size} ids but the model's "
+                f"embedding only {vocab}; use the model's own tokenizer (or a smaller one)"
+            )
+        model_config = dataclasses.replace(model_config, vocab_size=vocab, seq_len=seq_len)
         make_data = functools.partial(TokenData.from_text, text, tokenizer, seq_len)
     model_config.validate()
     plan.validate(world_size, model_config)
     accum = config.accumulation(plan.dp_size)
     plan.micro_batch_rows(config.global_batch, accum)
-    check_split(
-        build_model(model_config, device="meta"),
-        plan,
-        config.split_points or None,
-        config.layers_per_stage or None,
-    )
+    shapes = _build_model(model_config, hf_config, config.model, torch.device("meta"))
+    check_fits(shapes, plan)
+    check_split(shapes, plan, config.split_points or None, config.layers_per_stage or None)
     data = make_data()
     TrainBatches(data, config.global_batch, config.seed)  # raises if the corpus is too small
     device = default_device()
@@ -118,14 +128,30 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     compiled = resolve_compile(config.compile, device, plan)
     check_reduce_dtype(plan, config.grad_reduce_dtype)
     corpus = describe_corpus(config.data)
-    return RunSetup(config, plan, model_config, data, corpus, precision, compiled)
+    return RunSetup(config, plan, model_config, data, corpus, precision, compiled, hf_config)
+
+
+def _build_model(
+    model_config: GPTConfig, hf_config: Any, name: str, device: torch.device
+) -> torch.nn.Module:
+    """The run's model on `device`: the built-in GPT of `model_config`, or the `hf:PATH` model
+    `name` of `hf_config` (its weights loaded where the folder has them)."""
+    if hf_config is None:
+        return build_model(model_config, device=device)
+    folder = hf.hf_folder(name)
+    assert folder is not None
+    if device.type == "meta":  # shapes only: never read the weights
+        with device:
+            return hf.build_from_config(hf_config)
+    return hf.build(folder, hf_config, device)
 
 
 def run_identity(setup: RunSetup) -> dict[str, Any]:
     """What a checkpoint must share with a run to resume it: the model, the data and the order
     it is drawn in. The plan, the world size, the precision and the global batch may change."""
+    hf_config = setup.hf_config
     return {
-        "model": setup.model_config.to_dict(),
+        "model": setup.model_config.to_dict() if hf_config is None else hf.identity(hf_config),
         "data": {"fingerprint": setup.data.fingerprint, "seed": setup.config.seed},
     }
 
@@ -181,7 +207,7 @@ class Trainer:
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.accum = self.config.accumulation(self.dp_size)
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
-        model = build_model(setup.model_config, device=self.device)
+        model = _build_model(setup.model_config, setup.hf_config, setup.config.model, self.device)
         self.parallel = parallelize(
             model,
             self.plan,
@@ -437,7 +463,11 @@ class Trainer:
             "title": f"{self.config.model} · {self.plan} · {self.setup.corpus}",
             "plan": self.plan.to_dict(),
             "plan_str": str(self.plan),
-            "model": {**model_config.to_dict(), "params": model_config.num_params()},
+            "model": {
+                **model_config.to_dict(),
+                "params": model_config.num_params(),
+                **({} if self.setup.hf_config is None else {"hf": self.config.model}),
+            },
             "train": self.config.to_dict(),
             "world_size": self.plan.world_size,
             "device": str(self.device),

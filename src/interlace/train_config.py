@@ -23,7 +23,8 @@ class TrainConfig:
 
     model: str = option(
         "demo",
-        "model preset, or a .json file of GPTConfig fields; see `interlace plan --list`",
+        "model preset, a .json file of GPTConfig fields (see `interlace plan --list`), or "
+        "hf:PATH, a Hugging Face causal LM folder (config.json, safetensors weights optional)",
         metavar="PRESET",
         aliases=("--preset",),
     )

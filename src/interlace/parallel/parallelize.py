@@ -61,7 +61,7 @@ from interlace.parallel.expert.grads import (
 from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.grad_norm import NormShare, clip_grad_norm_
-from interlace.parallel.pipeline.runner import PipelineRunner
+from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.moe import check_expert_blocks
@@ -257,17 +257,17 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     model, plan = result.model, result.plan
     sequence_parallel = plan.sequence_parallel
     if plan.tensor_parallel:
-        structure = _structure(model, f"tp={plan.tp}")
-        subbatches = plan.overlap.tp_subbatches
-        check_divisible(structure, plan.tp)
-        check_expert_blocks(model, structure, plan.tp, subbatches)
-        check_tp_overlap(structure, subbatches, sequence_parallel)
+        structure = _check_tensor(model, plan)
         tp = mesh.group("tp")
         result.report += apply_tensor_parallel(
             model, structure, tp, sequence_parallel, gather_logits
         )
         result.report += apply_tp_overlap(
-            model, structure, subbatches, sequence_parallel, plan.overlap.tp_block_boundary
+            model,
+            structure,
+            plan.overlap.tp_subbatches,
+            sequence_parallel,
+            plan.overlap.tp_block_boundary,
         )
         if not gather_logits:
             result.scores = lambda logits, targets: vocab_parallel_cross_entropy(
@@ -280,8 +280,7 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
             layouts={name: (tp_mesh, p) for name, p in tensor_layouts(model, tp_mesh).items()},
         )
     if plan.tensor3d_parallel:
-        structure = _structure(model, "tp3d")
-        check_tensor3d(model, structure, plan.tp3d)  # type: ignore[arg-type]
+        structure = _check_tensor3d(model, plan)
         grid = Grid.from_mesh(mesh)
         result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
         if grid.z.size > 1:
@@ -423,6 +422,33 @@ def _layers(result: Parallelized, what: str) -> str:
     if result.layers is None:
         raise PlanError(f"{what}: the model has no layer list (an nn.ModuleList of blocks)")
     return result.layers
+
+
+def check_fits(model: nn.Module, plan: Plan) -> None:
+    """PlanError, naming what blocks it, if `plan`'s tensor and pipeline splits cannot run on
+    `model` (which may live on the meta device): the checks `parallelize` makes before it
+    splits anything, without a mesh, so a launcher can run them before starting ranks."""
+    if plan.tensor_parallel:
+        _check_tensor(model, plan)
+    if plan.tensor3d_parallel:
+        _check_tensor3d(model, plan)
+    if plan.pipelined:
+        check_pipelined(model, plan)
+
+
+def _check_tensor(model: nn.Module, plan: Plan) -> Structure:
+    structure = _structure(model, f"tp={plan.tp}")
+    subbatches = plan.overlap.tp_subbatches
+    check_divisible(structure, plan.tp)
+    check_expert_blocks(model, structure, plan.tp, subbatches)
+    check_tp_overlap(structure, subbatches, plan.sequence_parallel)
+    return structure
+
+
+def _check_tensor3d(model: nn.Module, plan: Plan) -> Structure:
+    structure = _structure(model, "tp3d")
+    check_tensor3d(model, structure, plan.tp3d)  # type: ignore[arg-type]
+    return structure
 
 
 def _structure(model: nn.Module, what: str) -> Structure:

@@ -308,21 +308,27 @@ class PipelineRunner:
         )
 
 
-def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | None:
-    """Refuse what the runner cannot run; return a HF decoder's parts (None for the GPT)."""
-    parts = None
+def check_pipelined(model: nn.Module, plan: Plan) -> DecoderParts | None:
+    """PlanError if the runner cannot run `model` (the whole model, before any split; the
+    meta device will do) under `plan`; a HF decoder's parts (None for the built-in GPT)."""
     if not isinstance(model, GPT):
         if plan.tensor_parallel:
             raise PlanError(
                 f"pipeline × tensor parallelism runs the built-in GPT only; got "
                 f"{type(model).__name__} with tp={plan.tp}: use tp=1 for Hugging Face models"
             )
-        parts = DecoderParts.read(model)
-    elif model.config.is_moe:
+        return DecoderParts.read(model)
+    if model.config.is_moe:
         raise PlanError(
             "pp>1 with Mixture-of-Experts layers is not supported yet (the load-balancing "
             "loss would be lost between stages); use pp=1 or a dense model"
         )
+    return None
+
+
+def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | None:
+    """Refuse what the runner cannot run; return a HF decoder's parts (None for the GPT)."""
+    parts = check_pipelined(model, plan)
     plan.validate(mesh.device_mesh.size())  # the supported combinations
     if plan.tensor_parallel and not isinstance(model.lm_head, VocabParallelHead):
         raise PlanError(

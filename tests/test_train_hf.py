@@ -1,0 +1,99 @@
+"""Hugging Face causal LMs as a run's model (`--model hf:PATH`): tiny GPT-2, Llama and Mixtral
+folders written by `save_pretrained` train through the Trainer under dp=2, tp=2, pp=2 and (the
+MoE model) ep=2 with the losses of the single-process run step for step; the folder's weights
+are the ones trained (the first loss is the HF model's own on the same batch); what cannot run
+is refused before any rank starts."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TINY_RUN
+from hf_models import needs_hf, tiny_hf_model, transformers
+from interlace.cli import main
+from interlace.errors import ConfigError, DataError, PlanError
+from interlace.mesh import build_mesh
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+
+pytestmark = needs_hf
+
+VOCAB = 320  # above the byte tokenizer's 256 ids, apart from every feed-forward width
+PLANS = {
+    "gpt2": ["dp=2", "tp=2", "pp=2,micro_batches=2"],
+    "llama": ["dp=2", "tp=2,sequence_parallel=true", "pp=2,micro_batches=2"],
+    "mixtral": ["dp=2", "dp=2,ep=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    """{kind: hf:PATH} of tiny models saved with weights moved off their initialisation (so a
+    model built from the config alone, with the run's seed, would differ)."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in PLANS:
+        model = tiny_hf_model(kind, 32, 2, VOCAB, positions=32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        model.save_pretrained(root / kind)
+        out[kind] = f"hf:{root / kind}"
+    return out
+
+
+def _losses(model: str, plan_text: str, world_size: int) -> list[float]:
+    plan = Plan.parse(plan_text)
+    config = dataclasses.replace(TINY_RUN, model=model)
+    mesh = build_mesh(plan) if world_size > 1 else None
+    trainer = Trainer(prepare_run(config, plan, world_size), mesh)
+    return [trainer.train_step()["loss"] for _ in range(config.steps)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "plan_text"), [(kind, plan) for kind, plans in PLANS.items() for plan in plans]
+)
+def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_text):
+    serial = _losses(folders[kind], "dp=1", 1)
+    for losses in run_ranks(2, _losses, folders[kind], plan_text, 2, timeout=120):
+        assert losses == pytest.approx(serial, abs=1e-5)
+
+
+def test_the_folder_weights_are_trained_from_their_own_first_loss(folders):
+    """The Trainer's first loss is the HF model's own (loaded by transformers) on that batch."""
+    setup = prepare_run(dataclasses.replace(TINY_RUN, model=folders["llama"]), Plan(), 1)
+    trainer = Trainer(setup)
+    (x, y), *_ = trainer.batches.micro_batches(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"][3:])
+    with torch.no_grad():
+        expected = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+    assert trainer.train_step()["loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_a_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        prepare_run(dataclasses.replace(TINY_RUN, model=f"hf:{tmp_path}"), Plan(), 1)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(folders):
+    config = dataclasses.replace(TINY_RUN, model=folders["gpt2"], tokenizer="bpe")
+    with pytest.raises(DataError, match=f"the model's embedding only {VOCAB}"):
+        prepare_run(config, Plan(), 1)
+
+
+def test_a_split_the_model_cannot_run_is_refused_before_launch(folders, tmp_path, capsys):
+    """pipeline × tensor parallelism of a HF model: exit 2, one line, no rank, no files."""
+    with pytest.raises(PlanError, match="use tp=1 for Hugging Face models"):
+        prepare_run(
+            dataclasses.replace(TINY_RUN, model=folders["gpt2"]),
+            Plan.parse("pp=2,tp=2,micro_batches=2"),
+            4,
+        )
+    out = tmp_path / "run"
+    argv = ["train", "--model", folders["gpt2"], "--plan", "pp=2,tp=2,micro_batches=2"]
+    assert main([*argv, "--nproc", "4", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not out.exists()
