@@ -441,7 +441,7 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="the step whose checkpoint to export (default: the newest valid one)",
+        help="the step whose checkpoint to export (none: the newest valid one)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
 
