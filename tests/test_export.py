@@ -7,7 +7,9 @@ bad input are refused with one line (exit code 2) and nothing written. No networ
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from helpers import TINY_RUN
 from interlace.cli import main
 from interlace.data.corpus import load_corpus
 from interlace.data.tokenizer import get_tokenizer
+from interlace.export import hf_folder
 from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
@@ -173,6 +176,22 @@ def test_a_non_empty_out_is_kept_unless_overwrite(capsys, tiny_run, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left beside it
 
 
+def test_a_failed_write_leaves_out_as_it_was(capsys, tiny_run, tmp_path, monkeypatch):
+    def disk_full(weights, file):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+
+    monkeypatch.setattr(hf_folder, "_save_safetensors", disk_full)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["export", str(tiny_run), "--to", "hf", str(out), "--overwrite"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
 def test_an_out_holding_the_run_is_refused_even_with_overwrite(capsys, tiny_run):
     argv = ["export", str(tiny_run), "--to", "hf", str(tiny_run.parent), "--overwrite"]
     expect_usage_error(capsys, argv, "holds the run")
@@ -183,6 +202,16 @@ def test_a_mixture_of_experts_model_is_refused(capsys, tmp_path):
     run = _trained(tmp_path / "run", "dp=1", dataclasses.replace(BASE, model="moe-tiny", steps=1))
     argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
     expect_usage_error(capsys, argv, "Mixture-of-Experts layers (n_experts=4 in layers [1])")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_model_without_biases_is_refused(capsys, tmp_path):
+    spec = dataclasses.replace(get_preset("tiny"), bias=False)
+    (tmp_path / "no-bias.json").write_text(json.dumps(spec.to_dict()))
+    config = dataclasses.replace(BASE, model=str(tmp_path / "no-bias.json"), steps=1)
+    run = _trained(tmp_path / "run", "dp=1", config)
+    argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, "the model has no biases (bias=false)")
     assert not (tmp_path / "hf").exists()
 
 

@@ -3,8 +3,8 @@ GPT-2 folder that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads
 
 OUT receives `model.safetensors` (fp32), `config.json` and, where the run has one, its
 tokenizer (`tokenizer_file.py`). Everything is checked before anything is written, and the
-folder is written beside OUT under a hidden name, then renamed over it: an error leaves OUT as
-it was, never half-written.
+folder is written beside OUT under a hidden name, then renamed over it: an error (a full disk
+too) leaves OUT as it was, never half-written.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from interlace.checkpoint import checkpoint_at, resolve_checkpoint, verify_checkpoint
-from interlace.errors import ConfigError, ExportError
+from interlace.errors import ConfigError, ExportError, OutputError
 from interlace.export.full_state import read_full_state
 from interlace.export.gpt2 import check_expressible, gpt2_config, gpt2_state
 from interlace.export.tokenizer_file import write_tokenizer
@@ -75,20 +75,26 @@ def _check_out(run: Path, out: Path, overwrite: bool) -> None:
 @contextlib.contextmanager
 def _replaced_folder(out: Path) -> Iterator[Path]:
     """A new hidden folder beside `out` to write into; when the block ends its files are
-    fsync'd and it replaces `out`, or it is removed if the block raised."""
+    fsync'd and it replaces `out`, or it is removed if the block raised (an OSError, such as a
+    full disk, as one OutputError line)."""
     tmp, old = (out.with_name(f".{out.name}.{suffix}") for suffix in ("partial", "old"))
     for stale in (tmp, old):  # left by an export that was killed
         shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         yield tmp
         for file in tmp.iterdir():
             fsync_path(file)
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            where = f" ('{exc.filename}')" if exc.filename else ""
+            raise OutputError(
+                f"writing '{out}' failed: {exc.strerror or exc}{where}; it was left as it was"
+            ) from exc
         raise
     shutil.rmtree(old, ignore_errors=True)
     fsync_path(out.parent)
