@@ -44,7 +44,12 @@ def read_full_state(
     }
     with single_process_is_intended():
         dcp.load(request, checkpoint_id=checkpoint)
-    return {name: torch.cat([request[k] for k in keys], d) for name, (keys, d) in sources.items()}
+    return {name: _joined([request[k] for k in keys], d) for name, (keys, d) in sources.items()}
+
+
+def _joined(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The pieces concatenated along `dim`; a single piece as it is (no copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def _stored_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:

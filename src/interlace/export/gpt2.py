@@ -94,8 +94,8 @@ def _activation(act: nn.Module) -> str:
 def gpt2_state(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """GPT-2's state dict from the built-in GPT's full `state` ({parameter name: tensor}, a
     tied head under `wte.weight` only): Linear weights [out, in] become Conv1D's [in, out],
-    q|k|v one c_attn ([d, 3d] weight, [3d] bias). Every tensor contiguous and its own memory,
-    as safetensors requires."""
+    q|k|v one c_attn ([d, 3d] weight, [3d] bias). Every tensor contiguous, as safetensors
+    requires (the tensors of `state` must not share memory: they do not, as read)."""
     out = {
         "transformer.wte.weight": state["wte.weight"],
         "transformer.wpe.weight": state["wpe.weight"],
@@ -115,4 +115,4 @@ def gpt2_state(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
         for mine, conv in _PROJECTIONS:
             out[f"{theirs}{conv}.weight"] = state[f"{ours}{mine}.weight"].T
             out[f"{theirs}{conv}.bias"] = state[f"{ours}{mine}.bias"]
-    return {name: tensor.contiguous().clone() for name, tensor in out.items()}
+    return {name: tensor.contiguous() for name, tensor in out.items()}

@@ -34,7 +34,7 @@ def export_hf(run: Path, out: Path, step: int | None = None, overwrite: bool = F
     as a Hugging Face GPT-2 folder `out`; returns lines telling what was written. Raises an
     InterlaceError subclass, with `out` untouched, for a missing or corrupt checkpoint, a model
     GPT-2 cannot express, pieces that cannot be joined, or a non-empty `out` without
-    `overwrite`."""
+    `overwrite`; OutputError if writing `out` fails (`out` untouched then too)."""
     run, out = Path(run), Path(out)
     _check_out(run, out, overwrite)
     checkpoint = resolve_checkpoint(run) if step is None else checkpoint_at(run, step)
@@ -101,11 +101,13 @@ def _replaced_folder(out: Path) -> Iterator[Path]:
 
 
 def _save_safetensors(weights: dict[str, torch.Tensor], file: Path) -> None:
-    """`weights` as a safetensors `file` (written as any file, with the usual permissions)."""
+    """`weights` as a safetensors `file`, readable as its folder is (safetensors creates files
+    readable by their owner only)."""
     try:
-        from safetensors.torch import save
+        from safetensors.torch import save_file
     except ImportError:
         raise ConfigError(
             "export to hf needs the `safetensors` package: pip install 'interlace[hf]'"
         ) from None
-    file.write_bytes(save(weights, metadata={"format": "pt"}))
+    save_file(weights, file, metadata={"format": "pt"})
+    file.chmod(file.parent.stat().st_mode & 0o666)
