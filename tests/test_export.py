@@ -2,7 +2,8 @@
 and pp loads as `transformers.GPT2LMHeadModel`, whose logits equal those of the interlace model
 resumed from the same checkpoint on one process (fp32); 1D tensor-parallel pieces kept per rank
 (dp_shard with tp) are joined back; what GPT-2 cannot express, pieces that cannot be joined and
-bad input are refused with one line (exit code 2) and nothing written. No network."""
+bad input are refused with one line (exit code 2) and nothing written; a failed write (exit
+code 3) leaves OUT as it was. No network."""
 
 from __future__ import annotations
 
