@@ -212,7 +212,7 @@ def _write_folder(
     writer = dcp.FileSystemWriter(tmp, per_thread_copy_ahead=10_000_000 if on_gpu else 0)
     rng_file = tmp / f"rng-rank{_rank()}.pt"
     try:
-        with _single_process_is_intended():  # DCP fsyncs its files (sync_files=True)
+        with single_process_is_intended():  # DCP fsyncs its files (sync_files=True)
             dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
         torch.save(_rng_state(), rng_file)
     except (CheckpointException, RuntimeError) as exc:
@@ -253,6 +253,22 @@ def resolve_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint path '{path}' does not exist")
     raise CheckpointError(f"'{path}' holds no checkpoint (no {_META}, no checkpoints/{_LATEST})")
+
+
+def checkpoint_at(run: Path, step: int) -> Path:
+    """The checkpoint of `step` in the run folder `run` (`<run>/checkpoints/step-N`); raises
+    CheckpointError naming the steps kept there if it has none of that step."""
+    root = Path(run) / "checkpoints"
+    folder = root / checkpoint_name(step)
+    if folder.is_dir():
+        return folder
+    steps = sorted(
+        int(p.name.removeprefix("step-"))
+        for p in root.glob("step-*")
+        if p.is_dir() and not p.name.endswith(".tmp")
+    )
+    kept = ", ".join(map(str, steps)) if steps else "none"
+    raise CheckpointError(f"run '{run}' has no checkpoint of step {step}; steps kept: {kept}")
 
 
 def _newest_valid(root: Path, named: Path) -> Path:
@@ -346,7 +362,7 @@ def load_checkpoint(
     param_groups = copy.deepcopy(optim_state["param_groups"])
     state = {"model": model_state, "optim": optim_state}
     try:
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.load(state, checkpoint_id=path)
     except (CheckpointException, RuntimeError) as exc:
         raise CheckpointError(
@@ -370,7 +386,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
+def single_process_is_intended() -> Iterator[None]:
     """Silence DCP's warning that it runs without a process group: one process is a valid run."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

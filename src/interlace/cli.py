@@ -1,4 +1,5 @@
-"""The `interlace` command line: `train`, `plan`, `svm` and `bench` (each with `--help`).
+"""The `interlace` command line: `train`, `plan`, `export`, `svm` and `bench` (each with
+`--help`).
 
 Bad input is reported as one line on stderr with exit code 2, before anything is written or any
 rank is started.
@@ -426,9 +427,42 @@ def _svm(args: argparse.Namespace, argv: list[str]) -> int:
     return run_svm(args)
 
 
+def _add_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN_DIR", help="the run folder (train's --out)")
+    p.add_argument("out", metavar="OUT", help="the folder to write")
+    p.add_argument(
+        "--to",
+        choices=["hf"],
+        required=True,
+        help="format: hf, a Hugging Face GPT-2 folder (model.safetensors, config.json)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the step whose checkpoint to export (none: the newest valid one)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+
+
+def _export(args: argparse.Namespace, argv: list[str]) -> int:
+    """`interlace export`: one checkpoint of a run written in another format."""
+    from interlace.export.hf_folder import export_hf
+
+    for line in export_hf(Path(args.run), Path(args.out), args.checkpoint, args.overwrite):
+        print(line)
+    return 0
+
+
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model (the main job)", _add_train_args, _train),
     "plan": ("check a plan against a model and world size, and describe it", _add_plan_args, _plan),
+    "export": (
+        "write a run's checkpoint as a Hugging Face model folder",
+        _add_export_args,
+        _export,
+    ),
     "svm": ("fit a sparse SVM with a nonconvex penalty by ADMM", _add_svm_args, _svm),
     "bench": (
         "measure side by side on an emulated, bandwidth-shaped cluster",

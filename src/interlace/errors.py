@@ -29,6 +29,11 @@ class CheckpointError(InterlaceError):
     """A checkpoint that is missing, corrupt or does not match the current run."""
 
 
+class ExportError(InterlaceError):
+    """A checkpoint that cannot be exported as asked: a model or a split the target format or
+    the reader cannot express exactly, or an output folder in the way."""
+
+
 class RunStopped(RuntimeError):
     """A run that started and stopped before its last step; `exit_code` is the CLI's."""
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 TOKENIZER_NAMES = ("byte", "bpe")
 BYTE_VOCAB = 256
+BPE_VOCAB = 4096
+"""The vocabulary size a "bpe" tokenizer is trained to unless told otherwise."""
 
 
 class Tokenizer(Protocol):
@@ -76,13 +78,14 @@ class BPETokenizer:
 
     @classmethod
     def train(
-        cls, text: str, vocab_size: int = 4096, cache_dir: str | os.PathLike[str] | None = None
+        cls,
+        text: str,
+        vocab_size: int = BPE_VOCAB,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> "BPETokenizer":
-        """Train on `text` (or load the cached result of an identical earlier training).
-
-        The cache file is `<cache_dir>/bpe-<vocab_size>-<sha256(text)[:16]>.json`; `cache_dir`
-        defaults to `default_cache_dir()`. The vocabulary may come out smaller than `vocab_size`
-        on a short text. Raises `DataError` if `tokenizers` is missing or `vocab_size` < 256.
+        """Train on `text` (or load the cached result of an identical earlier training, kept in
+        `bpe_cache_file`). The vocabulary may come out smaller than `vocab_size` on a short
+        text. Raises `DataError` if `tokenizers` is missing or `vocab_size` < 256.
         """
         tk = _import_tokenizers()
         if vocab_size < BYTE_VOCAB:
@@ -90,9 +93,7 @@ class BPETokenizer:
                 f"bpe vocab_size={vocab_size} is below the {BYTE_VOCAB} byte symbols: "
                 f"use at least {BYTE_VOCAB} (e.g. 4096)"
             )
-        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-        folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        cached = folder / f"bpe-{vocab_size}-{digest}.json"
+        cached = bpe_cache_file(text, vocab_size, cache_dir)
         if cached.is_file():
             with contextlib.suppress(Exception):  # a corrupt entry is trained again, overwritten
                 return cls(tk.Tokenizer.from_file(str(cached)))
@@ -106,7 +107,7 @@ class BPETokenizer:
             show_progress=False,
         )
         tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
-        folder.mkdir(parents=True, exist_ok=True)
+        cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
         tokenizer.save(str(partial))
         os.replace(partial, cached)
@@ -128,11 +129,22 @@ def default_cache_dir() -> Path:
     return Path(base) / "tokenizers"
 
 
+def bpe_cache_file(
+    text: str, vocab_size: int = BPE_VOCAB, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """Where the BPE trained on `text` to `vocab_size` is cached (a `tokenizers` JSON file):
+    `<cache_dir>/bpe-<vocab_size>-<sha256(text)[:16]>.json`, `cache_dir` defaulting to
+    `default_cache_dir()`."""
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return folder / f"bpe-{vocab_size}-{digest}.json"
+
+
 def get_tokenizer(
     name: str,
     text: str,
     *,
-    vocab_size: int = 4096,
+    vocab_size: int = BPE_VOCAB,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Tokenizer:
     """Return the tokenizer called `name` ("byte" or "bpe"), trained on `text` where it learns.

@@ -1,0 +1,225 @@
+"""`interlace export RUN --to hf OUT`: a checkpoint of the tiny built-in GPT taken under dp, tp
+and pp loads as `transformers.GPT2LMHeadModel`, whose logits equal those of the interlace model
+resumed from the same checkpoint on one process (fp32); 1D tensor-parallel pieces kept per rank
+(dp_shard with tp) are joined back; what GPT-2 cannot express, pieces that cannot be joined and
+bad input are refused with one line (exit code 2) and nothing written; a failed write (exit
+code 3) leaves OUT as it was. No network."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY_RUN
+from interlace.cli import main
+from interlace.data.corpus import load_corpus
+from interlace.data.tokenizer import get_tokenizer
+from interlace.export import hf_folder
+from interlace.mesh import build_mesh
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+from test_cli import checkpoint_dir, corrupt_a_shard, expect_usage_error
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dataclasses.replace(TINY_RUN, steps=2, measure_memory=False)
+ROUND_TRIP = ["dp=2", "tp=2", "pp=2,micro_batches=2"]
+
+
+def _fit(config: TrainConfig, plan_text: str) -> None:
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan) if plan.world_size > 1 else None
+    Trainer(prepare_run(config, plan, plan.world_size), mesh).fit()
+
+
+def _trained(folder: Path, plan_text: str, config: TrainConfig = BASE) -> Path:
+    """The run folder of `config` trained under `plan_text` (a checkpoint at its last step)."""
+    config = dataclasses.replace(config, out=str(folder))
+    world_size = Plan.parse(plan_text).world_size
+    if world_size == 1:
+        _fit(config, plan_text)
+    else:
+        run_ranks(world_size, _fit, config, plan_text)
+    return folder
+
+
+def _export(capsys, run: Path, out: Path, *extra: str) -> str:
+    """`interlace export run --to hf out`, which must succeed; returns its stdout."""
+    capsys.readouterr()
+    code = main(["export", str(run), "--to", "hf", str(out), *extra])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    return printed.out
+
+
+def _tokens(vocab_size: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def _interlace_logits(config: TrainConfig, run: Path, idx: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of the model resumed from `run`'s latest checkpoint on one process."""
+    trainer = Trainer(prepare_run(config, Plan(), 1))
+    trainer.resume(run)
+    return trainer.model.eval()(idx)
+
+
+@torch.no_grad()
+def _hf_logits(out: Path, idx: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of the exported folder loaded by transformers, which must find every
+    weight it expects and no other."""
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval()(idx).logits
+
+
+@pytest.mark.parametrize("plan_text", ROUND_TRIP)
+def test_exported_gpt2_gives_the_trained_models_logits(plan_text, tmp_path, capsys):
+    run = _trained(tmp_path / "run", plan_text)
+    out = tmp_path / "hf"
+    printed = _export(capsys, run, out)
+    assert f"step {BASE.steps}, plan {plan_text}" in printed
+    assert "byte tokenizer has no Hugging Face tokenizer file" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    idx = _tokens(256, 64)
+    expected = _interlace_logits(BASE, run, idx)
+    actual = _hf_logits(out, idx)
+    assert actual.shape == expected.shape == (2, 64, 256)
+    assert (actual - expected).abs().max() <= 1e-5
+
+
+def test_tensor_parallel_pieces_under_dp_shard_are_joined(tmp_path, capsys):
+    # dp_shard with tp keeps each rank's piece under its own key (`.tp<rank>`); the run follows
+    # the tp=2 run's trajectory, whose weights agree with it to float rounding after 2 steps
+    idx = _tokens(256, 64)
+    logits = {}
+    for plan_text in ("dp_shard=2,tp=2", "tp=2"):
+        run = _trained(tmp_path / plan_text, plan_text)
+        _export(capsys, run, tmp_path / f"hf-{plan_text}")
+        logits[plan_text] = _hf_logits(tmp_path / f"hf-{plan_text}", idx)
+    assert (logits["dp_shard=2,tp=2"] - logits["tp=2"]).abs().max() <= 1e-4
+
+
+def test_an_untied_head_is_exported_as_its_own_weight(tmp_path, capsys):
+    spec = dataclasses.replace(get_preset("tiny"), tie_embeddings=False)
+    (tmp_path / "untied.json").write_text(json.dumps(spec.to_dict()))
+    config = dataclasses.replace(BASE, model=str(tmp_path / "untied.json"))
+    run = _trained(tmp_path / "run", "dp=1", config)
+    out = tmp_path / "hf"
+    _export(capsys, run, out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    idx = _tokens(256, 64)
+    assert (_hf_logits(out, idx) - _interlace_logits(config, run, idx)).abs().max() <= 1e-5
+
+
+def test_a_bpe_runs_tokenizer_is_copied_and_encodes_alike(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("INTERLACE_CACHE", str(tmp_path / "cache"))
+    config = dataclasses.replace(BASE, tokenizer="bpe", steps=1)
+    run = _trained(tmp_path / "run", "dp=1", config)
+    out = tmp_path / "hf"
+    assert "tokenizer: tokenizer.json, the run's BPE" in _export(capsys, run, out)
+    text = "def export(run):\n    return run  # ünïcode"
+    ours = get_tokenizer("bpe", load_corpus())
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-step run of the tiny GPT on one process; copy it before changing it."""
+    return _trained(tmp_path_factory.mktemp("export") / "run", "dp=1")
+
+
+def test_a_run_without_checkpoints_is_refused(capsys, tmp_path):
+    (tmp_path / "run").mkdir()
+    argv = ["export", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, "holds no checkpoint")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_missing_step_is_refused_naming_the_kept_steps(capsys, tiny_run, tmp_path):
+    argv = ["export", str(tiny_run), "--checkpoint", "7", "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, "no checkpoint of step 7; steps kept: 2")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_corrupt_checkpoint_is_refused(capsys, tiny_run, tmp_path):
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    corrupt_a_shard(run)
+    argv = ["export", str(run), "--checkpoint", "2", "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, str(checkpoint_dir(run)), "corrupt")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_empty_out_is_kept_unless_overwrite(capsys, tiny_run, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["export", str(tiny_run), "--to", "hf", str(out)]
+    expect_usage_error(capsys, argv, f"output folder '{out}' is not empty", "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    _export(capsys, tiny_run, out, "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary left beside it
+
+
+def test_a_failed_write_leaves_out_as_it_was(capsys, tiny_run, tmp_path, monkeypatch):
+    def disk_full(weights, file):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+
+    monkeypatch.setattr(hf_folder, "_save_safetensors", disk_full)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["export", str(tiny_run), "--to", "hf", str(out), "--overwrite"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_an_out_holding_the_run_is_refused_even_with_overwrite(capsys, tiny_run):
+    argv = ["export", str(tiny_run), "--to", "hf", str(tiny_run.parent), "--overwrite"]
+    expect_usage_error(capsys, argv, "holds the run")
+    assert checkpoint_dir(tiny_run).is_dir()
+
+
+def test_a_mixture_of_experts_model_is_refused(capsys, tmp_path):
+    run = _trained(tmp_path / "run", "dp=1", dataclasses.replace(BASE, model="moe-tiny", steps=1))
+    argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, "Mixture-of-Experts layers (n_experts=4 in layers [1])")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_model_without_biases_is_refused(capsys, tmp_path):
+    spec = dataclasses.replace(get_preset("tiny"), bias=False)
+    (tmp_path / "no-bias.json").write_text(json.dumps(spec.to_dict()))
+    config = dataclasses.replace(BASE, model=str(tmp_path / "no-bias.json"), steps=1)
+    run = _trained(tmp_path / "run", "dp=1", config)
+    argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, "the model has no biases (bias=false)")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_pieces_that_cannot_be_joined_are_refused_naming_plan_and_parameter(capsys, tmp_path):
+    # tp3d=1x2x2 cuts the rows of q, k, v and up over y, then again over z
+    run = _trained(tmp_path / "run", "tp3d=1x2x2", dataclasses.replace(BASE, steps=1))
+    argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
+    needle = "plan 'tp3d=1x2x2' stores blocks.0.attn.q_proj.weight as per-rank pieces"
+    expect_usage_error(capsys, argv, needle)
+    assert not (tmp_path / "hf").exists()
