@@ -53,3 +53,15 @@ def tiny_hf_model(kind: str, d: int, layers: int, vocab: int, positions: int, **
         return transformers.Qwen2MoeForCausalLM(config)
     config = transformers.LlamaConfig(**common, intermediate_size=sizes.get("ffn", 128))
     return transformers.LlamaForCausalLM(config)
+
+
+def saved_tiny_model(kind: str, folder, vocab: int = 320) -> str:
+    """`hf:folder` of a tiny `kind` model (d 32, 2 layers, 32 positions) saved there with its
+    weights moved off their initialisation, so a model built from the config alone (with a
+    run's seed) would differ. `vocab` (320) exceeds the byte tokenizer's 256 ids."""
+    model = tiny_hf_model(kind, 32, 2, vocab, positions=32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return f"hf:{folder}"

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers import TINY_RUN
+from hf_models import saved_tiny_model
 from interlace.cli import main
 from interlace.data.corpus import load_corpus
 from interlace.data.tokenizer import get_tokenizer
@@ -222,4 +223,46 @@ def test_pieces_that_cannot_be_joined_are_refused_naming_plan_and_parameter(caps
     argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
     needle = "plan 'tp3d=1x2x2' stores blocks.0.attn.q_proj.weight as per-rank pieces"
     expect_usage_error(capsys, argv, needle)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "plan_text", "reference"),
+    [
+        ("llama", "dp=2", "dp=2"),
+        ("gpt2", "pp=2,micro_batches=2", "pp=2,micro_batches=2"),
+        ("mixtral", "dp=2,ep=2", "dp=2"),
+    ],
+)
+def test_a_hugging_face_model_exports_as_itself_and_trains_on(
+    kind, plan_text, reference, tmp_path, capsys
+):
+    """A `hf:PATH` run's checkpoint: the exported folder loads with every weight found under
+    its own name (experts split one per module by expert parallelism stacked back), gives the
+    trained model's logits, and `--model hf:OUT` starts from them. The trained model is the
+    run's own resumed on one process, or (expert parallel: its checkpoint resumes under its own
+    plan only) the same training under dp=2, equal to float rounding."""
+    config = dataclasses.replace(BASE, model=saved_tiny_model(kind, tmp_path / "model"))
+    run = _trained(tmp_path / "run", plan_text, config)
+    out = tmp_path / "hf"
+    _export(capsys, run, out)
+    idx = _tokens(256, 32)
+    if reference != plan_text:
+        run = _trained(tmp_path / "reference", reference, config)
+    expected = _interlace_logits(config, run, idx)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        assert (model.eval()(idx).logits - expected).abs().max() <= 1e-5
+    trained_on = Trainer(prepare_run(dataclasses.replace(config, model=f"hf:{out}"), Plan(), 1))
+    with torch.no_grad():
+        assert (trained_on.model.eval()(idx) - expected).abs().max() <= 1e-5
+
+
+def test_a_hugging_face_model_split_by_tensor_parallelism_is_refused(tmp_path, capsys):
+    """Its fused q|k|v pieces are cut per head: no concatenation rebuilds them."""
+    config = dataclasses.replace(BASE, model=saved_tiny_model("gpt2", tmp_path / "model"))
+    run = _trained(tmp_path / "run", "tp=2", config)
+    assert main(["export", str(run), "--to", "hf", str(tmp_path / "hf")]) == 2
+    assert "stores transformer.h.0.attn.c_attn.weight as per-rank pieces" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY_RUN
-from hf_models import needs_hf, tiny_hf_model, transformers
+from hf_models import needs_hf, saved_tiny_model, transformers
 from interlace.cli import main
 from interlace.errors import ConfigError, DataError, PlanError
 from interlace.mesh import build_mesh
@@ -31,18 +31,9 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
-    """{kind: hf:PATH} of tiny models saved with weights moved off their initialisation (so a
-    model built from the config alone, with the run's seed, would differ)."""
+    """{kind: hf:PATH} of the tiny saved models."""
     root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for kind in PLANS:
-        model = tiny_hf_model(kind, 32, 2, VOCAB, positions=32)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01 * torch.randn_like(p))
-        model.save_pretrained(root / kind)
-        out[kind] = f"hf:{root / kind}"
-    return out
+    return {kind: saved_tiny_model(kind, root / kind, VOCAB) for kind in PLANS}
 
 
 def _losses(model: str, plan_text: str, world_size: int) -> list[float]:

@@ -326,11 +326,22 @@ def verify_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
             load_rng_state(path / name)
     for key, value in expect.items():
         if meta.get(key) != value:
+            where, theirs, ours = _first_difference(key, meta.get(key), value)
             raise CheckpointError(
-                f"checkpoint '{path}' does not match this run: its {key} is "
-                f"{_short(meta.get(key))}, this run's is {_short(value)}"
+                f"checkpoint '{path}' does not match this run: its {where} is "
+                f"{_short(theirs)}, this run's is {_short(ours)}"
             )
     return meta
+
+
+def _first_difference(where: str, theirs: Any, ours: Any) -> tuple[str, Any, Any]:
+    """The dotted path of the first entry in which two unequal values (nested dicts) differ,
+    and the two values there."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        for key in sorted(set(theirs) | set(ours), key=str):
+            if theirs.get(key) != ours.get(key):
+                return _first_difference(f"{where}.{key}", theirs.get(key), ours.get(key))
+    return where, theirs, ours
 
 
 def load_checkpoint(

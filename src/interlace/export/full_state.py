@@ -27,15 +27,18 @@ _MODEL = "model."
 
 
 def read_full_state(
-    checkpoint: Path, meta: dict[str, Any], shapes: dict[str, torch.Size]
+    checkpoint: Path, meta: dict[str, Any], shapes: dict[str, torch.Size], join: bool = True
 ) -> dict[str, torch.Tensor]:
     """{name: full tensor} for every parameter name in `shapes` ({name: full shape}), read from
     `checkpoint` (already verified: `checkpoint.verify_checkpoint`, which returned `meta`).
-    Raises ExportError for a parameter stored as pieces that cannot be joined exactly."""
+    `join`: whether 1D tensor-parallel pieces are contiguous blocks (the built-in GPT's) to
+    concatenate; a Hugging Face model's may not be (a fused q|k|v is cut per head). Raises
+    ExportError for a parameter stored as pieces that cannot be joined exactly."""
     stored = _stored_tensors(checkpoint)
     plan = Plan.from_dict(meta["plan"])
     sources = {
-        name: _sources(name, shape, stored, plan, checkpoint) for name, shape in shapes.items()
+        name: _sources(name, shape, stored, plan, join, checkpoint)
+        for name, shape in shapes.items()
     }
     request = {
         key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype)
@@ -47,8 +50,14 @@ def read_full_state(
     return {name: _joined([request[k] for k in keys], d) for name, (keys, d) in sources.items()}
 
 
+STACKED = -1
+"""The join "dimension" of experts stored one by one: stacked into a new first dimension."""
+
+
 def _joined(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """The pieces concatenated along `dim`; a single piece as it is (no copy)."""
+    """The pieces concatenated along `dim` (STACKED: stacked); a single piece as it is."""
+    if dim == STACKED:
+        return torch.stack(pieces)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
@@ -67,10 +76,11 @@ def _sources(
     shape: torch.Size,
     stored: dict[str, TensorStorageMetadata],
     plan: Plan,
+    join: bool,
     checkpoint: Path,
 ) -> tuple[list[str], int]:
     """The keys holding parameter `name` and the dimension to join them along: its own key, or
-    its 1D tensor-parallel pieces in rank order."""
+    (`join`) its 1D tensor-parallel pieces in rank order."""
     key = _MODEL + name
     if key in stored:
         if stored[key].size != shape:
@@ -79,18 +89,22 @@ def _sources(
                 f"but its model config gives {list(shape)}"
             )
         return [key], 0
+    parent, _, leaf = key.rpartition(".")
+    experts = [f"{parent}.experts.{e}.{leaf}" for e in range(shape[0] if shape else 0)]
+    if experts and all(stored.get(k) and stored[k].size == shape[1:] for k in experts):
+        return experts, STACKED  # fused experts split into one module each (expert parallel)
     pieces = [f"{key}.tp{rank}" for rank in range(plan.tp)]
-    if plan.tp > 1 and all(piece in stored for piece in pieces):
+    if join and plan.tp > 1 and all(piece in stored for piece in pieces):
         dim = _joined_dim([stored[piece].size for piece in pieces], shape)
         if dim is not None:
             return pieces, dim
     found = sorted(k for k in stored if k.startswith(key + "."))
     if not found:
         raise CheckpointError(f"checkpoint '{checkpoint}' holds no {name}")
+    joined = "and the built-in GPT's pieces of 1D tensor parallelism" if join else "only"
     raise ExportError(
         f"checkpoint under plan '{plan}' stores {name} as per-rank pieces ({found[0]}, ...) "
-        "that only its own split can read; export reads parameters stored whole and the "
-        "pieces of 1D tensor parallelism (tp, with or without dp_shard)"
+        f"that only its own split can read; export reads parameters stored whole {joined}"
     )
 
 

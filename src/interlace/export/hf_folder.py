@@ -1,5 +1,6 @@
-"""`interlace export RUN --to hf OUT`: a checkpoint of the built-in GPT as a Hugging Face
-GPT-2 folder that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+"""`interlace export RUN --to hf OUT`: a checkpoint as a Hugging Face folder that
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads: the built-in GPT as GPT-2, a
+`hf:PATH` model as itself (its weights under their own names, its config).
 
 OUT receives `model.safetensors` (fp32), `config.json` and, where the run has one, its
 tokenizer (`tokenizer_file.py`). Everything is checked before anything is written, and the
@@ -14,7 +15,9 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +26,7 @@ from interlace.errors import ConfigError, ExportError, OutputError
 from interlace.export.full_state import read_full_state
 from interlace.export.gpt2 import check_expressible, gpt2_config, gpt2_state
 from interlace.export.tokenizer_file import write_tokenizer
+from interlace.models import hf
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.plan import Plan
@@ -39,22 +43,61 @@ def export_hf(run: Path, out: Path, step: int | None = None, overwrite: bool = F
     _check_out(run, out, overwrite)
     checkpoint = resolve_checkpoint(run) if step is None else checkpoint_at(run, step)
     meta = verify_checkpoint(checkpoint, {})
+    hf_fields = meta["model"].get("hf")
+    exported = _gpt2(checkpoint, meta) if hf_fields is None else _hf(checkpoint, meta, hf_fields)
+    with _replaced_folder(out) as folder:
+        _save_safetensors(exported.weights, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(exported.config, indent=2) + "\n")
+        tokenizer = write_tokenizer(meta["train"], exported.vocab_size, folder)
+    plan = Plan.from_dict(meta["plan"])
+    return [
+        f"exported '{checkpoint}' (step {meta['step']}, plan {plan}) to '{out}': "
+        f"{exported.description}",
+        tokenizer,
+    ]
+
+
+@dataclass(frozen=True)
+class _Exported:
+    """What an export writes: weights under Hugging Face names, config.json's fields, the
+    vocabulary (for the tokenizer) and a phrase describing the model."""
+
+    weights: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    vocab_size: int
+    description: str
+
+
+def _gpt2(checkpoint: Path, meta: dict[str, Any]) -> _Exported:
+    """The built-in GPT of `meta` as GPT-2 (ExportError for what GPT-2 cannot express)."""
     config = GPTConfig.from_dict(meta["model"])
     check_expressible(config)
     model = build_model(config, device="meta")
     shapes = {name: param.shape for name, param in model.named_parameters()}
-    weights = gpt2_state(read_full_state(checkpoint, meta, shapes), config)
-    with _replaced_folder(out) as folder:
-        _save_safetensors(weights, folder / "model.safetensors")
-        (folder / "config.json").write_text(json.dumps(gpt2_config(model), indent=2) + "\n")
-        tokenizer = write_tokenizer(meta["train"], config.vocab_size, folder)
-    plan = Plan.from_dict(meta["plan"])
-    return [
-        f"exported '{checkpoint}' (step {meta['step']}, plan {plan}) to '{out}': "
-        f"GPT2LMHeadModel, {config.num_params():,} parameters, vocabulary {config.vocab_size}, "
-        f"context {config.seq_len}",
-        tokenizer,
-    ]
+    return _Exported(
+        gpt2_state(read_full_state(checkpoint, meta, shapes), config),
+        gpt2_config(model),
+        config.vocab_size,
+        f"GPT2LMHeadModel, {config.num_params():,} parameters, vocabulary "
+        f"{config.vocab_size}, context {config.seq_len}",
+    )
+
+
+def _hf(checkpoint: Path, meta: dict[str, Any], fields: dict[str, Any]) -> _Exported:
+    """A `hf:PATH` model as itself: every parameter under its own name (a tied head once, as
+    transformers saves it), the config the checkpoint recorded."""
+    config = hf.config_from_identity(fields)
+    with torch.device("meta"):
+        model = hf.build_from_config(config)
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    weights = read_full_state(checkpoint, meta, shapes, join=False)
+    params = sum(shape.numel() for shape in shapes.values())
+    return _Exported(
+        weights,
+        config.to_dict(),
+        config.vocab_size,
+        f"{type(model).__name__}, {params:,} parameters, vocabulary {config.vocab_size}",
+    )
 
 
 def _check_out(run: Path, out: Path, overwrite: bool) -> None:

@@ -17,6 +17,7 @@ built-in GPT of the same width, depth, heads, vocabulary and parameters per laye
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -110,12 +111,18 @@ def build_from_config(config: Any) -> nn.Module:
 
 
 def identity(config: Any) -> dict[str, Any]:
-    """What a checkpoint records of the model `config` describes: its config, without where
-    it was loaded from and which transformers wrote it."""
-    fields = config.to_dict()
+    """What a checkpoint records of the model `config` describes: its config as JSON reads it
+    back (keys as strings), without where it was loaded from and which transformers wrote it."""
+    fields = json.loads(config.to_json_string(use_diff=False))
     for volatile in ("_name_or_path", "transformers_version", "use_cache", "dtype", "torch_dtype"):
         fields.pop(volatile, None)
     return {"hf": fields}
+
+
+def config_from_identity(fields: dict[str, Any]) -> Any:
+    """The transformers config a checkpoint's `identity` recorded (its "hf" fields)."""
+    fields = dict(fields)
+    return _import_transformers().AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def _logits_only(module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
