@@ -96,3 +96,8 @@ def test_pieces_no_other_split_can_read_are_refused_naming_the_plan(tmp_path):
     with pytest.raises(RankFailed, match=r"\(plan tp3d=1x2x2\) cannot be read under this split"):
         _run(BASE, "dp=2", checkpoint)
     assert len(_run(BASE, "tp3d=1x2x2", checkpoint)) == BASE.steps - SAVED_AT  # its own plan
+
+
+def test_a_pipeline_of_tensor_parallel_stages_resumes_elsewhere(tmp_path):
+    # the last stage's piece of the tied head is stored as the embedding's, like stage 0's
+    _check_matrix(tmp_path, BASE, ["pp=2,tp=2,micro_batches=2"], ["dp=1", "tp=2"])

@@ -95,7 +95,11 @@ def _stored(
     which any other split can read. Another parameter in `storage.keys` is stored under its
     own key: a piece only the same split can read. `param_groups` keep the parameter names,
     shared by all."""
-    aliases, keys, layouts = storage.aliases, storage.keys, storage.layouts
+    aliases = storage.aliases
+    # a pipeline's last stage holds the tied head under its own name: its piece's layout (or
+    # key) is the embedding's, under which it is stored
+    keys = {aliases.get(k, k): v for k, v in storage.keys.items()}
+    layouts = {aliases.get(k, k): v for k, v in storage.layouts.items()}
     state = {aliases.get(k, k): v for k, v in state.items()}
     optim = {**optim, "state": {aliases.get(k, k): v for k, v in optim["state"].items()}}
     viewed = {n for n in layouts if n in state and not isinstance(state[n], DTensor)}
