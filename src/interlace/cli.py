@@ -1,4 +1,4 @@
-"""The `interlace` command line: `train`, `plan`, `svm` and `bench` (each with `--help`).
+"""The `interlace` command line: `train`, `data`, `plan`, `svm` and `bench` (each with `--help`).
 
 Bad input is reported as one line on stderr with exit code 2, before anything is written or any
 rank is started.
@@ -259,6 +259,18 @@ def _loss(value: float | None) -> str:
     return "nan" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
 
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    from interlace.data.commands import add_data_args
+
+    add_data_args(p)
+
+
+def _data(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.data.commands import run_data
+
+    return run_data(args)
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=TrainConfig.model, metavar="PRESET", help="model preset")
     p.add_argument("--plan", default=None, help="plan to check (default: dp=<nproc>)")
@@ -428,6 +440,7 @@ def _svm(args: argparse.Namespace, argv: list[str]) -> int:
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model (the main job)", _add_train_args, _train),
+    "data": ("tokenize text into token shards, or verify them", _add_data_args, _data),
     "plan": ("check a plan against a model and world size, and describe it", _add_plan_args, _plan),
     "svm": ("fit a sparse SVM with a nonconvex penalty by ADMM", _add_svm_args, _svm),
     "bench": (

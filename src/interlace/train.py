@@ -38,6 +38,7 @@ from interlace.data import (
     to_device,
 )
 from interlace.data import load_corpus as read_corpus
+from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
 from interlace.errors import NonFiniteError, OutputError
 from interlace.memory import measure_step
@@ -72,7 +73,7 @@ class RunSetup:
     config: TrainConfig
     plan: Plan
     model_config: GPTConfig
-    data: TokenData
+    data: TokenData | ShardData
     corpus: str
     precision: str
     compile: bool
@@ -94,6 +95,10 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
         make_data = functools.partial(
             TokenData.synthetic, model_config.vocab_size, seq_len, windows, config.seed
         )
+    elif is_shard_folder(config.data):  # the index's vocabulary, windows read on demand
+        vocab_size = ShardIndex.read(config.data).vocab_size
+        model_config = dataclasses.replace(model_config, vocab_size=vocab_size, seq_len=seq_len)
+        make_data = functools.partial(ShardData, config.data, seq_len)
     else:  # the tokenizer's vocabulary
         text = read_corpus(config.data)
         tokenizer = get_tokenizer(config.tokenizer, text)
@@ -449,7 +454,7 @@ class Trainer:
             "interlace": __version__,
             "corpus": self.setup.corpus,
             "train_tokens": self.setup.data.split,
-            "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
+            "val_tokens": self.setup.data.num_tokens - self.setup.data.split,
             "wall_time_s": seconds,
             "parallel": self.parallel.report,
             "memory": self.memory,
