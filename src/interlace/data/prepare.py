@@ -9,7 +9,7 @@ renamed to `out` only once complete, so an error leaves nothing half-written.
 import multiprocessing
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -131,20 +131,29 @@ def _write_shards(
     shard_tokens: int,
     progress: bool,
 ) -> tuple[list[Shard], int]:
-    """Tokenize `files` on `workers` processes and write their ids, in order, into shards in
-    `folder`; return the shards and the number of documents that held text."""
+    """Tokenize `files` on `workers` processes (no more than there are files) and write their
+    ids, in order, into shards in `folder`; return the shards and the number of documents that
+    held text."""
     writer = ShardWriter(folder, dtype, shard_tokens)
     documents = 0
-    context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _start_worker, (tokenizer, dtype)) as pool:
-        encoded = pool.imap(_encode_document, files)
-        for ids in tqdm(
-            encoded, total=len(files), desc="tokenize", unit="file", disable=not progress
-        ):
-            if ids.size:
-                writer.write(ids)
-                documents += 1
+    encoded = _encoded(files, tokenizer, dtype, workers)
+    for ids in tqdm(encoded, total=len(files), desc="tokenize", unit="file", disable=not progress):
+        if ids.size:
+            writer.write(ids)
+            documents += 1
     return writer.close(), documents
+
+
+def _encoded(files: list[Path], tokenizer: str, dtype: str, workers: int) -> Iterator[np.ndarray]:
+    """The ids of each file in order: tokenized here for one worker, else in spawned processes
+    (not forked: a forked copy of a process with running threads can deadlock)."""
+    if workers == 1:
+        _start_worker(tokenizer, dtype)
+        yield from map(_encode_document, files)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(min(workers, len(files)), _start_worker, (tokenizer, dtype)) as pool:
+        yield from pool.imap(_encode_document, files)
 
 
 def _start_worker(tokenizer: str, dtype: str) -> None:
