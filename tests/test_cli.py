@@ -220,7 +220,6 @@ def test_train_options_parse_aliases_lists_and_switches():
     [
         (["--layers-per-stage", "3,x"], "'3,x': give comma-separated integers"),
         (["--split-points", "blocks.1,"], "'blocks.1,': give comma-separated names"),
-        (["--tokenizer", "words"], "invalid choice: 'words'"),
     ],
 )
 def test_badly_typed_train_options_are_usage_errors(capsys, argv, needle):
@@ -228,6 +227,12 @@ def test_badly_typed_train_options_are_usage_errors(capsys, argv, needle):
         main(["train", *argv])
     assert exit_info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_unknown_tokenizer_is_refused_naming_the_valid_values(capsys, tmp_path):
+    argv = train_args(tmp_path / "run", 1, "--tokenizer", "words")
+    expect_usage_error(capsys, argv, "tokenizer 'words'", "byte, bpe", "tokenizer.json")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_field_without_a_command_line_form_is_refused():

@@ -1,5 +1,5 @@
-"""The `interlace` command line: `train`, `plan`, `export`, `svm` and `bench` (each with
-`--help`).
+"""The `interlace` command line: `train`, `data`, `plan`, `export`, `svm` and `bench` (each
+with `--help`).
 
 Bad input is reported as one line on stderr with exit code 2, before anything is written or any
 rank is started.
@@ -260,6 +260,18 @@ def _loss(value: float | None) -> str:
     return "nan" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
 
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    from interlace.data.commands import add_data_args
+
+    add_data_args(p)
+
+
+def _data(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.data.commands import run_data
+
+    return run_data(args)
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=TrainConfig.model, metavar="PRESET", help="model preset")
     p.add_argument("--plan", default=None, help="plan to check (default: dp=<nproc>)")
@@ -434,7 +446,8 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
         "--to",
         choices=["hf"],
         required=True,
-        help="format: hf, a Hugging Face GPT-2 folder (model.safetensors, config.json)",
+        help="format: hf, a Hugging Face folder (model.safetensors, config.json): the built-in "
+        "GPT as GPT-2, a hf:PATH model as itself",
     )
     p.add_argument(
         "--checkpoint",
@@ -457,6 +470,7 @@ def _export(args: argparse.Namespace, argv: list[str]) -> int:
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model (the main job)", _add_train_args, _train),
+    "data": ("tokenize text into token shards, or verify them", _add_data_args, _data),
     "plan": ("check a plan against a model and world size, and describe it", _add_plan_args, _plan),
     "export": (
         "write a run's checkpoint as a Hugging Face model folder",

@@ -38,6 +38,7 @@ from interlace.data import (
     to_device,
 )
 from interlace.data import load_corpus as read_corpus
+from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
 from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import measure_step
@@ -73,7 +74,7 @@ class RunSetup:
     config: TrainConfig
     plan: Plan
     model_config: GPTConfig
-    data: TokenData
+    data: TokenData | ShardData
     corpus: str
     precision: str
     compile: bool
@@ -103,15 +104,14 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
         make_data = functools.partial(
             TokenData.synthetic, model_config.vocab_size, seq_len, windows, config.seed
         )
+    elif is_shard_folder(config.data):  # the index's vocabulary, windows read on demand
+        vocab = _vocabulary(ShardIndex.read(config.data).vocab_size, model_config, hf_config)
+        model_config = dataclasses.replace(model_config, vocab_size=vocab, seq_len=seq_len)
+        make_data = functools.partial(ShardData, config.data, seq_len)
     else:  # the tokenizer's vocabulary
         text = read_corpus(config.data)
         tokenizer = get_tokenizer(config.tokenizer, text)
-        vocab = tokenizer.vocab_size if hf_config is None else model_config.vocab_size
-        if tokenizer.vocab_size > vocab:
-            raise DataError(
-                f"tokenizer '{config.tokenizer}' has {tokenizer.vocab_size} ids but the model's "
-                f"embedding only {vocab}; use the model's own tokenizer (or a smaller one)"
-            )
+        vocab = _vocabulary(tokenizer.vocab_size, model_config, hf_config)
         model_config = dataclasses.replace(model_config, vocab_size=vocab, seq_len=seq_len)
         make_data = functools.partial(TokenData.from_text, text, tokenizer, seq_len)
     model_config.validate()
@@ -129,6 +129,19 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     check_reduce_dtype(plan, config.grad_reduce_dtype)
     corpus = describe_corpus(config.data)
     return RunSetup(config, plan, model_config, data, corpus, precision, compiled, hf_config)
+
+
+def _vocabulary(token_ids: int, model_config: GPTConfig, hf_config: Any) -> int:
+    """The run's vocabulary for data of `token_ids` ids: theirs for the built-in GPT, the
+    embedding's for a `hf:PATH` model (DataError if the ids do not fit in it)."""
+    if hf_config is None:
+        return token_ids
+    if token_ids > model_config.vocab_size:
+        raise DataError(
+            f"the data's tokenizer has {token_ids} ids but the model's embedding only "
+            f"{model_config.vocab_size}; use the model's own tokenizer (or a smaller one)"
+        )
+    return model_config.vocab_size
 
 
 def _build_model(
@@ -479,7 +492,7 @@ class Trainer:
             "interlace": __version__,
             "corpus": self.setup.corpus,
             "train_tokens": self.setup.data.split,
-            "val_tokens": int(self.setup.data.tokens.numel() - self.setup.data.split),
+            "val_tokens": self.setup.data.num_tokens - self.setup.data.split,
             "wall_time_s": seconds,
             "parallel": self.parallel.report,
             "memory": self.memory,

@@ -9,6 +9,7 @@ from typing import Any
 
 from interlace.compile import COMPILE_CHOICES
 from interlace.config_args import option
+from interlace.data.tokenizer import check_tokenizer
 from interlace.errors import ConfigError
 from interlace.finite import check_finite_fields
 from interlace.precision import PRECISIONS, REDUCE_DTYPES
@@ -37,8 +38,10 @@ class TrainConfig:
     )
     tokenizer: str = option(
         "byte",
-        "byte-level (256 ids) or a BPE trained on the data (needs interlace[hf])",
-        choices=("byte", "bpe"),
+        "byte: UTF-8 bytes (256 ids); bpe: a BPE trained on the data; or the path of a Hugging "
+        "Face tokenizer.json or of a folder holding one (bpe and files need interlace[hf]); a "
+        "prepared shard folder as data brings its own",
+        metavar="NAME|PATH",
     )
     steps: int = option(400, "optimizer steps of the whole run (when resuming: the new total)")
     global_batch: int = option(32, "sequences per optimizer step over all ranks")
@@ -150,6 +153,7 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr} must be > 0, e.g. 1e-3")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        check_tokenizer(self.tokenizer)
         if self.split_points and self.layers_per_stage:
             raise ConfigError("give split_points or layers_per_stage, not both")
         return self

@@ -16,6 +16,7 @@ here a global batch may span two epochs and any step can be produced directly.
 
 import torch
 
+from interlace.data.shards import ShardData
 from interlace.data.tokens import TokenData
 from interlace.divisors import divisors
 from interlace.errors import CheckpointError, DataError
@@ -27,12 +28,13 @@ _CACHED_EPOCHS = 2
 
 class TrainBatches:
     """The training stream of `data.train_windows`: global batches of `global_batch_size` windows.
+    `data` is a `TokenData` (windows in memory) or a `ShardData` (windows read from disk).
 
     Every batch is an (input, target) pair of LongTensors [rows, T] on the CPU, T = data.seq_len.
     Raises `DataError` if the train split holds fewer than `global_batch_size` windows.
     """
 
-    def __init__(self, data: TokenData, global_batch_size: int, seed: int = 0) -> None:
+    def __init__(self, data: TokenData | ShardData, global_batch_size: int, seed: int = 0) -> None:
         n = len(data.train_windows)
         if global_batch_size < 1:
             raise DataError(f"global_batch_size={global_batch_size} must be at least 1")
@@ -139,7 +141,7 @@ class TrainBatches:
 
 
 def eval_batches(
-    data: TokenData,
+    data: TokenData | ShardData,
     batch_size: int,
     max_batches: int | None = None,
     dp_rank: int = 0,

@@ -31,24 +31,31 @@ def load_corpus(path: str | os.PathLike[str] | None = None) -> str:
     if path is None:
         return _builtin_text()
     root = Path(path)
-    if not root.exists():
-        raise DataError(f"data path '{root}' does not exist")
-    if root.is_dir():
-        files = sorted(
-            (f for f in root.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
-            key=lambda f: f.relative_to(root).as_posix(),
-        )
-        if not files:
-            raise DataError(
-                f"data directory '{root}' holds no text files "
-                f"({', '.join('*' + s for s in TEXT_SUFFIXES)})"
-            )
-    else:
-        files = [root]
-    text = _SEPARATOR.join(_read_text(f).rstrip("\n") for f in files)
+    text = _SEPARATOR.join(read_text_file(f).rstrip("\n") for f in text_files(root))
     if not text.strip():
         raise DataError(f"data path '{root}' holds no text (only empty or blank files)")
     return text
+
+
+def text_files(path: str | os.PathLike[str]) -> list[Path]:
+    """Return the files `path` stands for: itself if a file, else every `*.txt`, `*.md` and
+    `*.rst` file below the folder, in sorted relative-path order. Raises `DataError` for a
+    missing path or a folder without text files."""
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"data path '{root}' does not exist")
+    if not root.is_dir():
+        return [root]
+    files = sorted(
+        (f for f in root.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
+        key=lambda f: f.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DataError(
+            f"data directory '{root}' holds no text files "
+            f"({', '.join('*' + s for s in TEXT_SUFFIXES)})"
+        )
+    return files
 
 
 def describe_corpus(path: str | os.PathLike[str] | None = None) -> str:
@@ -67,7 +74,9 @@ def _builtin_text() -> str:
     return _SEPARATOR.join(topics[key].rstrip("\n") for key in sorted(topics))
 
 
-def _read_text(file: Path) -> str:
+def read_text_file(file: Path) -> str:
+    """Return the text of one data file. Raises `DataError` for a file that cannot be read, is
+    not UTF-8 or is more than `CONTROL_LIMIT` control characters."""
     try:
         raw = file.read_bytes()
     except OSError as exc:

@@ -4,6 +4,8 @@
 `BPETokenizer` is a byte-level BPE trained on the corpus itself with Hugging Face `tokenizers`
 (the `interlace[hf]` extra); training takes well under a second on the built-in corpus and the
 result is cached on disk, keyed by a hash of the text and the vocabulary size.
+`FileTokenizer` is any Hugging Face `tokenizer.json` (a path to the file or to a folder holding
+one), at whatever vocabulary size it has.
 """
 
 import contextlib
@@ -25,6 +27,9 @@ TOKENIZER_NAMES = ("byte", "bpe")
 BYTE_VOCAB = 256
 BPE_VOCAB = 4096
 """The vocabulary size a "bpe" tokenizer is trained to unless told otherwise."""
+TOKENIZER_FILE = "tokenizer.json"
+END_OF_DOCUMENT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+"""Special tokens that mark the end of a document, looked up in this order in a tokenizer file."""
 
 
 class Tokenizer(Protocol):
@@ -32,6 +37,8 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
+    end_of_document: int | None
+    """The id that separates documents in prepared shards, or None to join them as they are."""
 
     def encode(self, text: str) -> list[int]:
         """Return the token ids of `text`."""
@@ -51,6 +58,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = BYTE_VOCAB
+    end_of_document = None
 
     def encode(self, text: str) -> list[int]:
         """Return the UTF-8 bytes of `text` as ids."""
@@ -65,16 +73,55 @@ class ByteTokenizer:
         return bytes(values).decode("utf-8", errors="replace")
 
 
-class BPETokenizer:
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer`: `encode` adds no special tokens (no BOS or CLS a
+    post-processor would add), `decode` skips none."""
+
+    def __init__(self, tokenizer: "tokenizers.Tokenizer", name: str) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size()
+        self.name = name
+        self.end_of_document = next(
+            (i for t in END_OF_DOCUMENT_TOKENS if (i := tokenizer.token_to_id(t)) is not None),
+            None,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Return the ids of `text`."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Return the text of 1-D ids."""
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return self._tokenizer.decode(values, skip_special_tokens=False)
+
+
+class FileTokenizer(HFTokenizer):
+    """The tokenizer saved in a `tokenizer.json` (`path` names the file or a folder holding
+    one); its name is the file's path. Raises `DataError` for a path without one or a file
+    `tokenizers` cannot load."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        file = tokenizer_file(path)
+        if file is None:
+            raise DataError(_tokenizer_hint(path))
+        tk = _import_tokenizers()
+        try:
+            tokenizer = tk.Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+            raise DataError(f"tokenizer file '{file}' cannot be loaded: {exc}") from exc
+        super().__init__(tokenizer, str(file))
+        self.file = file
+
+
+class BPETokenizer(HFTokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no special tokens) from `tokenizers`.
 
     Every string round-trips exactly: `decode(encode(s)) == s`. Build one with `train`.
     """
 
     def __init__(self, tokenizer: "tokenizers.Tokenizer") -> None:
-        self._tokenizer = tokenizer
-        self.vocab_size: int = tokenizer.get_vocab_size()
-        self.name = f"bpe-{self.vocab_size}"
+        super().__init__(tokenizer, f"bpe-{tokenizer.get_vocab_size()}")
 
     @classmethod
     def train(
@@ -113,15 +160,6 @@ class BPETokenizer:
         os.replace(partial, cached)
         return cls(tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        """Return the BPE ids of `text`."""
-        return self._tokenizer.encode(text).ids
-
-    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """Return the text of 1-D BPE ids."""
-        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        return self._tokenizer.decode(values)
-
 
 def default_cache_dir() -> Path:
     """Folder for cached tokenizers: `$INTERLACE_CACHE/tokenizers`, default `~/.cache/interlace`."""
@@ -147,15 +185,38 @@ def get_tokenizer(
     vocab_size: int = BPE_VOCAB,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Tokenizer:
-    """Return the tokenizer called `name` ("byte" or "bpe"), trained on `text` where it learns.
+    """Return the tokenizer `name`: "byte", "bpe" (trained on `text`) or the path of a
+    `tokenizer.json` or of a folder holding one.
 
-    `vocab_size` and `cache_dir` apply to "bpe" only. Raises `DataError` for an unknown name.
+    `vocab_size` and `cache_dir` apply to "bpe" only. Raises `DataError` for anything else.
     """
     if name == "byte":
         return ByteTokenizer()
     if name == "bpe":
         return BPETokenizer.train(text, vocab_size=vocab_size, cache_dir=cache_dir)
-    raise DataError(f"unknown tokenizer '{name}': valid names are {', '.join(TOKENIZER_NAMES)}")
+    return FileTokenizer(name)
+
+
+def tokenizer_file(path: str | os.PathLike[str]) -> Path | None:
+    """Return the `tokenizer.json` that `path` names (the file, or a folder holding one), or None
+    where there is none."""
+    candidate = Path(path)
+    if candidate.is_dir():
+        candidate = candidate / TOKENIZER_FILE
+    return candidate if candidate.is_file() else None
+
+
+def check_tokenizer(name: str) -> None:
+    """Raise `DataError` unless `name` is "byte", "bpe" or names an existing tokenizer file."""
+    if name not in TOKENIZER_NAMES and tokenizer_file(name) is None:
+        raise DataError(_tokenizer_hint(name))
+
+
+def _tokenizer_hint(name: str | os.PathLike[str]) -> str:
+    return (
+        f"tokenizer '{os.fspath(name)}' is neither a name ({', '.join(TOKENIZER_NAMES)}) nor a "
+        f"{TOKENIZER_FILE} file or a folder holding one"
+    )
 
 
 def _import_tokenizers() -> ModuleType:
@@ -163,7 +224,7 @@ def _import_tokenizers() -> ModuleType:
         import tokenizers
     except ImportError as exc:
         raise DataError(
-            "the bpe tokenizer needs the `tokenizers` package: pip install 'interlace[hf]' "
-            "(or use tokenizer 'byte')"
+            "the bpe and file tokenizers need the `tokenizers` package: pip install "
+            "'interlace[hf]' (or use tokenizer 'byte')"
         ) from exc
     return tokenizers

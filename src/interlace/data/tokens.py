@@ -39,20 +39,10 @@ class TokenData:
             raise DataError(f"seq_len={seq_len} must be at least 1")
         if not 0.0 < val_fraction < 1.0:
             raise DataError(f"val_fraction={val_fraction} must lie strictly between 0 and 1")
-        n = tokens.numel()
-        held_out = _held_out(n, seq_len, val_fraction)
-        if n - held_out < seq_len + 1:
-            fits = min(n - 1 - math.ceil(val_fraction * n), n // 2 - 1)
-            hint = f"seq_len <= {fits} would fit" if fits >= 1 else "use a longer corpus"
-            raise DataError(
-                f"corpus has {n} tokens: too few for seq_len={seq_len} with val_fraction="
-                f"{val_fraction} ({held_out} held out, {n - held_out} left to train, each side "
-                f"needs at least {seq_len + 1}); {hint}"
-            )
+        self.split = split_point(tokens.numel(), seq_len, val_fraction)
         self.tokens = tokens.to(torch.long).cpu()
         self.seq_len = seq_len
         self.val_fraction = val_fraction
-        self.split = n - held_out
         self.train_windows = _windows(self.tokens[: self.split], seq_len)
         self.val_windows = _windows(self.tokens[self.split :], seq_len)
 
@@ -72,6 +62,11 @@ class TokenData:
         generator = torch.Generator().manual_seed(seed)
         return cls(torch.randint(vocab_size, (n,), generator=generator), seq_len)
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens on both sides of the split."""
+        return self.tokens.numel()
+
     @cached_property
     def fingerprint(self) -> str:
         """A short hash of the token ids, seq_len and split: detects a changed corpus on resume."""
@@ -80,8 +75,19 @@ class TokenData:
         return digest.hexdigest()[:16]
 
 
-def _held_out(n_tokens: int, seq_len: int, val_fraction: float) -> int:
-    return max(math.ceil(val_fraction * n_tokens), seq_len + 1)
+def split_point(n: int, seq_len: int, val_fraction: float) -> int:
+    """Return the index of the first held-out token of `n`: the last max(⌈f·n⌉, T+1) tokens are
+    held out. Raises `DataError` where either side would hold less than one window of T+1."""
+    held_out = max(math.ceil(val_fraction * n), seq_len + 1)
+    if n - held_out < seq_len + 1:
+        fits = min(n - 1 - math.ceil(val_fraction * n), n // 2 - 1)
+        hint = f"seq_len <= {fits} would fit" if fits >= 1 else "use a longer corpus"
+        raise DataError(
+            f"corpus has {n} tokens: too few for seq_len={seq_len} with val_fraction="
+            f"{val_fraction} ({held_out} held out, {n - held_out} left to train, each side "
+            f"needs at least {seq_len + 1}); {hint}"
+        )
+    return n - held_out
 
 
 def _windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
