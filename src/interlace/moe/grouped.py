@@ -93,7 +93,9 @@ def grouped_mlp(
     if grouped_mm_applies(x, w_up, w_down):
         offs = ends.to(torch.int32)
         # F.grouped_mm leaves the rows past the last group unset, and their gradient: cut both
-        h = act(_grouped_linear(torch.where(valid, x, 0), w_up, b_up, offs, expert))
+        # (the bias's one-hot matmul would carry that garbage into every expert's gradient)
+        up = _grouped_linear(torch.where(valid, x, 0), w_up, b_up, offs, expert)
+        h = act(torch.where(valid, up, 0))
         return torch.where(valid, _grouped_linear(h, w_down, b_down, offs, expert), 0)
 
     if rows is None:
@@ -115,9 +117,14 @@ def _grouped_linear(
     expert: torch.Tensor,
 ) -> torch.Tensor:
     """x [M, n] · w[e]ᵀ + b[e] [M, m] for the rows of each group e (`expert` [M]); the rows past
-    the last group (expert E) are unset, and b's gradient from them falls on a spare zero row."""
+    the last group (expert E) are unset, and b's gradient from them falls on a spare zero row.
+    The bias is added as one-hot [M, E+1] · b: its gradient a matmul, not a scatter into E+1
+    rows (atomics all contending for them)."""
     y = F.grouped_mm(x, w.mT, offs=offs)
-    return y if b is None else y + F.pad(b, (0, 0, 0, 1)).index_select(0, expert)
+    if b is None:
+        return y
+    one_hot = F.one_hot(expert, b.shape[0] + 1).to(y.dtype)
+    return y + one_hot @ F.pad(b, (0, 0, 0, 1))
 
 
 def _padded_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from interlace.models.mlp import MLP
 from interlace.moe.gating import TopKRouter, expert_counts
 from interlace.moe.grouped import mlp_experts, stack_parameters
+from interlace.moe.permute import from_expert_order, to_expert_order
 
 
 class MoELayer(nn.Module):
@@ -52,12 +53,9 @@ class MoELayer(nn.Module):
         n_experts, top_k = len(self.experts), routing.expert_index.shape[1]
         expert = torch.where(routing.keep, routing.expert_index, n_experts).flatten()
         order = torch.argsort(expert, stable=True)
-        token = order // top_k
         counts = expert_counts(expert, n_experts + 1)[:n_experts]
         params = stack_parameters(self.experts)
-        # index_select, not indexing: its backward is an index_add, not a sorting index_put
-        rows = tokens.index_select(0, token)
+        rows = to_expert_order(tokens, order, top_k)
         y = mlp_experts(self.experts[0], params, rows, counts, routing.capacity)
-        gate = routing.gate_weight.flatten().index_select(0, order).unsqueeze(1).to(tokens.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token, y * gate)
+        out = from_expert_order(y, order, routing.gate_weight).to(tokens.dtype)
         return out.view_as(x)
