@@ -34,7 +34,7 @@ from test_cli import checkpoint_dir, corrupt_a_shard, expect_usage_error
 transformers = pytest.importorskip("transformers")
 
 BASE = dataclasses.replace(TINY_RUN, steps=2, measure_memory=False)
-ROUND_TRIP = ["dp=2", "tp=2", "pp=2,micro_batches=2"]
+ROUND_TRIP = ["dp=2", "tp=2", "pp=2,micro_batches=2", "pp=2,tp=2,micro_batches=2"]
 
 
 def _fit(config: TrainConfig, plan_text: str) -> None:
