@@ -88,3 +88,12 @@ def test_a_split_the_model_cannot_run_is_refused_before_launch(folders, tmp_path
     assert main([*argv, "--nproc", "4", "--out", str(out)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert not out.exists()
+
+
+def test_the_planner_prices_a_hf_model_by_its_shape(folders, capsys):
+    """`interlace plan --model hf:PATH` reads the folder's config: its parameters, as the
+    built-in GPT of the same shape counts them (Mixtral: every expert)."""
+    assert main(["plan", "--model", folders["mixtral"], "--plan", "dp=2,ep=2", "--nproc", "2"]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folders["mixtral"][3:])
+    counted = int(capsys.readouterr().out.split(": ")[1].split(" parameters")[0].replace(",", ""))
+    assert counted == pytest.approx(sum(p.numel() for p in hf_model.parameters()), rel=0.05)

@@ -93,10 +93,7 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     config.validate()
     folder = hf.hf_folder(config.model)
     hf_config = hf.load_config(folder) if folder is not None else None
-    if hf_config is not None:
-        model_config = hf.shape_of(hf_config, config.seq_len)
-    else:
-        model_config = get_preset(config.model)
+    model_config = get_preset(config.model)
     seq_len = config.seq_len or model_config.seq_len
     if config.data == SYNTHETIC:  # the preset's vocabulary, random tokens
         model_config = dataclasses.replace(model_config, seq_len=seq_len)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from interlace.errors import ConfigError
+from interlace.models import hf
 from interlace.models.config import GPTConfig
 
 _TINY = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4)
@@ -67,8 +68,12 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def get_preset(name: str) -> GPTConfig:
-    """The GPTConfig registered as `name`, or read from `name` if it is a `.json` file of
-    GPTConfig fields; ConfigError naming the valid presets otherwise."""
+    """The GPTConfig registered as `name`, read from `name` if it is a `.json` file of
+    GPTConfig fields, or the shape of the Hugging Face model `name` = "hf:PATH" (`hf.shape_of`,
+    what the planner prices); ConfigError naming the valid presets otherwise."""
+    folder = hf.hf_folder(name)
+    if folder is not None:
+        return hf.shape_of(hf.load_config(folder), None)
     if name.endswith(".json"):
         path = Path(name)
         if not path.is_file():
@@ -80,6 +85,6 @@ def get_preset(name: str) -> GPTConfig:
     if name not in PRESETS:
         raise ConfigError(
             f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} "
-            "(or a .json file of GPTConfig fields)"
+            "(or a .json file of GPTConfig fields, or hf:PATH)"
         )
     return PRESETS[name]
