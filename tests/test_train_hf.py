@@ -5,6 +5,7 @@ are the ones trained (the first loss is the HF model's own on the same batch); w
 is refused before any rank starts."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -97,3 +98,17 @@ def test_the_planner_prices_a_hf_model_by_its_shape(folders, capsys):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folders["mixtral"][3:])
     counted = int(capsys.readouterr().out.split(": ")[1].split(" parameters")[0].replace(",", ""))
     assert counted == pytest.approx(sum(p.numel() for p in hf_model.parameters()), rel=0.05)
+
+
+def test_interlace_train_launches_a_hf_model_on_two_ranks(folders, tmp_path, monkeypatch, capfd):
+    """The command itself (launcher, ranks, report): tp=2 of the Llama folder follows the
+    single-process losses; the report names the folder."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the launcher would set it in this process
+    out = tmp_path / "run"
+    argv = ["train", "--model", folders["llama"], "--plan", "tp=2", "--nproc", "2"]
+    fast = ["--steps", "3", "--global-batch", "8", "--warmup-steps", "1", "--lr", "5e-4"]
+    assert main([*argv, *fast, "--eval-every", "0", "--out", str(out)]) == 0, capfd.readouterr()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    serial = _losses(folders["llama"], "dp=1", 1)
+    assert [row["loss"] for row in rows] == pytest.approx(serial, abs=1e-5)
+    assert json.loads((out / "report.json").read_text())["model"]["hf"] == folders["llama"]
