@@ -171,15 +171,41 @@ def reduce_scatter(
     async_op: bool = False,
     meter: CommMeter | None = None,
 ) -> dist.Work | None:
-    """Sum `tensor` [p·n, ...] over ranks; rank r keeps rows [r·n, (r+1)·n) in `output`."""
-    return _run(
-        "reduce_scatter",
-        group,
-        tensor.nbytes,
-        lambda: dist.reduce_scatter_tensor(output, tensor, group=group.pg, async_op=async_op),
-        async_op,
-        meter,
-    )
+    """Sum `tensor` [p·n, ...] over ranks; rank r keeps rows [r·n, (r+1)·n) in `output`. On
+    gloo, synchronous, as `ring_reduce_scatter` (torch's runs a whole all-reduce there)."""
+
+    def torchs() -> dist.Work | None:
+        return dist.reduce_scatter_tensor(output, tensor, group=group.pg, async_op=async_op)
+
+    def ring() -> None:
+        output.copy_(ring_reduce_scatter(tensor.view(group.size, -1), group.pg).view_as(output))
+
+    gloo = dist.get_backend(group.pg) == "gloo"
+    call = ring if gloo and not async_op else torchs
+    return _run("reduce_scatter", group, tensor.nbytes, call, async_op, meter)
+
+
+def ring_reduce_scatter(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Σ over the n ranks of `group` of their `chunks[rank]` (chunks [n, S] on every rank) →
+    [S], as a ring of n-1 point-to-point steps: each rank passes its running sum of one chunk
+    to the next and adds its own piece to the chunk it receives, sending (n-1)/n of the buffer.
+
+    Written here because gloo has no reduce-scatter: torch runs `reduce_scatter_tensor` on it as
+    a whole all-reduce, sending twice that (NCCL's is a ring already)."""
+    n, rank = chunks.shape[0], group.rank()
+    after = dist.get_global_rank(group, (rank + 1) % n)
+    before = dist.get_global_rank(group, (rank - 1) % n)
+    running = chunks[(rank - 1) % n].clone()
+    for step in range(n - 1):
+        received = torch.empty_like(running)
+        ops = [
+            dist.P2POp(dist.isend, running, after, group),
+            dist.P2POp(dist.irecv, received, before, group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        running = received.add_(chunks[(rank - step - 2) % n])
+    return running
 
 
 def all_to_all(

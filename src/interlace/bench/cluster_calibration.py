@@ -97,7 +97,6 @@ def cluster_hardware(calibration: dict[str, Any], ranks: int, matmul_flops: floa
             memory_bytes=memory_bytes() / ranks,
             devices_per_node=ranks,
             latency=calibration["link_latency_s"],
-            reduce_scatter_as_all_reduce=True,  # gloo
             memory_bandwidth=calibration["memory_bandwidth_Bps"],
             idle_speedup=calibration["idle_speedup"],
         ),

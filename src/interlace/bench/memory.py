@@ -132,11 +132,11 @@ BENCHMARK = Benchmark(
         "`cost.estimate` on hardware calibrated on the same cluster. FSDP shards the state "
         "over N ranks (the limit: 1/N of DDP's) but moves more bytes: two all-gathers of the "
         "parameters and a reduce-scatter of the gradients against DDP's one all-reduce, 1.5x "
-        "its bytes in a ring, 2x on gloo, whose reduce-scatter is an all-reduce (`sent MB`, "
-        "counted at each rank's interface on a shaped link, as FSDP2's collectives bypass the "
-        "comm meter). Its step can match DDP's only while those collectives hide under "
-        "compute; on the CPU the gathers are asynchronous and issued a block ahead, the "
-        "reduce-scatters block the backward."
+        "its bytes in a ring (on gloo too: interlace's reduce-scatter there is a ring of sends, "
+        "torch's an all-reduce) (`sent MB`, counted at each rank's interface on a shaped link, "
+        "as FSDP2's collectives bypass the comm meter). Its step can match DDP's only while "
+        "those collectives hide under compute; on the CPU the gathers are asynchronous and "
+        "issued a block ahead, the reduce-scatters block the backward."
     ),
     table=table,
     plot=plot,

@@ -496,7 +496,6 @@ def hardware_from(
         memory_bytes=calibration.memory_bytes / (ranks if shared else 1),
         devices_per_node=max(ranks, 1),
         latency=calibration.link_latency,
-        reduce_scatter_as_all_reduce=True,  # gloo, the CPU backend
         overlap_efficiency=calibration.overlap_efficiency,
         memory_bandwidth=calibration.bandwidth_for_threads(threads),
     )

@@ -38,12 +38,9 @@ def collective_seconds(
 ) -> float:
     """Seconds of one `op` on `payload` bytes (the tensor handed to the collective, as the comm
     meter counts it) over `group_size` ranks: α·ring_steps + wire_bytes / bandwidth, on the
-    intra-node link when `inside_node`, else the inter-node one (a reduce_scatter as an
-    all_reduce where the hardware's backend runs it so). 0 for a group of one."""
+    intra-node link when `inside_node`, else the inter-node one. 0 for a group of one."""
     if group_size <= 1:
         return 0.0
-    if op == "reduce_scatter" and hardware.reduce_scatter_as_all_reduce:
-        op = "all_reduce"
     alpha, bandwidth = hardware.link(inside_node)
     return alpha * ring_steps(op, group_size) + wire_bytes(op, payload, group_size) / bandwidth
 

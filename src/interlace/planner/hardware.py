@@ -47,8 +47,6 @@ class Hardware:
     memory_bytes: device memory; devices_per_node: devices sharing the fast intra-node link.
     intra_/inter_node_bandwidth: bytes/s one device sends per direction on that link;
     intra_/inter_node_latency: seconds per message (α) on that link.
-    reduce_scatter_as_all_reduce: the backend runs reduce_scatter as a full all-reduce (gloo
-        does), so it costs an all-reduce's traffic.
     overlap_efficiency: the fraction of a collective that hides under concurrent compute where
         interlace overlaps them (1: fully, as with separate copy engines; measured on a CPU).
     memory_bandwidth: bytes/s a device streams through its memory (HBM, or what an optimizer
@@ -71,7 +69,6 @@ class Hardware:
     intra_node_latency: float
     inter_node_bandwidth: float
     inter_node_latency: float
-    reduce_scatter_as_all_reduce: bool = False
     overlap_efficiency: float = 1.0
     memory_bandwidth: float = math.inf
     idle_speedup: float = 1.0
@@ -239,7 +236,6 @@ def local(
     latency: float = 50e-6,
     dtype: str = "fp32",
     name: str = "local",
-    reduce_scatter_as_all_reduce: bool = False,
     overlap_efficiency: float = 1.0,
     memory_bandwidth: float = math.inf,
     idle_speedup: float = 1.0,
@@ -247,9 +243,9 @@ def local(
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
     `dtype`, or one such rate per dtype name (so matmul_efficiency is 1); `link_bandwidth`
     bytes/s per direction between two devices of a node; `inter_node_bandwidth` defaults to
-    the same link, `latency` is α of both links; `reduce_scatter_as_all_reduce` for a backend
-    that runs it so (gloo); `overlap_efficiency`, `memory_bandwidth` and `idle_speedup` as
-    measured (`calibrate.measure_overlap`, `calibrate.measure_optimizer_bandwidth`)."""
+    the same link, `latency` is α of both links; `overlap_efficiency`, `memory_bandwidth` and
+    `idle_speedup` as measured (`calibrate.measure_overlap`,
+    `calibrate.measure_optimizer_bandwidth`)."""
     return Hardware(
         name=name,
         peak_flops=(
@@ -266,7 +262,6 @@ def local(
             link_bandwidth if inter_node_bandwidth is None else inter_node_bandwidth
         ),
         inter_node_latency=latency,
-        reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
         overlap_efficiency=overlap_efficiency,
         memory_bandwidth=memory_bandwidth,
         idle_speedup=idle_speedup,

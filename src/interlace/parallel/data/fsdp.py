@@ -7,9 +7,10 @@ FSDP2 all-gathers a block's parameters before its forward (and, with `reshard_af
 again before its backward, having freed them in between), prefetching the next block's gather
 under the current block's compute (on the CPU, where FSDP2's own prefetch is a CUDA stream's,
 as asynchronous gathers issued a block ahead), and reduce-scatters its gradients during
-backward (then all-reduces them over `dp_replicate`): each rank keeps 1/dp_shard of the model's
-state. Under bf16 or fp16 its `MixedPrecisionPolicy` gathers the parameters in the compute
-dtype and reduces gradients in `grad_reduce_dtype` (fp32 by default) onto fp32 master shards.
+backward (then all-reduces them over `dp_replicate`; on gloo through a ring of sends, `ring.py`):
+each rank keeps 1/dp_shard of the model's state. Under bf16 or fp16 its `MixedPrecisionPolicy`
+gathers the parameters in the compute dtype and reduces gradients in `grad_reduce_dtype` (fp32
+by default) onto fp32 master shards.
 
 Micro-batches before a step's last accumulate unreduced gradients and keep the gathered
 parameters (`no_sync`): one reduce-scatter per step, no gathers between micro-batches. Under a
@@ -29,10 +30,11 @@ from collections.abc import Iterator, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from interlace.comm import Group
+from interlace.parallel.data.ring import RingReduceScatter
 from interlace.parallel.grad_norm import NormShare
 from interlace.precision import DTYPES
 
@@ -106,6 +108,10 @@ def apply_fully_shard(
         fully_shard(
             root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
         )
+    if mesh.device_type == "cpu":  # gloo: a reduce-scatter half the bytes of its own
+        for module in [*blocks, *roots]:
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(RingReduceScatter())
     for name, param in model.named_parameters():
         for key, value in attributes.get(name, {}).items():
             setattr(param, key, value)
