@@ -16,6 +16,7 @@ import tokenizers as tk
 from interlace.cli import main
 from interlace.data import FileTokenizer, ShardIndex, prepare_shards
 from interlace.data.shards import ShardTokens, file_sha256
+from interlace.data.tokenizer import train_byte_level_bpe
 from interlace.errors import DataError
 from interlace.plan import Plan
 from interlace.train import prepare_run
@@ -40,16 +41,7 @@ def write_documents(folder: Path) -> Path:
 
 def save_bpe(folder: Path, special: list[str]) -> Path:
     """A byte-level BPE of VOCAB ids trained on DOCUMENTS, saved as folder/tokenizer.json."""
-    tokenizer = tk.Tokenizer(tk.models.BPE())
-    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=special,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(list(DOCUMENTS.values()) * 3, trainer)
+    tokenizer = train_byte_level_bpe(list(DOCUMENTS.values()) * 3, VOCAB, special)
     folder.mkdir(parents=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     return folder / "tokenizer.json"

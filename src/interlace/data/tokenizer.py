@@ -144,21 +144,31 @@ class BPETokenizer(HFTokenizer):
         if cached.is_file():
             with contextlib.suppress(Exception):  # a corrupt entry is trained again, overwritten
                 return cls(tk.Tokenizer.from_file(str(cached)))
-        tokenizer = tk.Tokenizer(tk.models.BPE())
-        tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = tk.decoders.ByteLevel()
-        trainer = tk.trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-            special_tokens=[],
-            show_progress=False,
-        )
-        tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
+        tokenizer = train_byte_level_bpe(text.splitlines(keepends=True), vocab_size)
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
         tokenizer.save(str(partial))
         os.replace(partial, cached)
         return cls(tokenizer)
+
+
+def train_byte_level_bpe(
+    texts: Sequence[str], vocab_size: int, special_tokens: Sequence[str] = ()
+) -> "tokenizers.Tokenizer":
+    """A byte-level BPE (every byte a symbol, so any string round-trips) of at most
+    `vocab_size` ids trained on `texts`, with `special_tokens` first."""
+    tk = _import_tokenizers()
+    tokenizer = tk.Tokenizer(tk.models.BPE())
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(special_tokens),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
 
 
 def default_cache_dir() -> Path:
