@@ -25,7 +25,13 @@ pytestmark = needs_hf
 VOCAB = 320  # above the byte tokenizer's 256 ids, apart from every feed-forward width
 PLANS = {
     "gpt2": ["dp=2", "tp=2", "pp=2,micro_batches=2"],
-    "llama": ["dp=2", "tp=2,sequence_parallel=true", "pp=2,micro_batches=2"],
+    "llama": [
+        "dp=2",
+        "tp=2,sequence_parallel=true",
+        "pp=2,micro_batches=2",
+        "dp_shard=2",
+        "tp3d=2x1x1",
+    ],
     "mixtral": ["dp=2", "dp=2,ep=2"],
 }
 
