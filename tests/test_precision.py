@@ -37,16 +37,23 @@ def _model_file(tmp_path, preset: str, **changes) -> str:
     return str(path)
 
 
+def _output_dtypes(model: torch.nn.Module) -> set[str]:
+    """The dtypes of every tensor any module of `model` outputs from now on (filled as it
+    runs)."""
+    dtypes: set[str] = set()
+    for module in model.modules():
+        module.register_forward_hook(
+            lambda m, i, out: dtypes.add(str(out.dtype)) if torch.is_tensor(out) else None
+        )
+    return dtypes
+
+
 def _run(config: TrainConfig, plan_text: str, world_size: int) -> dict:
     """Every step's (loss, grad_norm), and the dtypes of every module output in the forward."""
     plan = Plan.parse(plan_text)
     mesh = build_mesh(plan) if world_size > 1 else None
     trainer = Trainer(prepare_run(config, plan, world_size), mesh)
-    dtypes: set[str] = set()
-    for module in trainer.model.modules():
-        module.register_forward_hook(
-            lambda m, i, out: dtypes.add(str(out.dtype)) if torch.is_tensor(out) else None
-        )
+    dtypes = _output_dtypes(trainer.model)
     rows = [trainer.train_step() for _ in range(config.steps)]
     return {"rows": [(r["loss"], r["grad_norm"]) for r in rows], "dtypes": dtypes}
 
@@ -137,11 +144,7 @@ def _run_pipeline(config: TrainConfig, plan_text: str, world_size: int) -> dict:
     shape exchange), by dtype."""
     plan = Plan.parse(plan_text)
     trainer = Trainer(prepare_run(config, plan, world_size), build_mesh(plan))
-    dtypes: set[str] = set()
-    for module in trainer.model.modules():
-        module.register_forward_hook(
-            lambda m, i, out: dtypes.add(str(out.dtype)) if torch.is_tensor(out) else None
-        )
+    dtypes = _output_dtypes(trainer.model)
     residual: set[str] = set()  # of every block's output, the residual stream
     for block in trainer.model.blocks.values():
         block.register_forward_hook(lambda m, i, out: residual.add(str(out.dtype)))
@@ -227,11 +230,7 @@ def test_bf16_gradient_reduction_sends_half_the_bytes_and_follows_the_serial_run
 def _run_with_bytes(config: TrainConfig, plan_text: str, world_size: int) -> dict:
     plan = Plan.parse(plan_text)
     trainer = Trainer(prepare_run(config, plan, world_size), build_mesh(plan))
-    dtypes: set[str] = set()
-    for module in trainer.model.modules():
-        module.register_forward_hook(
-            lambda m, i, out: dtypes.add(str(out.dtype)) if torch.is_tensor(out) else None
-        )
+    dtypes = _output_dtypes(trainer.model)
     rows = [trainer.train_step() for _ in range(config.steps)]
     return {
         "rows": [(r["loss"], r["grad_norm"]) for r in rows],
