@@ -8,11 +8,14 @@ in the tiny test models the largest entry of a tensor ranges from ~1 (output bia
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from interlace.models.config import GPTConfig
+from interlace.models.presets import get_preset
 from interlace.train_config import TrainConfig
 
 SVM_DATA = Path(__file__).parent / "data" / "svm"
@@ -32,6 +35,12 @@ TINY_RUN = TrainConfig(
 each update by the gradient's running scale, so an element whose gradient is near zero turns
 float rounding (different summation order over ranks) into an update difference proportional
 to lr; lr=5e-4 keeps that below 2e-5 after 3 steps."""
+
+
+def tiny_config(n_layers: int = 4, **changes) -> GPTConfig:
+    """The tiny preset with `n_layers` layers and `changes` (GPTConfig fields)."""
+    return dataclasses.replace(get_preset("tiny"), n_layers=n_layers, **changes)
+
 
 GRAD_RTOL = 1e-4
 """Default tolerance of `assert_grads_close`, relative to each expected tensor's largest entry:
