@@ -93,7 +93,7 @@ def prepare_run(config: TrainConfig, plan: Plan, world_size: int) -> RunSetup:
     config.validate()
     folder = hf.hf_folder(config.model)
     hf_config = hf.load_config(folder) if folder is not None else None
-    model_config = get_preset(config.model)
+    model_config = get_preset(config.model) if hf_config is None else hf.shape_of(hf_config, None)
     seq_len = config.seq_len or model_config.seq_len
     if config.data == SYNTHETIC:  # the preset's vocabulary, random tokens
         model_config = dataclasses.replace(model_config, seq_len=seq_len)

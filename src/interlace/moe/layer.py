@@ -14,7 +14,7 @@ from torch import nn
 from interlace.models.mlp import MLP
 from interlace.moe.gating import TopKRouter, expert_counts
 from interlace.moe.grouped import mlp_experts, stack_parameters
-from interlace.moe.permute import from_expert_order, to_expert_order
+from interlace.moe.permute import from_expert_order, inverse_permutation, to_expert_order
 
 
 class MoELayer(nn.Module):
@@ -55,7 +55,8 @@ class MoELayer(nn.Module):
         order = torch.argsort(expert, stable=True)
         counts = expert_counts(expert, n_experts + 1)[:n_experts]
         params = stack_parameters(self.experts)
-        rows = to_expert_order(tokens, order, top_k)
+        inverse = inverse_permutation(order)
+        rows = to_expert_order(tokens, order, inverse, top_k)
         y = mlp_experts(self.experts[0], params, rows, counts, routing.capacity)
-        out = from_expert_order(y, order, routing.gate_weight).to(tokens.dtype)
+        out = from_expert_order(y, order, inverse, routing.gate_weight).to(tokens.dtype)
         return out.view_as(x)

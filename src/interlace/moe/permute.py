@@ -27,19 +27,21 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-def to_expert_order(tokens: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+def to_expert_order(
+    tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int
+) -> torch.Tensor:
     """tokens [N, d] → assignment rows [N·k, d] in `order` (a permutation of the N·k
-    token-major assignments, token t's c-th at t·k + c)."""
+    token-major assignments, token t's c-th at t·k + c; `inverse` its inverse)."""
     rows = tokens.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, tokens.shape[-1])
-    return _PermuteRows.apply(rows, order, inverse_permutation(order))
+    return _PermuteRows.apply(rows, order, inverse)
 
 
 def from_expert_order(
-    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """Inverse of `to_expert_order`, each token's k rows weighted and summed: rows [N·k, d] in
     `order`, weights [N, k] → [N, d] (in the promoted dtype of the two)."""
-    token_major = _PermuteRows.apply(rows, inverse_permutation(order), order)
+    token_major = _PermuteRows.apply(rows, inverse, order)
     n, k = weights.shape
     return (token_major.view(n, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 

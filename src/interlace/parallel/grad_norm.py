@@ -46,7 +46,11 @@ def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = 
     from this rank's `parameters`; collective over every share's group (every rank calls it).
     The local part is torch's multi-tensor norm over the gradients alike in holders (a few
     kernels, not a few per parameter)."""
-    grads = _local_grads(parameters)
+    return _norm(_local_grads(parameters), shares)
+
+
+def _norm(grads: dict[torch.Tensor, torch.Tensor], shares: Sequence[NormShare]) -> torch.Tensor:
+    """`grad_norm` of {parameter: this rank's piece of its gradient}."""
     by_holders: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p, grad in grads.items():
         by_holders[math.prod(share.holders(p) for share in shares)].append(grad)
@@ -71,12 +75,12 @@ def clip_grad_norm_(
     """Scale the gradients in place by min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
     does for one process, with ‖g‖ the `grad_norm` over `shares`; returns ‖g‖ before clipping
     (max_norm = inf: only measure it)."""
-    params = list(parameters)
-    norm = grad_norm(params, shares)
+    grads = _local_grads(parameters)
+    norm = _norm(grads, shares)
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        for grad in _local_grads(params).values():
+        for grad in grads.values():
             by_dtype[grad.dtype].append(grad)
         for dtype, grads in by_dtype.items():
             torch._foreach_mul_(grads, scale.to(dtype))  # what torch's own clipping calls
