@@ -8,8 +8,8 @@ norm and the checkpoint keys. The loop itself knows no dimension. Every rank dra
 global batch and takes its data-parallel slice, so a run on R ranks follows the same trajectory
 as one process on the whole batch.
 
-Run as `torchrun --nproc-per-node N -m interlace.train [train options]` for many nodes; the
-options are those of `interlace train`.
+Run as `torchrun --nproc-per-node N -m interlace.train [train options]` for many nodes
+(`train/__main__.py`); the options are those of `interlace train`.
 """
 
 from __future__ import annotations
@@ -524,9 +524,3 @@ def _postfix(row: dict[str, Any]) -> dict[str, str]:
     if "eval_loss" in row:
         post["eval"] = f"{row['eval_loss']:.3f}"
     return post
-
-
-if __name__ == "__main__":
-    from interlace.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))
