@@ -94,18 +94,20 @@ def build(folder: Path, config: Any, device: torch.device) -> nn.Module:
     folder has them, else initialised from `config` (seed the RNG first for equal ranks)."""
     if not has_weights(folder):
         return build_from_config(config).to(device)
-    transformers = _import_transformers()
     config.use_cache = False
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config)
-    model.register_forward_hook(_logits_only)
-    return model.float().to(device)
+    auto = _import_transformers().AutoModelForCausalLM
+    return _for_training(auto.from_pretrained(folder, config=config)).to(device)
 
 
 def build_from_config(config: Any) -> nn.Module:
     """`config`'s model, initialised by its own rule from the RNG (on the default device: a
     `with torch.device("meta")` builds shapes only), in fp32, returning logits."""
     config.use_cache = False
-    model = _import_transformers().AutoModelForCausalLM.from_config(config)
+    return _for_training(_import_transformers().AutoModelForCausalLM.from_config(config))
+
+
+def _for_training(model: nn.Module) -> nn.Module:
+    """`model` in fp32, its forward returning the logits alone."""
     model.register_forward_hook(_logits_only)
     return model.float()
 
