@@ -38,8 +38,8 @@ def write_tokenizer(train: dict[str, Any], vocab_size: int, folder: Path) -> str
         cached = Path(data) / TOKENIZER_FILE
         if not cached.is_file():
             return f"tokenizer: none written: the shard folder '{data}' holds no tokenizer file"
-    elif name not in TOKENIZER_NAMES and tokenizer_file(name) is not None:
-        cached = tokenizer_file(name)
+    elif name not in TOKENIZER_NAMES and (given := tokenizer_file(name)) is not None:
+        cached = given
     elif name != "bpe":
         return (
             "tokenizer: none written: the byte tokenizer has no Hugging Face tokenizer file; "
