@@ -92,7 +92,7 @@ class TopKRouter(nn.Module):
         if capacity is None:
             keep = torch.ones_like(expert_index, dtype=torch.bool)
         else:
-            keep = _slot_in_expert(expert_index, tokens_per_expert) < capacity
+            keep = _slot_in_expert(expert_index, self.n_experts) < capacity
         return Routing(expert_index, gate_weight, keep, aux_loss, tokens_per_expert, capacity)
 
     def choose(self, probs: torch.Tensor) -> torch.Tensor:
@@ -102,21 +102,25 @@ class TopKRouter(nn.Module):
 
 def expert_counts(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Assignments per expert [n_experts] (long) of the expert indices `expert` [M], each in
-    [0, n_experts): torch.bincount of static shape, without its host sync."""
-    counts = torch.zeros(n_experts, dtype=torch.long, device=expert.device)
-    return counts.index_add_(0, expert, torch.ones_like(expert))
+    [0, n_experts): a one-hot comparison summed over M. Static shapes and no host sync (unlike
+    torch.bincount), and no scatter: CUDA runs an accumulating index_add into E bins as a
+    sorting kernel, which cost a fifth of an MoE step on an H200."""
+    return (expert.unsqueeze(-1) == _expert_ids(n_experts, expert.device)).sum(0)
 
 
-def _slot_in_expert(expert_index: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def _expert_ids(n_experts: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n_experts, device=device)
+
+
+def _slot_in_expert(expert_index: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Queue position of each assignment [N, k] at its expert, first choices before second ones.
 
-    Assignments are ordered choice-major ([all first choices, all second choices]), then grouped
-    by expert with a stable sort; an assignment's slot is its rank inside its expert's group.
+    Assignments are ordered choice-major ([all first choices, all second choices]); an
+    assignment's slot is the number of assignments before it in that order with the same
+    expert: a running count down a one-hot [N·k, E] (no sort, no scatter).
     """
     by_priority = expert_index.t().flatten()
-    sorted_experts, order = torch.sort(by_priority, stable=True)
-    group_start = torch.cumsum(tokens_per_expert, dim=0) - tokens_per_expert
-    rank = torch.arange(by_priority.numel(), device=by_priority.device)
-    slot = torch.empty_like(by_priority)
-    slot[order] = rank - group_start[sorted_experts]
+    hits = by_priority.unsqueeze(-1) == _expert_ids(n_experts, by_priority.device)
+    seen = hits.cumsum(0, dtype=torch.int32)  # assignments to each expert up to this one
+    slot = seen.gather(1, by_priority.unsqueeze(-1)).squeeze(-1) - 1
     return slot.view(expert_index.shape[1], -1).t()

@@ -40,7 +40,7 @@ from torch import nn
 
 from interlace.checkpoint import Storage
 from interlace.comm import Group
-from interlace.compile import compile_blocks, uncompilable
+from interlace.compile import compile_blocks, compile_loss, uncompilable
 from interlace.errors import PlanError
 from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
 from interlace.mesh import Mesh
@@ -330,13 +330,16 @@ def apply_precision(result: Parallelized, precision: str) -> None:
 
 
 def apply_compile(result: Parallelized, compile: bool) -> None:
-    """Step 5: each block of the model's layer list compiled in place (when `compile`)."""
+    """Step 5: each block of the model's layer list compiled in place, and the plain
+    cross-entropy loss (when `compile`)."""
     if not compile:
         return
     reason = uncompilable(result.plan)
     if reason is not None:
         raise PlanError(f"compiled blocks cannot run with {reason}; leave compile off")
     result.report += compile_blocks(result.model, _layers(result, "compile"))
+    result.scores, lines = compile_loss(result.scores)
+    result.report += lines
 
 
 def apply_pipeline(
