@@ -4,12 +4,19 @@ derived from the model FLOP count, and bad options refused before any work."""
 import pytest
 
 from interlace.bench import get_benchmark
-from interlace.bench.mfu import dense_equivalent, shape
+from interlace.bench.mfu import batches, dense_equivalent, shape
 from interlace.errors import ConfigError
 from interlace.throughput import model_flops_per_token
 
 BENCH = get_benchmark("mfu")
-OPTIONS = {**BENCH.options, "models": "moe-tiny", "steps": 1, "warmup": 0, "compile": False}
+OPTIONS = {
+    **BENCH.options,
+    "models": "moe-tiny",
+    "batch": "4",
+    "steps": 1,
+    "warmup": 0,
+    "compile": False,
+}
 
 
 def test_cpu_smoke_run_measures_trainer_and_loops_for_the_moe_model_and_its_dense_twin():
@@ -25,12 +32,17 @@ def test_cpu_smoke_run_measures_trainer_and_loops_for_the_moe_model_and_its_dens
         models[1]: model_flops_per_token(dense_equivalent(moe)),
     }
     for (model, _), row in rows.items():
-        assert row["tokens_per_s"] > 0
+        assert row["tokens_per_s"] > 0 and row["batch"] == 4
         assert row["model_tflops"] == pytest.approx(flops[model] * row["tokens_per_s"] / 1e12)
         assert row["mfu"] is None  # no peak for the CPU
     doc = {"result": result}
     assert "moe-tiny: Trainer" in BENCH.headline(doc)
     assert "loop_bf16" in BENCH.table(doc)
+
+
+def test_batch_is_one_count_for_every_model_or_one_per_model():
+    assert batches({"models": "a,b", "batch": "16,8"}) == {"a": 16, "b": 8}
+    assert batches({"models": "a,b", "batch": 4}) == {"a": 4, "b": 4}
 
 
 def test_shapes_pad_the_vocabulary_to_a_multiple_of_128():
@@ -42,7 +54,9 @@ def test_shapes_pad_the_vocabulary_to_a_multiple_of_128():
     ("change", "message"),
     [
         ({"models": "gpt5"}, r"models \['gpt5'\] unknown"),
-        ({"batch": 0}, "batch=0 must be >= 1"),
+        ({"batch": "0"}, "batch=0 must be >= 1"),
+        ({"batch": "16,8"}, "batch=16,8 gives 2 counts for 3 models"),
+        ({"batch": "8,x,8"}, "batch=8,x,8 must be whole numbers"),
         ({"warmup": -1}, "warmup=-1 must be >= 0"),
     ],
 )

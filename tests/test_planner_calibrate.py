@@ -11,6 +11,7 @@ import pytest
 from interlace.cli import main
 from interlace.errors import ConfigError
 from interlace.planner import calibrate as cal
+from interlace.planner import model_calibration as mcal
 from interlace.planner.hardware import get_hardware
 
 
@@ -172,12 +173,14 @@ def test_model_efficiency_is_the_step_rate_over_the_matmul_rate(monkeypatch):
     from interlace.models.presets import get_preset
 
     tiny = get_preset("tiny")
-    efficiency = cal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
+    efficiency = mcal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
     assert 0 < efficiency <= 1
     # against a matmul rate a thousand times higher, the same step reaches a thousandth of it
     measured = cal.measure_matmul_flops(1)
-    monkeypatch.setattr(cal, "measure_matmul_flops", lambda threads: 1000 * measured)
-    slower = cal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
+    monkeypatch.setattr(
+        mcal, "measure_matmul_flops", lambda threads, dtype, device: 1000 * measured
+    )
+    slower = mcal.measure_model_efficiency(tiny, rows=2, threads=1, min_seconds=0.05)
     assert slower < efficiency / 100
 
 

@@ -304,7 +304,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
                 f"  d={cfg.d_model:<6d} heads={cfg.n_heads:<4d} {kind}"
             )
         return 0
-    if args.search or args.hardware is not None:
+    local_only = args.calibrate_model or args.recalibrate or args.bandwidth
+    if args.search or args.hardware is not None or local_only:  # priced: refused off local
         from interlace.planner.cli import run_planner
 
         return run_planner(args)

@@ -27,12 +27,12 @@ from interlace.planner.calibrate import (
     fit_link,
     link_sweep,
     measure_matmul_flops,
-    measure_model_efficiency,
     measure_optimizer_bandwidth,
     measure_overlap,
     memory_bytes,
 )
 from interlace.planner.hardware import Hardware, local
+from interlace.planner.model_calibration import measure_model_efficiency
 
 
 def _efficiency_curve(

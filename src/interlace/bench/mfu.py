@@ -54,14 +54,36 @@ def dense_equivalent(config: GPTConfig) -> GPTConfig:
     return dataclasses.replace(config, n_experts=0)
 
 
-def time_loop(config: GPTConfig, precision: str, compiled: bool, options: dict[str, Any]) -> float:
-    """Tokens/s of the plain loop on this process's device: median over the timed steps."""
+def batches(options: dict[str, Any]) -> dict[str, int]:
+    """{model: sequences per step} from the `batch` option: one count for every model, or one
+    per model in `models`' order ("16,8,16"). ConfigError for a count below 1, not a whole
+    number, or a list of another length."""
+    models = options["models"].split(",")
+    counts = str(options["batch"]).split(",")
+    if len(counts) not in (1, len(models)):
+        raise ConfigError(
+            f"batch={options['batch']} gives {len(counts)} counts for {len(models)} models; "
+            "give one count, or one per model"
+        )
+    try:
+        sizes = [int(c) for c in counts]
+    except ValueError:
+        raise ConfigError(f"batch={options['batch']} must be whole numbers") from None
+    if min(sizes) < 1:
+        raise ConfigError(f"batch={options['batch']} must be >= 1")
+    return dict(zip(models, sizes * len(models) if len(sizes) == 1 else sizes, strict=True))
+
+
+def time_loop(
+    config: GPTConfig, precision: str, compiled: bool, batch: int, options: dict[str, Any]
+) -> float:
+    """Tokens/s of the plain loop over `batch` sequences on this process's device: median over
+    the timed steps."""
     device = default_device()
     torch.manual_seed(0)
     model = build_model(config, device=device)
     optimizer = build_optimizer(model, 1e-4, 0.1)
     run = torch.compile(model) if compiled else model
-    batch = options["batch"]
     x = torch.randint(config.vocab_size, (batch, config.seq_len), device=device)
     y = torch.randint(config.vocab_size, (batch, config.seq_len), device=device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -80,9 +102,9 @@ def time_loop(config: GPTConfig, precision: str, compiled: bool, options: dict[s
     return batch * config.seq_len / statistics.median(times)
 
 
-def time_trainer(config: GPTConfig, options: dict[str, Any], folder: Path) -> float:
+def time_trainer(config: GPTConfig, batch: int, options: dict[str, Any], folder: Path) -> float:
     """Tokens/s of interlace's Trainer (precision and compile at their defaults for the
-    device) on the same shape: median over the timed steps."""
+    device) on the same shape and batch: median over the timed steps."""
     path = folder / "model.json"
     path.write_text(json.dumps(config.to_dict()))
     steps = options["warmup"] + options["steps"]
@@ -90,7 +112,7 @@ def time_trainer(config: GPTConfig, options: dict[str, Any], folder: Path) -> fl
         model=str(path),
         data="synthetic",
         steps=steps,
-        global_batch=options["batch"],
+        global_batch=batch,
         eval_every=0,
         out=None,
         progress=False,
@@ -106,15 +128,15 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
     modes = {**LOOP_MODES, **(LOOP_COMPILED if options["compile"] else {})}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in options["models"].split(","):
+        for name, batch in batches(options).items():
             config = shape(name, options)
             shapes = [(name, config)]
             if config.n_experts:
                 shapes.append((f"{name} {DENSE_SUFFIX}", dense_equivalent(config)))
             for label, cfg in shapes:
-                results = {"trainer": time_trainer(cfg, options, Path(tmp))}
+                results = {"trainer": time_trainer(cfg, batch, options, Path(tmp))}
                 for mode, (precision, compiled) in modes.items():
-                    results[mode] = time_loop(cfg, precision, compiled, options)
+                    results[mode] = time_loop(cfg, precision, compiled, batch, options)
                 flops = model_flops_per_token(cfg)
                 for mode, tokens_per_s in results.items():
                     precision = "fp32" if mode == "loop_fp32" else _trainer_precision(device, mode)
@@ -124,6 +146,7 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
                         {
                             "model": label,
                             "mode": mode,
+                            "batch": batch,
                             "tokens_per_s": tokens_per_s,
                             "model_tflops": tflops,
                             "mfu": tflops / peak if peak else None,
@@ -147,9 +170,9 @@ def check(options: dict[str, Any]) -> None:
     unknown = set(options["models"].split(",")) - set(PRESETS)
     if unknown:
         raise ConfigError(f"models {sorted(unknown)} unknown; choose from {', '.join(PRESETS)}")
-    for key in ("batch", "steps"):
-        if options[key] < 1:
-            raise ConfigError(f"{key}={options[key]} must be >= 1")
+    batches(options)
+    if options["steps"] < 1:
+        raise ConfigError(f"steps={options['steps']} must be >= 1")
     if options["warmup"] < 0:
         raise ConfigError(f"warmup={options['warmup']} must be >= 0")
 
@@ -235,6 +258,8 @@ BENCHMARK = Benchmark(
         "PyTorch loop over the same module (fp32; bf16 autocast; bf16 autocast + "
         "torch.compile) for each model shape at its own vocabulary (padded to a multiple of "
         "128), on uniform random tokens; a MoE preset also beside its dense equivalent. "
+        "Each model runs at its own batch (`batch`, one count per model: by default 16 "
+        "sequences for gpt2-124m and the MoE preset, 8 for gpt2-1.5b). "
         "Tokens/s is the median over timed steps after warm-up; MFU is model FLOPs "
         "(6N + 12LTd per token) over the device's dense peak in the mode's precision (fp32: "
         "the peak without TF32, which the loop leaves off)."
@@ -247,7 +272,7 @@ BENCHMARK = Benchmark(
     key_numbers=key_numbers,
     options={
         "models": "gpt2-124m,gpt2-1.5b,moe-gpt-12l",
-        "batch": 8,
+        "batch": "16,8,16",
         "seq_len": 0,
         "steps": 10,
         "warmup": 3,

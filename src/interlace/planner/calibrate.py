@@ -46,14 +46,10 @@ from torch import nn
 from interlace import comm
 from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
-from interlace.loss import causal_lm_loss
 from interlace.mesh import default_device
-from interlace.models.config import GPTConfig
-from interlace.models.gpt import GPT
 from interlace.optim import build_optimizer
 from interlace.planner.bytes import OPTIMIZER_BYTES_PER_PARAM
 from interlace.planner.hardware import Hardware, local
-from interlace.planner.profile import model_profile
 from interlace.precision import DTYPES
 from interlace.testing import run_ranks
 
@@ -210,45 +206,13 @@ def _best_seconds(
     return best
 
 
-def measure_model_efficiency(
-    config: GPTConfig, rows: int, threads: int, min_seconds: float = 0.5
-) -> float:
-    """The fraction of `measure_matmul_flops` a training step of `config` itself reaches on one
-    rank: 3 · forward FLOPs per token · tokens / (forward + backward seconds), with `rows`
-    sequences of config.seq_len tokens, on `threads` threads (median timing). Small widths,
-    LayerNorms, softmax and the loss make a small model's step slower than its FLOPs at large-
-    matmul speed; this is the machine's achieved efficiency at the model's shapes, for
-    `Hardware.matmul_efficiency`. In (0, 1]."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        model = GPT(config)
-        ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1))
-
-        def step() -> float:
-            start = time.perf_counter()
-            causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], model).backward()
-            return time.perf_counter() - start
-
-        step()  # warm-up
-        times: list[float] = []
-        while sum(times) < min_seconds or len(times) < 3:
-            times.append(step())
-        model.zero_grad(set_to_none=True)
-    finally:
-        torch.set_num_threads(saved)
-    flops = 3 * model_profile(config).forward_flops_per_token * rows * config.seq_len
-    achieved = flops / statistics.median(times)
-    return min(1.0, achieved / measure_matmul_flops(threads))
-
-
 def fit_half_rows(samples: list[tuple[float, float]]) -> tuple[float, float]:
     """(efficiency E, half rows h) of the curve E · m / (m + h) (`Hardware.efficiency`) fitted
-    to (rows m, achieved efficiency) samples, e.g. `measure_model_efficiency` at a few batch
-    sizes with m = its tokens: least squares of 1/eff = 1/E + (h/E) · 1/m, a line in 1/m. With
-    E above 1 the fit is redone with E = 1; a falling slope (efficiency not rising with m)
-    gives h = 0 and E the harmonic mean. ConfigError unless there are two distinct m > 0 and
-    every efficiency is in (0, 1]."""
+    to (rows m, achieved efficiency) samples, e.g. `model_calibration.measure_model_efficiency`
+    at a few batch sizes with m = its tokens: least squares of 1/eff = 1/E + (h/E) · 1/m, a
+    line in 1/m. With E above 1 the fit is redone with E = 1; a falling slope (efficiency not
+    rising with m) gives h = 0 and E the harmonic mean. ConfigError unless there are two
+    distinct m > 0 and every efficiency is in (0, 1]."""
     if len({m for m, _ in samples}) < 2 or any(m <= 0 for m, _ in samples):
         raise ConfigError(
             f"efficiency samples {samples} need at least two distinct row counts m > 0"
@@ -523,7 +487,6 @@ __all__ = [
     "measure",
     "measure_loopback_link",
     "measure_matmul_flops",
-    "measure_model_efficiency",
     "measure_optimizer_bandwidth",
     "measure_overlap",
     "threads_per_rank",

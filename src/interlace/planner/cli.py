@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from interlace.planner.calibrate import local_hardware
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
+from interlace.planner.model_calibration import cached_model_efficiency, with_model_efficiency
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 from interlace.planner.simulate import simulate
 from interlace.precision import resolve_precision
@@ -111,6 +113,13 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         help=f"with --hardware {LOCAL}: measure this machine again instead of using the cache",
     )
     p.add_argument(
+        "--calibrate-model",
+        action="store_true",
+        help=f"with --hardware {LOCAL}: price the model's compute at the efficiency its own "
+        "training step reaches on this machine's device (measured once, at one device's "
+        "share of --global-batch, compiled on CUDA as a run is; cached)",
+    )
+    p.add_argument(
         "--bandwidth",
         default=None,
         help=f"with --hardware {LOCAL}: price links at this rate instead of the measured "
@@ -186,6 +195,9 @@ def run_planner(args: argparse.Namespace) -> int:
     n = args.gpus or (args.nproc if plan is None else plan.world_size)
     hardware = resolve_hardware(args, n)
     args.dtype = args.dtype or default_dtype(hardware)
+    if args.calibrate_model:
+        measured = replace(spec, seq_len=args.seq) if args.seq else spec
+        hardware = calibrated_for_model(hardware, measured, args, n)
     if plan is None:
         costs = search(
             spec,
@@ -260,13 +272,30 @@ def resolve_hardware(args: argparse.Namespace, n: int) -> Hardware:
     `n` ranks, its links at `--bandwidth` when given. ConfigError for options that need local."""
     name = args.hardware or DEFAULT_HARDWARE
     if name != LOCAL:
-        if args.recalibrate or args.bandwidth:
+        if args.recalibrate or args.bandwidth or args.calibrate_model:
             raise ConfigError(
-                f"--recalibrate and --bandwidth apply to --hardware {LOCAL} only, not {name!r}"
+                f"--recalibrate, --bandwidth and --calibrate-model apply to --hardware {LOCAL} "
+                f"only, not {name!r}"
             )
         return get_hardware(name)
     rate = parse_rate(args.bandwidth) / 8 if args.bandwidth else None
     return local_hardware(n, bandwidth=rate, recalibrate=args.recalibrate)
+
+
+def calibrated_for_model(
+    hardware: Hardware, spec: GPTConfig, args: argparse.Namespace, n: int
+) -> Hardware:
+    """`--calibrate-model`: the local `hardware` with `spec`'s compute in `args.dtype` at the
+    efficiency the model's own step reaches on this device at one device's share of the global
+    batch (`model_calibration`; said on stderr, so --json stays parseable)."""
+    rows = max(1, args.global_batch // n)
+    efficiency = cached_model_efficiency(spec, rows, args.dtype, args.recalibrate)
+    print(
+        f"{args.model}: its {args.dtype} training step reaches {efficiency:.1%} of this "
+        f"machine's matmul rate at {rows} sequences (--calibrate-model)",
+        file=sys.stderr,
+    )
+    return with_model_efficiency(hardware, args.dtype, efficiency)
 
 
 def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argparse.Namespace):

@@ -1,0 +1,157 @@
+"""The model's own training step measured on this machine, for the planner's compute terms.
+
+A matmul rate alone prices a step too fast: at a GPU's bf16 speed the norms, the softmax, the
+element-wise work and the loss, which run at memory speed, weigh as much as the matmuls, and
+the narrower the model the more (on one H100 the `local` calibration's matmul rate priced
+gpt2-124m's step at 11.8 ms against the Trainer's 32.7 ms). So, as profile-guided planners do,
+`measure_model_efficiency` runs the model's forward and backward exactly as a run computes it —
+`parallelize` on one process: the run's precision, blocks and loss compiled on CUDA — and
+divides the FLOPs it achieved by the matmul rate of the same device and dtype. `interlace plan
+--hardware local --calibrate-model` prices the model's compute at that fraction
+(`with_model_efficiency`), measured once per model shape, rows, dtype and machine and cached
+beside the machine's calibration (`cached_model_efficiency`).
+
+torch measures no model for a planner; this module is the planner's, hence written here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from interlace.compile import resolve_compile
+from interlace.errors import ConfigError
+from interlace.mesh import default_device
+from interlace.models.config import GPTConfig
+from interlace.models.gpt import build_model
+from interlace.parallel.parallelize import parallelize
+from interlace.plan import Plan
+from interlace.planner.calibrate import cache_path, fingerprint, measure_matmul_flops
+from interlace.planner.hardware import Hardware
+from interlace.planner.profile import model_profile
+from interlace.throughput import synchronize
+
+MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
+"""The dtypes a model's step can be measured in: those a run trains in."""
+STATE_BYTES_PER_PARAM = 16
+"""fp32 weight, gradient and two AdamW moments: what a measured model must fit besides its
+activations (`measurable`)."""
+
+
+def measure_model_efficiency(
+    config: GPTConfig,
+    rows: int,
+    threads: int,
+    min_seconds: float = 0.5,
+    dtype: str = "fp32",
+    device: torch.device | None = None,
+) -> float:
+    """The fraction of `measure_matmul_flops(threads, dtype, device)` that a training step of
+    `config` reaches on `device` (default: the CPU): 3 · forward FLOPs per token · tokens /
+    the median seconds of forward + backward of `rows` sequences of config.seq_len tokens, run
+    by `parallelize` on one process in `dtype` (blocks and loss compiled where a run compiles
+    them: on CUDA), after warm-up calls (compilation), each timed to a device sync. In (0, 1]."""
+    device = device or torch.device("cpu")
+    compiled = resolve_compile("auto", device, Plan())
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = parallelize(
+            build_model(config, device=device), Plan(), None, precision=dtype, compile=compiled
+        )
+        ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), device=device)
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+        def step() -> float:
+            start = time.perf_counter()
+            model.forward_backward(x, y)
+            synchronize(device)
+            return time.perf_counter() - start
+
+        for _ in range(3 if compiled else 1):  # compilation, then a settled allocator
+            step()
+        times: list[float] = []
+        while sum(times) < min_seconds or len(times) < 3:
+            times.append(step())
+        model.model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(saved)
+    flops = 3 * model_profile(config).forward_flops_per_token * rows * config.seq_len
+    achieved = flops / statistics.median(times)
+    return min(1.0, achieved / measure_matmul_flops(threads, dtype=dtype, device=device))
+
+
+def measurable(config: GPTConfig, dtype: str, device: torch.device) -> None:
+    """ConfigError unless `config`'s step can be measured on `device` in `dtype`: a dtype a run
+    trains in, and weights, gradients and AdamW states (16 bytes a parameter) within the
+    device's memory."""
+    if dtype not in MEASURED_PRECISIONS:
+        raise ConfigError(
+            f"--calibrate-model measures a run's step, which trains in "
+            f"{', '.join(MEASURED_PRECISIONS)}, not {dtype}; pass --dtype with one of them"
+        )
+    need = STATE_BYTES_PER_PARAM * config.num_params()
+    have = _device_memory(device)
+    if need > have:
+        raise ConfigError(
+            f"--calibrate-model runs the model on this machine's {device.type}, but its "
+            f"{config.num_params() / 1e9:.2f} B parameters need {need / 2**30:.1f} GiB for "
+            f"weights, gradients and optimizer states alone (the device has "
+            f"{have / 2**30:.1f} GiB); drop --calibrate-model for this model"
+        )
+
+
+def _device_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def efficiency_cache_path() -> Path:
+    """The model efficiencies' cache: `model-efficiency.json` beside the machine's calibration
+    (`calibrate.cache_path()`)."""
+    return cache_path().with_name("model-efficiency.json")
+
+
+def cached_model_efficiency(
+    config: GPTConfig, rows: int, dtype: str, recalibrate: bool = False
+) -> float:
+    """`measure_model_efficiency` of `config` at `rows` sequences in `dtype` on this machine's
+    device (`mesh.default_device`, all its threads), from the cache unless `recalibrate` or
+    not measured yet for this model, rows, dtype and machine (`calibrate.fingerprint`); a new
+    measurement is cached. ConfigError where `measurable` says no."""
+    device = default_device()
+    measurable(config, dtype, device)
+    key = json.dumps([config.to_dict(), rows, dtype, fingerprint()], sort_keys=True)
+    path = efficiency_cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not recalibrate and isinstance(cache.get(key), float):
+        return cache[key]
+    cache[key] = measure_model_efficiency(
+        config, rows, os.cpu_count() or 1, dtype=dtype, device=device
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=1))
+    os.replace(tmp, path)
+    return cache[key]
+
+
+def with_model_efficiency(hardware: Hardware, dtype: str, efficiency: float) -> Hardware:
+    """`hardware` with its matmuls in `dtype` at `efficiency` of its peak, at every size (a
+    step measured at one batch: the curve's half rows set to 0)."""
+    return dataclasses.replace(
+        hardware,
+        efficiency_by_dtype={**hardware.efficiency_by_dtype, dtype: efficiency},
+        matmul_half_rows=0.0,
+    )
