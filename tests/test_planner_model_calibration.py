@@ -41,14 +41,16 @@ def _breakdown(capsys, *options: str) -> dict:
     return json.loads(capsys.readouterr().out)["plans"][0]["breakdown"]
 
 
-def test_compute_is_priced_at_the_measured_efficiency_measured_once(cache, capsys, monkeypatch):
+def test_compute_is_priced_at_the_measured_step_rate_measured_once(cache, capsys, monkeypatch):
     calls = []
+    calibration = cal.Calibration(**json.loads(cache.read_text()))
+    rate = calibration.flops_for_threads(cal.threads_per_rank(1), "fp32")  # the priced peak
 
     def measured(config, rows, threads, min_seconds=0.5, dtype="fp32", device=None):
         calls.append((config.d_model, rows, dtype))
-        return 0.25
+        return rate / 4  # a quarter of the calibrated matmul rate
 
-    monkeypatch.setattr(mcal, "measure_model_efficiency", measured)
+    monkeypatch.setattr(mcal, "measure_model_flops", measured)
     plain = _breakdown(capsys)
     calibrated = _breakdown(capsys, "--calibrate-model")
     assert calibrated["compute"] == pytest.approx(4 * plain["compute"])
@@ -60,14 +62,14 @@ def test_compute_is_priced_at_the_measured_efficiency_measured_once(cache, capsy
     _breakdown(capsys, "--calibrate-model", "--recalibrate")
     assert calls[1:] == [(calls[0][0], 8, "bf16"), calls[0]]
     cached = json.loads(mcal.efficiency_cache_path().read_text())
-    assert sorted(cached.values()) == [0.25, 0.25]
+    assert sorted(cached.values()) == [rate / 4, rate / 4]
 
 
-def test_a_real_measurement_is_a_fraction_and_is_cached(cache):
+def test_a_real_measurement_is_cached():
     config = get_preset("tiny")
-    efficiency = mcal.cached_model_efficiency(config, 2, "fp32")
-    assert 0 < efficiency <= 1
-    assert mcal.cached_model_efficiency(config, 2, "fp32") == efficiency  # from the cache
+    achieved = mcal.cached_model_flops(config, 2, "fp32")
+    assert 1e6 < achieved < 1e13
+    assert mcal.cached_model_flops(config, 2, "fp32") == achieved  # from the cache
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from interlace.planner.calibrate import local_hardware
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
-from interlace.planner.model_calibration import cached_model_efficiency, with_model_efficiency
+from interlace.planner.model_calibration import cached_model_flops, with_model_efficiency
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 from interlace.planner.simulate import simulate
 from interlace.precision import resolve_precision
@@ -289,13 +289,15 @@ def calibrated_for_model(
     efficiency the model's own step reaches on this device at one device's share of the global
     batch (`model_calibration`; said on stderr, so --json stays parseable)."""
     rows = max(1, args.global_batch // n)
-    efficiency = cached_model_efficiency(spec, rows, args.dtype, args.recalibrate)
+    achieved = cached_model_flops(spec, rows, args.dtype, args.recalibrate)
+    calibrated = with_model_efficiency(hardware, args.dtype, achieved)
     print(
-        f"{args.model}: its {args.dtype} training step reaches {efficiency:.1%} of this "
-        f"machine's matmul rate at {rows} sequences (--calibrate-model)",
+        f"{args.model}: its {args.dtype} training step reaches {achieved / 1e12:.3g} TFLOP/s "
+        f"at {rows} sequences, {calibrated.efficiency(None, args.dtype):.1%} of this "
+        "machine's matmul rate (--calibrate-model)",
         file=sys.stderr,
     )
-    return with_model_efficiency(hardware, args.dtype, efficiency)
+    return calibrated
 
 
 def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argparse.Namespace):

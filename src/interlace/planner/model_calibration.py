@@ -4,12 +4,13 @@ A matmul rate alone prices a step too fast: at a GPU's bf16 speed the norms, the
 element-wise work and the loss, which run at memory speed, weigh as much as the matmuls, and
 the narrower the model the more (on one H100 the `local` calibration's matmul rate priced
 gpt2-124m's step at 11.8 ms against the Trainer's 32.7 ms). So, as profile-guided planners do,
-`measure_model_efficiency` runs the model's forward and backward exactly as a run computes it —
+`measure_model_flops` runs the model's forward and backward exactly as a run computes it —
 `parallelize` on one process: the run's precision, blocks and loss compiled on CUDA — and
-divides the FLOPs it achieved by the matmul rate of the same device and dtype. `interlace plan
---hardware local --calibrate-model` prices the model's compute at that fraction
+counts the model FLOP/s it achieves. `interlace plan --hardware local --calibrate-model`
+prices the model's compute at that rate's fraction of the calibrated matmul rate
 (`with_model_efficiency`), measured once per model shape, rows, dtype and machine and cached
-beside the machine's calibration (`cached_model_efficiency`).
+beside the machine's calibration (`cached_model_flops`); `bench planner` fits its efficiency
+curve on `measure_model_efficiency`, the same step against a matmul rate measured with it.
 
 torch measures no model for a planner; this module is the planner's, hence written here.
 """
@@ -44,7 +45,7 @@ STATE_BYTES_PER_PARAM = 16
 activations (`measurable`)."""
 
 
-def measure_model_efficiency(
+def measure_model_flops(
     config: GPTConfig,
     rows: int,
     threads: int,
@@ -52,11 +53,11 @@ def measure_model_efficiency(
     dtype: str = "fp32",
     device: torch.device | None = None,
 ) -> float:
-    """The fraction of `measure_matmul_flops(threads, dtype, device)` that a training step of
-    `config` reaches on `device` (default: the CPU): 3 · forward FLOPs per token · tokens /
-    the median seconds of forward + backward of `rows` sequences of config.seq_len tokens, run
-    by `parallelize` on one process in `dtype` (blocks and loss compiled where a run compiles
-    them: on CUDA), after warm-up calls (compilation), each timed to a device sync. In (0, 1]."""
+    """The model FLOP/s a training step of `config` reaches on `device` (default: the CPU) with
+    `threads` threads: 3 · forward FLOPs per token · tokens / the median seconds of forward +
+    backward of `rows` sequences of config.seq_len tokens, run by `parallelize` on one process
+    in `dtype` (blocks and loss compiled where a run compiles them: on CUDA), after warm-up
+    calls (compilation), each timed to a device sync."""
     device = device or torch.device("cpu")
     compiled = resolve_compile("auto", device, Plan())
     saved = torch.get_num_threads()
@@ -84,8 +85,17 @@ def measure_model_efficiency(
     finally:
         torch.set_num_threads(saved)
     flops = 3 * model_profile(config).forward_flops_per_token * rows * config.seq_len
-    achieved = flops / statistics.median(times)
-    return min(1.0, achieved / measure_matmul_flops(threads, dtype=dtype, device=device))
+    return flops / statistics.median(times)
+
+
+def measure_model_efficiency(
+    config: GPTConfig, rows: int, threads: int, min_seconds: float = 0.5
+) -> float:
+    """`measure_model_flops` of `config` in fp32 on the CPU as a fraction of
+    `measure_matmul_flops(threads)` measured right after it, in (0, 1]: the machine's achieved
+    efficiency at the model's shapes (`bench planner`'s curve, `calibrate.fit_half_rows`)."""
+    achieved = measure_model_flops(config, rows, threads, min_seconds)
+    return min(1.0, achieved / measure_matmul_flops(threads))
 
 
 def measurable(config: GPTConfig, dtype: str, device: torch.device) -> None:
@@ -120,10 +130,10 @@ def efficiency_cache_path() -> Path:
     return cache_path().with_name("model-efficiency.json")
 
 
-def cached_model_efficiency(
+def cached_model_flops(
     config: GPTConfig, rows: int, dtype: str, recalibrate: bool = False
 ) -> float:
-    """`measure_model_efficiency` of `config` at `rows` sequences in `dtype` on this machine's
+    """`measure_model_flops` of `config` at `rows` sequences in `dtype` on this machine's
     device (`mesh.default_device`, all its threads), from the cache unless `recalibrate` or
     not measured yet for this model, rows, dtype and machine (`calibrate.fingerprint`); a new
     measurement is cached. ConfigError where `measurable` says no."""
@@ -137,9 +147,7 @@ def cached_model_efficiency(
         cache = {}
     if not recalibrate and isinstance(cache.get(key), float):
         return cache[key]
-    cache[key] = measure_model_efficiency(
-        config, rows, os.cpu_count() or 1, dtype=dtype, device=device
-    )
+    cache[key] = measure_model_flops(config, rows, os.cpu_count() or 1, dtype=dtype, device=device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache, indent=1))
@@ -147,9 +155,12 @@ def cached_model_efficiency(
     return cache[key]
 
 
-def with_model_efficiency(hardware: Hardware, dtype: str, efficiency: float) -> Hardware:
-    """`hardware` with its matmuls in `dtype` at `efficiency` of its peak, at every size (a
-    step measured at one batch: the curve's half rows set to 0)."""
+def with_model_efficiency(hardware: Hardware, dtype: str, achieved_flops: float) -> Hardware:
+    """`hardware` with its matmuls in `dtype` at the efficiency a model step reaching
+    `achieved_flops` FLOP/s has against its peak (at most 1), at every size (a step measured
+    at one batch: the curve's half rows set to 0), so its compute is priced at the measured
+    step's time."""
+    efficiency = min(1.0, achieved_flops / hardware.peak(dtype))
     return dataclasses.replace(
         hardware,
         efficiency_by_dtype={**hardware.efficiency_by_dtype, dtype: efficiency},
