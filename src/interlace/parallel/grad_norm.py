@@ -41,47 +41,71 @@ class NormShare:
     holders: Callable[[torch.Tensor], int]
 
 
+class GradNorm:
+    """The global gradient norm of `parameters` (this rank's) over `shares`, and clipping by
+    it, with the parameters grouped once by the product of their holders: a step then reads
+    each gradient once and calls torch's multi-tensor norm per group (walking a model's
+    modules and asking every share about every parameter each step cost an MoE model's
+    900 parameters 13 ms of host time)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = ()):
+        groups: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for p in parameters:
+            groups[math.prod(share.holders(p) for share in shares)].append(p)
+        self.groups = dict(groups)
+        self.shares = list(shares)
+
+    def norm(self) -> torch.Tensor:
+        """‖g‖ (a 0-d fp32 tensor, equal on every rank); collective over every share's group."""
+        return self._norm(self._grads())
+
+    def clip_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients in place by min(1, max_norm / ‖g‖), as
+        `torch.nn.utils.clip_grad_norm_` does for one process; returns ‖g‖ before clipping
+        (max_norm = inf: only measure it)."""
+        grads = self._grads()
+        norm = self._norm(grads)
+        if math.isfinite(max_norm):
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+            for group in grads.values():
+                for grad in group:
+                    by_dtype[grad.dtype].append(grad)
+            for dtype, same in by_dtype.items():
+                torch._foreach_mul_(same, scale.to(dtype))  # what torch's own clipping calls
+        return norm
+
+    def _grads(self) -> dict[int, list[torch.Tensor]]:
+        """{holders: this rank's pieces of the gradients of that group's parameters that have
+        one}."""
+        return {
+            held: [local_tensor(p.grad) for p in params if p.grad is not None]
+            for held, params in self.groups.items()
+        }
+
+    def _norm(self, grads: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        pieces = [g for group in grads.values() for g in group]
+        total = torch.zeros((), device=pieces[0].device if pieces else torch.device("cpu"))
+        for held, group in grads.items():
+            if group:
+                total += get_total_norm(group, foreach=True).float().square() / held
+        for share in self.shares:
+            if share.group.size > 1:
+                comm.all_reduce(total, share.group)
+        return total.sqrt()
+
+
 def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = ()) -> torch.Tensor:
     """Global L2 norm (a 0-d fp32 tensor, equal on every rank) of the whole model's gradient,
     from this rank's `parameters`; collective over every share's group (every rank calls it).
     The local part is torch's multi-tensor norm over the gradients alike in holders (a few
     kernels, not a few per parameter)."""
-    return _norm(_local_grads(parameters), shares)
-
-
-def _norm(grads: dict[torch.Tensor, torch.Tensor], shares: Sequence[NormShare]) -> torch.Tensor:
-    """`grad_norm` of {parameter: this rank's piece of its gradient}."""
-    by_holders: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for p, grad in grads.items():
-        by_holders[math.prod(share.holders(p) for share in shares)].append(grad)
-    device = next(iter(grads.values())).device if grads else torch.device("cpu")
-    total = torch.zeros((), device=device)
-    for held, group in by_holders.items():
-        total += get_total_norm(group, foreach=True).float().square() / held
-    for share in shares:
-        if share.group.size > 1:
-            comm.all_reduce(total, share.group)
-    return total.sqrt()
-
-
-def _local_grads(parameters: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
-    """{parameter: this rank's piece of its gradient} for the parameters that have one."""
-    return {p: local_tensor(p.grad).detach() for p in parameters if p.grad is not None}
+    return GradNorm(parameters, shares).norm()
 
 
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, shares: Sequence[NormShare] = ()
 ) -> torch.Tensor:
-    """Scale the gradients in place by min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
-    does for one process, with ‖g‖ the `grad_norm` over `shares`; returns ‖g‖ before clipping
-    (max_norm = inf: only measure it)."""
-    grads = _local_grads(parameters)
-    norm = _norm(grads, shares)
-    if math.isfinite(max_norm):
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        for grad in grads.values():
-            by_dtype[grad.dtype].append(grad)
-        for dtype, grads in by_dtype.items():
-            torch._foreach_mul_(grads, scale.to(dtype))  # what torch's own clipping calls
-    return norm
+    """`GradNorm(parameters, shares).clip_(max_norm)`: the gradients scaled in place by
+    min(1, max_norm / ‖g‖); returns ‖g‖ before clipping."""
+    return GradNorm(parameters, shares).clip_(max_norm)

@@ -60,7 +60,7 @@ from interlace.parallel.expert.grads import (
 )
 from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
-from interlace.parallel.grad_norm import NormShare, clip_grad_norm_
+from interlace.parallel.grad_norm import GradNorm, NormShare
 from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
@@ -116,6 +116,8 @@ class Parallelized:
         self.z: Group | None = None
         self.layers: str | None = None
         self.blocks: list[nn.Module] = []
+        self._grad_norm: GradNorm | None = None
+        self._expert_layers: list[ExpertParallelMoE] | None = None
 
     # ------------------------------------------------------------------ one step
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -144,7 +146,8 @@ class Parallelized:
             loss_scale = self.scaler.scale(torch.tensor(loss_scale, device=x.device))
         if self.pipeline is not None:
             return self.pipeline.step(x, y, loss_scale=loss_scale, sync=sync).detach()
-        self.module.train()
+        if not self.module.training:  # after `evaluate` (walking every module costs each step)
+            self.module.train()
         deferred = self.data.no_sync() if self.data is not None and not sync else None
         with deferred or contextlib.nullcontext():
             loss = self.loss(self.module(self.rows(x)), self.rows(y))
@@ -179,7 +182,9 @@ class Parallelized:
             if optimizer is None:
                 raise ValueError("fp16: clip_grad_norm_ needs the optimizer to unscale")
             self.scaler.unscale_(optimizer)
-        return clip_grad_norm_(self.model.parameters(), max_norm, self.norm_shares)
+        if self._grad_norm is None:  # the split is final once a step runs
+            self._grad_norm = GradNorm(self.model.parameters(), self.norm_shares)
+        return self._grad_norm.clip_(max_norm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer.step()`; under fp16 through the gradient scaler, which skips the step on
@@ -196,9 +201,12 @@ class Parallelized:
         row: dict[str, Any] = {}
         if self.data is not None and self.data.compression is not None:
             row["compression_ratio"] = self.data.compression.summary()["ratio"]
-        layers = [m for m in self.model.modules() if isinstance(m, ExpertParallelMoE)]
-        if layers:
-            row["moe"] = [m.balance_summary() for m in layers]
+        if self._expert_layers is None:
+            self._expert_layers = [
+                m for m in self.model.modules() if isinstance(m, ExpertParallelMoE)
+            ]
+        if self._expert_layers:
+            row["moe"] = [m.balance_summary() for m in self._expert_layers]
         return row
 
 
