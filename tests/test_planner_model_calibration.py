@@ -65,7 +65,7 @@ def test_compute_is_priced_at_the_measured_step_rate_measured_once(cache, capsys
     assert sorted(cached.values()) == [rate / 4, rate / 4]
 
 
-def test_a_real_measurement_is_cached():
+def test_a_real_measurement_is_cached(cache):
     config = get_preset("tiny")
     achieved = mcal.cached_model_flops(config, 2, "fp32")
     assert 1e6 < achieved < 1e13
