@@ -58,12 +58,19 @@ def sharded_parameter_names(model: nn.Module) -> dict[str, ShardSpec]:
     return {n: s for n, p in named if (s := shard_spec(p)) is not None}
 
 
+def shard_runs(spec: ShardSpec, rank: int, size: int, length: int) -> list[tuple[int, int]]:
+    """The [start, stop) index runs along `spec.dim` (of the full tensor's `length`) that rank
+    `rank`'s piece (of `size` ranks) holds, in order: piece r // replicas of every part."""
+    part = length // spec.segments
+    piece = part * spec.replicas // size
+    first = rank // spec.replicas * piece
+    return [(s * part + first, s * part + first + piece) for s in range(spec.segments)]
+
+
 def shard_of(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s piece (of `size` ranks) of the full tensor, as a new contiguous tensor."""
-    parts = size // spec.replicas
-    pieces = full.unflatten(spec.dim, (spec.segments, parts, -1))
-    piece = pieces.select(spec.dim + 1, rank // spec.replicas)
-    return piece.flatten(spec.dim, spec.dim + 1).clone(memory_format=torch.contiguous_format)
+    runs = shard_runs(spec, rank, size, full.shape[spec.dim])
+    return torch.cat([full.narrow(spec.dim, start, stop - start) for start, stop in runs], spec.dim)
 
 
 def assemble(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
