@@ -55,13 +55,21 @@ def tiny_hf_model(kind: str, d: int, layers: int, vocab: int, positions: int, **
     return transformers.LlamaForCausalLM(config)
 
 
-def saved_tiny_model(kind: str, folder, vocab: int = 320) -> str:
+def saved_tiny_model(
+    kind: str,
+    folder,
+    vocab: int = 320,
+    max_shard_size: int | str = "50GB",
+    dtype: torch.dtype = torch.float32,
+) -> str:
     """`hf:folder` of a tiny `kind` model (d 32, 2 layers, 32 positions) saved there with its
     weights moved off their initialisation, so a model built from the config alone (with a
-    run's seed) would differ. `vocab` (320) exceeds the byte tokenizer's 256 ids."""
+    run's seed) would differ. `vocab` (320) exceeds the byte tokenizer's 256 ids; a
+    `max_shard_size` below the model's bytes saves several files and their index; `dtype`: the
+    files' (the model is saved converted to it)."""
     model = tiny_hf_model(kind, 32, 2, vocab, positions=32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder, max_shard_size=max_shard_size)
     return f"hf:{folder}"

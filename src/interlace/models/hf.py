@@ -2,9 +2,20 @@
 
 PATH is a local folder holding the model's `config.json` and, optionally, its weights as
 safetensors (one file or shards with their index). The model is built by `transformers`
-(`AutoModelForCausalLM`): from the weights where the folder has them, else initialised from the
-config with the run's seed, identically on every rank. `parallelize` then splits it by its
-structure, as it does the built-in GPT.
+(`AutoModelForCausalLM`) and split by `parallelize` by its structure, as the built-in GPT is,
+in one of two ways:
+
+- a folder with weights stored under the model's own names, in a run on several ranks whose
+  plan `interlace.parallel.pieces` places (any without tp3d or ep): built from the config on
+  the meta device (`build_from_config`), split there, then each rank allocates only the
+  tensors it keeps and reads only their pieces from the files (`open_weights`,
+  `FolderWeights`); the buffers the folder does not store (the rotary embedding's inverse
+  frequencies) are computed by the model's own rule, tied weights stay tied, so a rank never
+  holds more than its share;
+- any other (no weights: initialised from the config with the run's seed, identically on every
+  rank; weights in another layout, which transformers converts as it loads, such as Mixtral's
+  experts stored one by one; one process; tp3d or ep): built whole on every rank (`build`),
+  then split, as the built-in GPT always is.
 
 Two adaptations and no more: the model's forward returns its logits [B, T, V] (a forward hook
 unwraps Hugging Face's output object), which is what the Trainer's loss reads, and the key/value
@@ -20,13 +31,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
+from interlace.tensors import state_tensors
+
+if TYPE_CHECKING:
+    from interlace.parallel.pieces import Runs
 
 HF_PREFIX = "hf:"
 """How `--model` names a Hugging Face model folder: hf:PATH."""
@@ -97,6 +112,80 @@ def build(folder: Path, config: Any, device: torch.device) -> nn.Module:
     config.use_cache = False
     auto = _import_transformers().AutoModelForCausalLM
     return _for_training(auto.from_pretrained(folder, config=config)).to(device)
+
+
+def open_weights(folder: Path, model: nn.Module) -> FolderWeights | None:
+    """`folder`'s safetensors as the pieces of `model` (built from its config on the meta device)
+    are read from, or None where the folder stores other tensors than the model's own, by name
+    and shape (a layout transformers converts as it loads: Mixtral's experts stored one by
+    one; no weights at all)."""
+    files = _stored_files(folder)
+    wanted = {n: t.shape for n, t in state_tensors(model)}
+    if not wanted.keys() <= files.keys():
+        return None
+    weights = FolderWeights(folder, files, model)
+    return weights if all(weights.shape(n) == shape for n, shape in wanted.items()) else None
+
+
+class FolderWeights:
+    """A Hugging Face folder's safetensors read piece by piece (`interlace.parallel.pieces`'s
+    `Weights`): only the pieces asked for are read from the files. `files`: {tensor name: file
+    holding it}; `model`: the transformers model the tensors are of (its rule computes the
+    buffers it does not store)."""
+
+    def __init__(self, folder: Path, files: dict[str, str], model: nn.Module) -> None:
+        self.folder = folder
+        self.files = files
+        self.model = model
+
+    def shape(self, name: str) -> torch.Size:
+        """The stored shape of tensor `name`."""
+        with _safe_open(self.folder / self.files[name]) as stored:
+            return torch.Size(stored.get_slice(name).get_shape())
+
+    def read(self, name: str, runs: Runs) -> torch.Tensor:
+        """The piece of tensor `name` at `runs` (per dimension, the [start, stop) index runs it
+        holds), in its stored dtype: [sum of each dimension's runs]; reads only that piece."""
+        if not all(runs):  # an empty piece
+            return torch.empty([sum(stop - start for start, stop in r) for r in runs])
+        with _safe_open(self.folder / self.files[name]) as stored:
+            return _join(stored.get_slice(name), runs, ())
+
+    def init_buffers(self, modules: list[nn.Module]) -> None:
+        """Compute the buffers of `modules` that the folder does not store (non-persistent) in
+        place, by the transformers model's own rule, as `from_pretrained` does: its
+        `_init_weights` of each (the rotary embedding's inverse frequencies from the config)."""
+        for module in modules:
+            self.model._init_weights(module)
+
+
+def _safe_open(path: Path) -> Any:
+    """The safetensors file `path`, opened for reading tensors (a context manager)."""
+    from safetensors import safe_open  # comes with transformers: the hf extra
+
+    return safe_open(path, "pt")
+
+
+def _join(stored: Any, runs: Runs, index: tuple) -> torch.Tensor:
+    """The blocks of the safetensors slice `stored` at every combination of `runs` after
+    `index`, joined in order along each dimension."""
+    dim = len(index)
+    if dim == len(runs):
+        return stored[index]
+    blocks = [_join(stored, runs, (*index, slice(start, stop))) for start, stop in runs[dim]]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim)
+
+
+def _stored_files(folder: Path) -> dict[str, str]:
+    """{tensor name: file} of `folder`'s safetensors: the index's map of a sharded set, else
+    model.safetensors's tensors ({} without either)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    if not (folder / "model.safetensors").is_file():
+        return {}
+    with _safe_open(folder / "model.safetensors") as stored:
+        return dict.fromkeys(stored.keys(), "model.safetensors")
 
 
 def build_from_config(config: Any) -> nn.Module:

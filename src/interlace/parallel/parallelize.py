@@ -22,6 +22,9 @@ logits (vocabulary-parallel under a split head, averaged over tp3d's z), the gra
 reduction after the last micro-batch, the gradient norm over every split, the checkpoint keys of
 sharded parameters and the report — so a training loop has no branch per dimension.
 
+A model built on the meta device (`weights` given) is split as such; step 7 makes this rank's
+part real, each tensor read as its piece of the full one (`interlace.parallel.pieces`).
+
 Every part is found by module structure (`interlace.parallel.detect`); what is not recognised
 stays replicated, and the report (also logged on "interlace.parallel") lists, one line per
 module, what was split and what was left replicated and why.
@@ -61,6 +64,7 @@ from interlace.parallel.expert.grads import (
 from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.grad_norm import GradNorm, NormShare
+from interlace.parallel.pieces import Weights, load_pieces, loads_pieces
 from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
@@ -222,6 +226,7 @@ def parallelize(
     precision: str = "fp32",
     compile: bool = False,
     grad_reduce_dtype: str = "fp32",
+    weights: Weights | None = None,
 ) -> Parallelized:
     """Apply `plan` to `model` on `mesh` (None: one process, nothing to split) in the fixed
     order of the module docstring; returns the `Parallelized` result.
@@ -234,26 +239,34 @@ def parallelize(
     (`interlace.compile`; check the plan with `resolve_compile` first);
     `grad_reduce_dtype`: the data-parallel gradient all-reduce's wire dtype. Raises
     PlanError before modifying anything if the plan does not fit the mesh or the model.
+
+    `weights`: `model` was built on the meta device and is split as such; once this rank's
+    parameters are its own (after the pipeline keeps its stages and FSDP2 shards them, before
+    DDP, which broadcasts them) each is allocated on the mesh's device and filled with its
+    piece read from `weights` (`interlace.parallel.pieces`; a mesh and a plan it places the
+    pieces of, `loads_pieces`, needed).
     """
     if sequence_parallel is not None:
         plan = dataclasses.replace(plan, sequence_parallel=sequence_parallel)
     plan.validate(1 if mesh is None else mesh.device_mesh.size())
+    if weights is not None and (mesh is None or not loads_pieces(plan)):
+        raise ValueError(f"plan {plan}: pieces of a meta-device model are not placed here")
     result = Parallelized(model, plan, cross_entropy)
     result.layers = _layer_list(model)
     result.blocks = list(model.get_submodule(result.layers)) if result.layers else []
     if mesh is None:
         apply_recompute(result)
-        apply_precision(result, precision)
+        apply_precision(result, precision, next(model.parameters()).device.type)
         apply_compile(result, compile)
         return result
     _check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
     apply_expert(result, mesh)
     apply_recompute(result)
-    apply_precision(result, precision)
+    apply_precision(result, precision, mesh.device.type)
     apply_compile(result, compile)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
-    apply_data(result, mesh, grad_reduce_dtype)
+    apply_data(result, mesh, grad_reduce_dtype, weights)
     for line in result.report:
         logger.info(line)
     return result
@@ -325,12 +338,11 @@ def apply_recompute(result: Parallelized) -> None:
     result.report += recompute_blocks(result.model, layers, mode, replay)
 
 
-def apply_precision(result: Parallelized, precision: str) -> None:
-    """Step 4: the model's forward runs under autocast to `precision` (a pipeline's stages, built
-    next, run under it too); fp16 adds a gradient scaler that agrees over all ranks whether any
-    gradient overflowed."""
+def apply_precision(result: Parallelized, precision: str, device_type: str) -> None:
+    """Step 4: the model's forward runs under autocast to `precision` on `device_type` (a
+    pipeline's stages, built next, run under it too); fp16 adds a gradient scaler that agrees
+    over all ranks whether any gradient overflowed."""
     result.precision = precision
-    device_type = next(result.model.parameters()).device.type
     forward_in_precision(result.model, precision, device_type)
     result.scaler = grad_scaler(precision, device_type)
     if precision != "fp32":
@@ -382,10 +394,13 @@ def apply_pipeline(
     result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
 
 
-def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> None:
+def apply_data(
+    result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32", weights: Weights | None = None
+) -> None:
     """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp"); with
     dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), the gradient norm counting
-    each shard once."""
+    each shard once. A meta-device model's pieces are read from `weights` once they are this
+    rank's: after FSDP2 shards them, before DDP broadcasts them."""
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
@@ -402,6 +417,7 @@ def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> 
             ignored=set(expert_parameters(result.model)),
         )
         result.module = result.data.module
+        _load(result, mesh, weights)
         if pipeline is not None:
             pipeline.rebind_parameters()
         plan = result.plan
@@ -414,11 +430,20 @@ def apply_data(result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32") -> 
             + (f", replicated over dp={result.plan.dp})" if result.plan.dp > 1 else ")")
         )
         return
+    _load(result, mesh, weights)
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(
         result.model, result.plan, mesh.group("dp"), skip, reduce_dtype
     )
     result.module = result.data.module
+
+
+def _load(result: Parallelized, mesh: Mesh, weights: Weights | None) -> None:
+    """This rank's pieces of a meta-device model allocated and read from `weights`."""
+    if weights is not None:
+        tp = mesh.group("tp") if result.plan.tensor_parallel else None
+        roots = result.pipeline.stages if result.pipeline is not None else [result.model]
+        load_pieces(result.model, roots, result.storage, tp, mesh.device, weights)
 
 
 def _layer_list(model: nn.Module) -> str | None:

@@ -1,12 +1,13 @@
 """The Trainer: one plain training loop for every plan, with accumulation, clipping, evaluation,
 metrics, checkpoints and a run report.
 
-The model is built identically on every rank and handed to `parallelize`, which splits it in
-its fixed order (tensor, expert, pipeline, data) and returns what differs between plans: the
-forward and backward of a micro-batch, the gradient reduction after the last one, the gradient
-norm and the checkpoint keys. The loop itself knows no dimension. Every rank draws the same
-global batch and takes its data-parallel slice, so a run on R ranks follows the same trajectory
-as one process on the whole batch.
+The model is built identically on every rank (a `hf:PATH` model with weights on the meta
+device, each rank then reading only the pieces it keeps) and handed to `parallelize`, which
+splits it in its fixed order (tensor, expert, pipeline, data) and returns what differs between
+plans: the forward and backward of a micro-batch, the gradient reduction after the last one,
+the gradient norm and the checkpoint keys. The loop itself knows no dimension. Every rank draws
+the same global batch and takes its data-parallel slice, so a run on R ranks follows the same
+trajectory as one process on the whole batch.
 
 Run as `torchrun --nproc-per-node N -m interlace.train [train options]` for many nodes
 (`train/__main__.py`); the options are those of `interlace train`.
@@ -51,6 +52,7 @@ from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel.data.apply import check_reduce_dtype
 from interlace.parallel.parallelize import check_fits, parallelize
+from interlace.parallel.pieces import Weights, loads_pieces
 from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
@@ -156,6 +158,24 @@ def _build_model(
     return hf.build(folder, hf_config, device)
 
 
+def _model_to_split(
+    setup: RunSetup, mesh: Mesh | None, device: torch.device
+) -> tuple[torch.nn.Module, Weights | None]:
+    """The model `parallelize` splits, and where its pieces are read from. A `hf:PATH` model
+    whose folder stores its tensors under their own names, run on a mesh under a plan whose
+    pieces `interlace.parallel.pieces` places, is built on the meta device, each rank reading
+    only its pieces (`hf.open_weights`); any other is built whole on `device` (None)."""
+    build = functools.partial(_build_model, setup.model_config, setup.hf_config, setup.config.model)
+    folder = hf.hf_folder(setup.config.model)
+    split = mesh is not None and loads_pieces(setup.plan)
+    if split and folder is not None and hf.has_weights(folder):  # none: from the seed, whole
+        model = build(torch.device("meta"))
+        weights = hf.open_weights(folder, model)
+        if weights is not None:
+            return model, weights
+    return build(device), None
+
+
 def run_identity(setup: RunSetup) -> dict[str, Any]:
     """What a checkpoint must share with a run to resume it: the model, the data and the order
     it is drawn in. The plan, the world size, the precision and the global batch may change."""
@@ -217,7 +237,7 @@ class Trainer:
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.accum = self.config.accumulation(self.dp_size)
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
-        model = _build_model(setup.model_config, setup.hf_config, setup.config.model, self.device)
+        model, weights = _model_to_split(setup, mesh, self.device)
         self.parallel = parallelize(
             model,
             self.plan,
@@ -227,6 +247,7 @@ class Trainer:
             precision=setup.precision,
             compile=setup.compile,
             grad_reduce_dtype=self.config.grad_reduce_dtype,
+            weights=weights,
         )
         self.model = self.parallel.model  # this rank's parameters, under the full model's names
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank

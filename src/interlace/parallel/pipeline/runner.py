@@ -176,7 +176,8 @@ class PipelineRunner:
             stage = GPTStage(model, layers, **options)
         else:
             stage = HFStage(model, self.hf, layers, **options)
-        return stage.to(self.device)
+        on_meta = any(p.is_meta for p in stage.parameters())  # made real once split
+        return stage if on_meta else stage.to(self.device)
 
     def _schedule(self):
         if self.plan.schedule == "shifted":

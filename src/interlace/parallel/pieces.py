@@ -1,0 +1,108 @@
+"""A model built on the meta device, made real after `parallelize` split it: each tensor this
+rank holds is allocated on its device and filled with its piece of the full tensor, read from a
+`Weights` source (a Hugging Face folder's safetensors, `interlace.models.hf`), so no rank ever
+holds a tensor it does not keep.
+
+Where a piece lies in its full tensor is the splits' own rules, composed: 1D tensor
+parallelism's (`shard_runs`: one run per fused q|k|v segment, a grouped-query kv head's
+replicas reading the same run), then FSDP2's shard of that piece (torch's
+`compute_local_shape_and_global_offset` of the DTensor). A pipeline rank holds fewer tensors,
+its last stage's copy of a tied embedding read as the embedding (`Storage.aliases`). A place is
+given as runs: per dimension, the [start, stop) index runs of the full tensor the piece holds,
+in order. 3D tensor and expert parallelism rename or cut pieces otherwise: `loads_pieces`
+says whether a plan's pieces are placed here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from interlace.checkpoint import Storage
+from interlace.comm import Group
+from interlace.parallel.tensor.shard import shard_runs, shard_spec
+from interlace.plan import Plan
+from interlace.tensors import local_tensor, materialise, state_tensors
+
+Runs = list[list[tuple[int, int]]]
+"""Per dimension of a full tensor, the [start, stop) index runs a piece holds, in order."""
+
+
+class Weights(Protocol):
+    """Where the full tensors are read from, by their names in the full model."""
+
+    def read(self, name: str, runs: Runs) -> torch.Tensor:
+        """The piece of full tensor `name` at `runs`: shape [sum of each dimension's runs]."""
+        ...
+
+    def init_buffers(self, modules: list[nn.Module]) -> None:
+        """Compute the buffers of `modules` that are not stored (non-persistent), allocated on
+        their device, in place."""
+        ...
+
+
+def loads_pieces(plan: Plan) -> bool:
+    """Whether `plan`'s pieces are placed here: any plan without 3D tensor parallelism (its
+    norms are recognised by running them) and expert parallelism (experts renamed)."""
+    return not plan.tensor3d_parallel and not plan.expert_parallel
+
+
+def load_pieces(
+    model: nn.Module,
+    roots: list[nn.Module],
+    storage: Storage,
+    tp: Group | None,
+    device: torch.device,
+    weights: Weights,
+) -> None:
+    """Make `model` (built on the meta device, then split: this rank's part, under the full
+    model's names, held by the modules `roots` that run it: `model` or its pipeline stages)
+    real on `device`: each parameter and persistent buffer filled with its piece read from
+    `weights` (under the name `storage` stores it as; `tp`: the 1D tensor parallel group, None
+    without), the non-persistent buffers computed by `weights.init_buffers`. In place."""
+    held = nn.ModuleList(roots)
+    materialise(held, device)
+    state = dict(state_tensors(model))
+    named = {id(t) for t in state.values()}
+    kept = held.state_dict(keep_vars=True)
+    if unnamed := [n for n, t in kept.items() if id(t) not in named]:
+        raise ValueError(f"{unnamed}: held by the stages but not named in the model")
+    owners = [n.rpartition(".")[0] for n, _ in held.named_buffers() if n not in kept]
+    weights.init_buffers([held.get_submodule(owner) for owner in dict.fromkeys(owners)])
+    with torch.no_grad():
+        for name, tensor in state.items():
+            piece = weights.read(storage.aliases.get(name, name), piece_runs(tensor, tp))
+            local_tensor(tensor).copy_(piece)
+
+
+def piece_runs(tensor: torch.Tensor, tp: Group | None) -> Runs:
+    """Where this rank's piece of `tensor` (a parameter as `parallelize` left it: a tensor
+    parallel piece carrying its `ShardSpec`, a DTensor of FSDP2) lies in the full tensor."""
+    shape = list(tensor.shape)  # a DTensor: its global shape, the tensor parallel piece
+    runs = [[(0, n)] for n in shape]
+    spec = shard_spec(tensor)
+    if spec is not None:
+        assert tp is not None, "a tensor parallel piece without its group"
+        length = shape[spec.dim] * tp.size // spec.replicas
+        runs[spec.dim] = shard_runs(spec, tp.rank, tp.size, length)
+    if isinstance(tensor, DTensor):
+        local, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        runs = [_narrow(r, start, n) for r, start, n in zip(runs, offset, local, strict=True)]
+    return runs
+
+
+def _narrow(runs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """The runs holding positions [start, start + length) of the indices `runs` hold."""
+    out, position = [], 0
+    for first, stop in runs:
+        low, high = max(position, start), min(position + stop - first, start + length)
+        if low < high:
+            out.append((first + low - position, first + high - position))
+        position += stop - first
+    return out

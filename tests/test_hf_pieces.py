@@ -1,0 +1,182 @@
+"""A `hf:PATH` folder with weights, run under a plan whose pieces `interlace.parallel.pieces`
+places, is built on the meta device and each rank reads only its pieces from the safetensors:
+the same tensors, bit for bit, as the model built whole and then split (buffers recomputed, tied
+weights tied); a tensor-parallel rank reads half of each split tensor and never a whole one;
+folders in another layout or without weights are built whole."""
+
+import dataclasses
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from helpers import TINY_RUN
+from hf_models import needs_hf, saved_tiny_model, transformers
+from interlace.mesh import build_mesh
+from interlace.models import hf
+from interlace.parallel.parallelize import Parallelized, parallelize
+from interlace.parallel.tensor.shard import shard_spec
+from interlace.plan import Plan
+from interlace.tensors import local_tensor
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+
+pytestmark = needs_hf
+
+VOCAB = 320
+SPLITS = [
+    ("gpt2", "dp=2", 2),
+    ("gpt2", "tp=2", 2),  # fused q|k|v: three runs per piece; tied head
+    ("gpt2", "pp=2,micro_batches=2", 2),  # the last stage's copy of the tied embedding
+    ("llama", "dp=2", 2),
+    ("llama", "tp=2,sequence_parallel=true", 2),
+    ("llama", "tp=4", 4),  # 2 kv heads: each read by two ranks
+    ("llama", "pp=2,micro_batches=2", 2),
+    ("llama", "dp_shard=2", 2),
+    ("llama", "dp_shard=2,tp=2", 4),  # FSDP2's shard of a tensor parallel piece
+    ("llama-sharded", "tp=2", 2),  # several files and their index
+    ("llama-bf16", "tp=2", 2),  # bf16 files: trained in fp32 all the same
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    """{kind: hf:PATH} of the tiny saved models."""
+    root = tmp_path_factory.mktemp("hf")
+    folders = {kind: saved_tiny_model(kind, root / kind, VOCAB) for kind in ("gpt2", "llama")}
+    sharded = saved_tiny_model("llama", root / "sharded", VOCAB, max_shard_size="20KB")
+    bf16 = saved_tiny_model("llama", root / "bf16", VOCAB, dtype=torch.bfloat16)
+    return {**folders, "llama-sharded": sharded, "llama-bf16": bf16}
+
+
+def _split(model: str, plan_text: str, pieces: bool) -> Parallelized:
+    """The folder's model split by the plan: built on the meta device and read piece by piece,
+    or built whole by transformers and then split."""
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan)
+    folder = hf.hf_folder(model)
+    config = hf.load_config(folder)
+    if not pieces:
+        return parallelize(hf.build(folder, config, mesh.device), plan, mesh)
+    with torch.device("meta"):
+        meta = hf.build_from_config(config)
+    return parallelize(meta, plan, mesh, weights=hf.open_weights(folder, meta))
+
+
+def _held(model: str, plan_text: str, pieces: bool) -> tuple[dict, dict, list]:
+    """{name: local tensor} of every parameter, its gradient after one step on a fixed batch
+    (hooks such as sequence parallelism's all-reduce included) and every buffer this rank holds
+    (a pipeline's stages' too), {name: ShardSpec} of every parameter, and the names sharing
+    each parameter (ties)."""
+    result = _split(model, plan_text, pieces)
+    x = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
+    result.forward_backward(x[:, :-1], x[:, 1:])
+    roots = result.pipeline.stages if result.pipeline is not None else [result.model]
+    held = nn.ModuleList(roots)
+    params = dict(held.named_parameters())
+    tensors = {
+        **{name: local_tensor(t).detach().clone() for name, t in params.items()},
+        **{f"{name}.grad": local_tensor(t.grad).clone() for name, t in params.items()},
+        **{name: t.clone() for name, t in held.named_buffers()},
+    }
+    specs = {name: shard_spec(param) for name, param in params.items()}
+    shared: dict[int, list[str]] = {}
+    for name, param in result.model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    return tensors, specs, sorted(shared.values())
+
+
+@pytest.mark.parametrize(("kind", "plan_text", "ranks"), SPLITS)
+def test_each_rank_reads_the_pieces_the_whole_model_split_gives_it(folders, kind, plan_text, ranks):
+    whole = run_ranks(ranks, _held, folders[kind], plan_text, False, timeout=120)
+    pieces = run_ranks(ranks, _held, folders[kind], plan_text, True, timeout=120)
+    for (expected, expected_specs, expected_ties), (tensors, specs, ties) in zip(
+        whole, pieces, strict=True
+    ):
+        assert ties == expected_ties
+        assert specs == expected_specs
+        assert tensors.keys() == expected.keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, expected[name]), name
+
+
+class _Recorded:
+    """`safetensors.safe_open` recording each read's name and size; a whole tensor cannot be
+    read (no `get_tensor`)."""
+
+    def __init__(self, path, framework):
+        self.file = _SAFE_OPEN(path, framework)
+
+    def __enter__(self):
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+    def keys(self):
+        return self.file.keys()
+
+    def get_slice(self, name):
+        return _RecordedSlice(name, self.file.get_slice(name))
+
+
+class _RecordedSlice:
+    def __init__(self, name, stored):
+        self.name, self.stored = name, stored
+
+    def get_shape(self):
+        return self.stored.get_shape()
+
+    def __getitem__(self, index):
+        piece = self.stored[index]
+        _READS.append((self.name, piece.numel()))
+        return piece
+
+
+_SAFE_OPEN = safetensors.safe_open
+_READS: list[tuple[str, int]] = []  # this process's reads through `_Recorded`
+
+
+def _trainer_reads(model: str, plan_text: str) -> tuple[list, dict]:
+    """The reads of this rank's Trainer building the model ([(name, elements)]) and {name:
+    elements held} of its parameters."""
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(
+        prepare_run(dataclasses.replace(TINY_RUN, model=model), plan, 2), build_mesh(plan)
+    )
+    held = {n: local_tensor(p).numel() for n, p in trainer.model.named_parameters()}
+    return list(_READS), held
+
+
+def test_a_tensor_parallel_rank_reads_half_of_each_split_tensor_and_nothing_whole(
+    folders, monkeypatch
+):
+    """tp=2 through the Trainer: each tensor is read once, as much of it as the rank holds
+    (half of a split one), never the whole model's copy (transformers' loader is off)."""
+    stored = load_file(hf.hf_folder(folders["llama"]) / "model.safetensors")
+    full = {name: tensor.numel() for name, tensor in stored.items()}
+    monkeypatch.setattr(safetensors, "safe_open", _Recorded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)
+    for reads, held in run_ranks(2, _trainer_reads, folders["llama"], "tp=2", timeout=120):
+        assert dict(reads) == held
+        assert len(reads) == len(held) == len(full)
+        split = {name for name, size in held.items() if size < full[name]}
+        assert split and all(2 * held[name] == full[name] for name in split)
+
+
+def test_a_folder_in_another_layout_or_without_weights_is_built_whole(folders, tmp_path):
+    """Mixtral's experts are stored one tensor each (transformers fuses them as it loads): no
+    pieces to read by the model's names. A folder with only config.json: nothing to read."""
+    mixtral = hf.hf_folder(saved_tiny_model("mixtral", tmp_path / "mixtral", VOCAB))
+    with torch.device("meta"):
+        meta = hf.build_from_config(hf.load_config(mixtral))
+    assert hf.open_weights(mixtral, meta) is None
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes(
+        (hf.hf_folder(folders["llama"]) / "config.json").read_bytes()
+    )
+    assert hf.open_weights(bare, meta) is None
