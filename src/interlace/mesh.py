@@ -89,6 +89,12 @@ class Mesh:
             raise KeyError(f"mesh has no dimension '{name}'; it has {', '.join(self.dims)}")
         return Group(name=name, pg=sub.get_group(), size=sub.size(), rank=sub.get_local_rank())
 
+    def rows(self, name: str) -> list[list[int]]:
+        """The global ranks of every group of mesh dimension `name`, one list per group in
+        mesh order: the same on every rank (to make groups of the same ranks collectively)."""
+        ranks = self.device_mesh.mesh.movedim(self.dims.index(name), -1)
+        return ranks.reshape(-1, ranks.shape[-1]).tolist()
+
     def size(self, name: str) -> int:
         """Ranks in dimension `name`."""
         return self.device_mesh[name].size()

@@ -51,8 +51,10 @@ from interlace.parallel.data.apply import DataParallel, apply_data_parallel, che
 from interlace.parallel.data.fsdp import (
     ShardedDataParallel,
     apply_fully_shard,
+    overlaps_reduce_scatter,
     sharded_norm_share,
 )
+from interlace.parallel.data.ring import ring_group
 from interlace.parallel.detect import Structure, find_structure
 from interlace.parallel.expert.apply import parallelize_experts
 from interlace.parallel.expert.grads import (
@@ -406,6 +408,7 @@ def apply_data(
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
         _layers(result, f"dp_shard={result.plan.dp_shard}")  # FSDP shards block by block
         pipeline = result.pipeline
+        overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
         result.data = apply_fully_shard(
             result.model,
             pipeline.stages if pipeline is not None else [result.model],
@@ -415,6 +418,7 @@ def apply_data(
             reduce_dtype,
             result.plan.reshard_after_forward,
             ignored=set(expert_parameters(result.model)),
+            ring=ring_group(mesh.rows("dp")) if overlap else None,
         )
         result.module = result.data.module
         _load(result, mesh, weights)

@@ -28,14 +28,17 @@ import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from interlace.comm import Group
-from interlace.parallel.data.ring import RingReduceScatter
+from interlace.parallel.data.ring import BackgroundRingReduceScatter, RingReduceScatter
 from interlace.parallel.grad_norm import NormShare
+from interlace.plan import Plan
 from interlace.precision import DTYPES
 
 
@@ -78,12 +81,15 @@ def apply_fully_shard(
     reduce_dtype: str,
     reshard_after_forward: bool,
     ignored: set[nn.Parameter],
+    ring: dist.ProcessGroup | None = None,
 ) -> ShardedDataParallel:
     """Shard each of the `blocks` inside `roots`, then each of the `roots` (`model` itself, or
     this rank's pipeline stages, parts of `model`) over `mesh` (1D: dp_shard; 2D: dp_replicate
     × dp_shard), gathering parameters in `precision`'s dtype and reducing gradients in
     `reduce_dtype` ("fp32" or "bf16"); the `ignored` parameters (experts, placed by expert
-    parallelism) stay as they are. In place."""
+    parallelism) stay as they are. On the CPU the gradients travel by a ring of sends; with
+    `ring` (a group of the same ranks, `overlaps_reduce_scatter`) each block's on a background
+    thread while backward goes on. In place."""
     attributes = {
         name: dict(vars(param)) for name, param in model.named_parameters() if vars(param)
     }
@@ -109,13 +115,23 @@ def apply_fully_shard(
             root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
         )
     if mesh.device_type == "cpu":  # gloo: a reduce-scatter half the bytes of its own
+        background = BackgroundRingReduceScatter(ring) if ring is not None else None
         for module in [*blocks, *roots]:
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(RingReduceScatter())
+            if isinstance(module, FSDPModule):  # the roots' come last: nothing to overlap
+                inside = background is not None and module not in roots
+                module.set_custom_reduce_scatter(background if inside else RingReduceScatter())
     for name, param in model.named_parameters():
         for key, value in attributes.get(name, {}).items():
             setattr(param, key, value)
     return ShardedDataParallel(model, roots)
+
+
+def overlaps_reduce_scatter(plan: Plan, device: torch.device, reduce_dtype: str) -> bool:
+    """Whether the blocks' reduce-scatters run in the background (`ring.py`): on the CPU, where
+    FSDP2 only views their output inside backward: gradients reduced in fp32 (no cast after),
+    no replicas to all-reduce over (dp = 1) and no pipeline (whose micro-batches accumulate
+    into the reduced gradients)."""
+    return device.type == "cpu" and reduce_dtype == "fp32" and plan.dp == 1 and not plan.pipelined
 
 
 def _prefetch_without_streams(blocks: Sequence[nn.Module]) -> None:
