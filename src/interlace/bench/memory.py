@@ -136,7 +136,8 @@ BENCHMARK = Benchmark(
         "torch's an all-reduce) (`sent MB`, counted at each rank's interface on a shaped link, "
         "as FSDP2's collectives bypass the comm meter). Its step can match DDP's only while "
         "those collectives hide under compute; on the CPU the gathers are asynchronous and "
-        "issued a block ahead, the reduce-scatters block the backward."
+        "issued a block ahead, and the blocks' reduce-scatters run on a thread of their own "
+        "while backward goes on (fp32 reduction, no replicas, no pipeline)."
     ),
     table=table,
     plot=plot,

@@ -7,7 +7,8 @@ FSDP2 all-gathers a block's parameters before its forward (and, with `reshard_af
 again before its backward, having freed them in between), prefetching the next block's gather
 under the current block's compute (on the CPU, where FSDP2's own prefetch is a CUDA stream's,
 as asynchronous gathers issued a block ahead), and reduce-scatters its gradients during
-backward (then all-reduces them over `dp_replicate`; on gloo through a ring of sends, `ring.py`):
+backward (then all-reduces them over `dp_replicate`; on gloo through a ring of sends, the
+blocks' on a background thread where FSDP2 only views the result: `ring.py`):
 each rank keeps 1/dp_shard of the model's state. Under bf16 or fp16 its `MixedPrecisionPolicy`
 gathers the parameters in the compute dtype and reduces gradients in `grad_reduce_dtype` (fp32
 by default) onto fp32 master shards.
