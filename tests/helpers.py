@@ -1,5 +1,6 @@
 """What the test modules share (pytest puts tests/ on sys.path: `from helpers import ...`): the
-gradient criterion `assert_grads_close` and `SVM_DATA`, the LIBSVM files shipped with the tests.
+gradient criterion `assert_grads_close`, `SVM_DATA`, the LIBSVM files shipped with the tests, and
+`fake_calibration`, a machine calibration of made-up numbers for the planner's `local`.
 
 Gradients are compared relative to each tensor's own scale, not with one absolute tolerance:
 in the tiny test models the largest entry of a tensor ranges from ~1 (output biases) down to
@@ -16,6 +17,7 @@ import torch
 
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
+from interlace.planner import calibrate as cal
 from interlace.train_config import TrainConfig
 
 SVM_DATA = Path(__file__).parent / "data" / "svm"
@@ -35,6 +37,21 @@ TINY_RUN = TrainConfig(
 each update by the gradient's running scale, so an element whose gradient is near zero turns
 float rounding (different summation order over ranks) into an update difference proportional
 to lr; lr=5e-4 keeps that below 2e-5 after 3 steps."""
+
+
+def fake_calibration(**overrides) -> cal.Calibration:
+    """A calibration of this machine (its fingerprint) with made-up rates: fp32 and bf16
+    matmuls at 1 and 2 threads, a 1 GB/s link, 8 GB of memory; `overrides` replace fields."""
+    fields = {
+        "matmul_flops": {"fp32": {"1": 5e10, "2": 9e10}, "bf16": {"1": 2e11, "2": 3e11}},
+        "link_latency": 1e-4,
+        "link_bandwidth": 1e9,
+        "memory_bytes": 8e9,
+        "fingerprint": cal.fingerprint(),
+        "overlap_efficiency": 0.6,
+        "memory_bandwidth": {"1": 1e10, "2": 1.6e10},
+    }
+    return cal.Calibration(**{**fields, **overrides})
 
 
 def tiny_config(n_layers: int = 4, **changes) -> GPTConfig:

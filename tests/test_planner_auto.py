@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from helpers import fake_calibration
 from interlace.cli import _choose_plan, build_parser, main
 from interlace.errors import ConfigError
 from interlace.models.presets import get_preset
@@ -19,15 +20,7 @@ from interlace.train_config import TrainConfig
 
 @pytest.fixture
 def cached_calibration(tmp_path, monkeypatch):
-    calibration = cal.Calibration(
-        matmul_flops={"fp32": {"1": 5e10, "2": 9e10}},
-        link_latency=1e-4,
-        link_bandwidth=1e9,
-        memory_bytes=8e9,
-        fingerprint=cal.fingerprint(),
-        overlap_efficiency=0.6,
-        memory_bandwidth={"1": 1e10, "2": 1.6e10},
-    )
+    calibration = fake_calibration(matmul_flops={"fp32": {"1": 5e10, "2": 9e10}})
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(calibration.to_dict()))
     monkeypatch.setenv(cal.CACHE_ENV, str(path))

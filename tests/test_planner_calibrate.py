@@ -8,24 +8,12 @@ import os
 
 import pytest
 
+from helpers import fake_calibration
 from interlace.cli import main
 from interlace.errors import ConfigError
 from interlace.planner import calibrate as cal
 from interlace.planner import model_calibration as mcal
 from interlace.planner.hardware import get_hardware
-
-
-def _calibration(**overrides) -> cal.Calibration:
-    fields = {
-        "matmul_flops": {"fp32": {"1": 5e10, "2": 9e10}, "bf16": {"1": 2e11, "2": 3e11}},
-        "link_latency": 1e-4,
-        "link_bandwidth": 1e9,
-        "memory_bytes": 8e9,
-        "fingerprint": cal.fingerprint(),
-        "overlap_efficiency": 0.6,
-        "memory_bandwidth": {"1": 1e10, "2": 1.6e10},
-    }
-    return cal.Calibration(**{**fields, **overrides})
 
 
 @pytest.fixture
@@ -50,7 +38,7 @@ def test_fit_link_recovers_alpha_and_bandwidth():
 
 
 def test_flops_for_threads_and_hardware_from():
-    c = _calibration()
+    c = fake_calibration()
     assert c.flops_for_threads(1) == 5e10
     assert c.flops_for_threads(2) == 9e10
     assert c.flops_for_threads(8) == 9e10  # the nearest measured count below
@@ -76,7 +64,7 @@ def test_cache_reused_until_fingerprint_changes_or_recalibrate(cache, monkeypatc
 
     def fake_measure():
         calls.append(1)
-        return _calibration(link_bandwidth=1e9 + len(calls))
+        return fake_calibration(link_bandwidth=1e9 + len(calls))
 
     monkeypatch.setattr(cal, "measure", fake_measure)
     first = cal.calibrate()
@@ -93,10 +81,10 @@ def test_cache_reused_until_fingerprint_changes_or_recalibrate(cache, monkeypatc
 
 
 def test_local_hardware_reads_the_cache(cache):
-    cache.write_text(json.dumps(_calibration().to_dict()))
+    cache.write_text(json.dumps(fake_calibration().to_dict()))
     hw = cal.local_hardware(2)
     assert hw.name == "local"
-    assert hw.matmul_flops("fp32") == _calibration().flops_for_threads(cal.threads_per_rank(2))
+    assert hw.matmul_flops("fp32") == fake_calibration().flops_for_threads(cal.threads_per_rank(2))
     with pytest.raises(ConfigError, match="local"):
         get_hardware("nope")
     with pytest.raises(ConfigError, match="local_hardware"):
@@ -104,7 +92,7 @@ def test_local_hardware_reads_the_cache(cache):
 
 
 def test_plan_cli_on_local_hardware(cache, capsys):
-    cache.write_text(json.dumps(_calibration().to_dict()))
+    cache.write_text(json.dumps(fake_calibration().to_dict()))
     argv = ["plan", "--model", "tiny", "--hardware", "local", "--global-batch", "8"]
     assert main([*argv, "--plan", "dp=2", "--bandwidth", "1gbit", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -144,14 +132,14 @@ def test_measure_times_matmuls_in_every_priced_dtype(monkeypatch):
 def test_plan_on_local_hardware_prices_the_precision_at_its_measured_rate(cache, capsys):
     """Without --dtype a local plan is priced in training's default precision (fp32 on the
     CPU); --precision bf16 prices the same step's compute at the measured bf16 rate."""
-    cache.write_text(json.dumps(_calibration().to_dict()))
+    cache.write_text(json.dumps(fake_calibration().to_dict()))
     argv = ["plan", "--model", "tiny", "--hardware", "local", "--plan", "dp=1", "--json"]
     computes = {}
     for option in ([], ["--precision", "fp32"], ["--precision", "bf16"]):
         assert main([*argv, "--global-batch", "8", *option]) == 0
         computes[" ".join(option)] = json.loads(capsys.readouterr().out)["plans"][0]["breakdown"]
     assert computes[""] == computes["--precision fp32"]
-    calibration, threads = _calibration(), cal.threads_per_rank(1)
+    calibration, threads = fake_calibration(), cal.threads_per_rank(1)
     speedup = calibration.flops_for_threads(threads, "bf16") / calibration.flops_for_threads(
         threads, "fp32"
     )
@@ -160,7 +148,7 @@ def test_plan_on_local_hardware_prices_the_precision_at_its_measured_rate(cache,
     )
 
 
-def test_real_short_calibration():
+def test_real_shortfake_calibration():
     for dtype in cal.CALIBRATED_DTYPES:
         flops = cal.measure_matmul_flops(1, min_seconds=0.05, dtype=dtype)
         assert 1e8 < flops < 1e13

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from helpers import fake_calibration
 from interlace.cli import main
 from interlace.errors import ConfigError
 from interlace.models.presets import get_preset
@@ -23,16 +24,7 @@ def cache(tmp_path, monkeypatch):
     """A cached machine calibration (no measuring), and the model efficiencies beside it."""
     path = tmp_path / "hw.json"
     monkeypatch.setenv(cal.CACHE_ENV, str(path))
-    calibration = cal.Calibration(
-        matmul_flops={"fp32": {"1": 5e10, "2": 9e10}, "bf16": {"1": 2e11, "2": 3e11}},
-        link_latency=1e-4,
-        link_bandwidth=1e9,
-        memory_bytes=8e9,
-        fingerprint=cal.fingerprint(),
-        overlap_efficiency=0.6,
-        memory_bandwidth={"1": 1e10, "2": 1.6e10},
-    )
-    path.write_text(json.dumps(calibration.to_dict()))
+    path.write_text(json.dumps(fake_calibration().to_dict()))
     return path
 
 

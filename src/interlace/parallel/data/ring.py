@@ -42,8 +42,19 @@ class RingReduceScatter(ReduceScatter):
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> None:
-        _check(op, async_op)
-        reduce_into(output_tensor, input_tensor, group, op)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or async_op:
+            raise ValueError(f"the ring reduce-scatter sums or averages synchronously, not {op}")
+        self.reduce(output_tensor, input_tensor, group, op)
+
+    def reduce(
+        self,
+        output: torch.Tensor,
+        chunks: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+    ) -> None:
+        """`reduce_into(output, chunks, group, op)`, now."""
+        reduce_into(output, chunks, group, op)
 
 
 class BackgroundRingReduceScatter(RingReduceScatter):
@@ -56,24 +67,22 @@ class BackgroundRingReduceScatter(RingReduceScatter):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interlace-ring")
         self.pending: list[Future] = []
 
-    def __call__(
+    def reduce(
         self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
+        output: torch.Tensor,
+        chunks: torch.Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
+        op: dist.ReduceOp,
     ) -> None:
-        _check(op, async_op)
+        """`reduce_into(output, chunks, ring_group, op)` on the background thread, awaited at
+        the end of this backward pass (outside one: now)."""
         if not self.pending:
             try:  # the end of this backward pass waits for every transfer it started
                 torch.autograd.Variable._execution_engine.queue_callback(self.wait)
             except RuntimeError:  # not inside a backward pass: nothing to overlap with
-                reduce_into(output_tensor, input_tensor, self.ring_group, op)
+                reduce_into(output, chunks, self.ring_group, op)
                 return
-        self.pending.append(
-            self.worker.submit(reduce_into, output_tensor, input_tensor, self.ring_group, op)
-        )
+        self.pending.append(self.worker.submit(reduce_into, output, chunks, self.ring_group, op))
 
     def wait(self) -> None:
         """Block until every transfer issued so far has landed in its output (re-raising a
@@ -99,8 +108,3 @@ def ring_group(ranks: list[list[int]]) -> dist.ProcessGroup:
     row each, the same list on every rank: all ranks make every group, in that order)."""
     mine, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
     return mine
-
-
-def _check(op: dist.ReduceOp.RedOpType, async_op: bool) -> None:
-    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or async_op:
-        raise ValueError(f"the ring reduce-scatter sums or averages synchronously, not {op}")
