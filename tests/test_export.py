@@ -232,6 +232,8 @@ def test_pieces_that_cannot_be_joined_are_refused_naming_plan_and_parameter(caps
         ("llama", "dp=2", "dp=2"),
         ("gpt2", "pp=2,micro_batches=2", "pp=2,micro_batches=2"),
         ("mixtral", "dp=2,ep=2", "dp=2"),
+        ("gpt2", "tp=2", "dp=2"),  # fused q|k|v pieces cut per head
+        ("llama", "tp=4", "dp=2"),  # grouped-query kv pieces held by two ranks each
     ],
 )
 def test_a_hugging_face_model_exports_as_itself_and_trains_on(
@@ -240,8 +242,9 @@ def test_a_hugging_face_model_exports_as_itself_and_trains_on(
     """A `hf:PATH` run's checkpoint: the exported folder loads with every weight found under
     its own name (experts split one per module by expert parallelism stacked back), gives the
     trained model's logits, and `--model hf:OUT` starts from them. The trained model is the
-    run's own resumed on one process, or (expert parallel: its checkpoint resumes under its own
-    plan only) the same training under dp=2, equal to float rounding."""
+    run's own resumed on one process, or (expert parallel, and tensor parallel pieces cut per
+    head: their checkpoints resume under their own plan only) the same training under dp=2,
+    equal to float rounding."""
     config = dataclasses.replace(BASE, model=saved_tiny_model(kind, tmp_path / "model"))
     run = _trained(tmp_path / "run", plan_text, config)
     out = tmp_path / "hf"
@@ -257,12 +260,3 @@ def test_a_hugging_face_model_exports_as_itself_and_trains_on(
     trained_on = Trainer(prepare_run(dataclasses.replace(config, model=f"hf:{out}"), Plan(), 1))
     with torch.no_grad():
         assert (trained_on.model.eval()(idx) - expected).abs().max() <= 1e-5
-
-
-def test_a_hugging_face_model_split_by_tensor_parallelism_is_refused(tmp_path, capsys):
-    """Its fused q|k|v pieces are cut per head: no concatenation rebuilds them."""
-    config = dataclasses.replace(BASE, model=saved_tiny_model("gpt2", tmp_path / "model"))
-    run = _trained(tmp_path / "run", "tp=2", config)
-    assert main(["export", str(run), "--to", "hf", str(tmp_path / "hf")]) == 2
-    assert "stores transformer.h.0.attn.c_attn.weight as per-rank pieces" in capsys.readouterr().err
-    assert not (tmp_path / "hf").exists()

@@ -63,6 +63,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _every_ranks(entries: dict[str, Any]) -> dict[str, Any]:
+    """The union of every rank's `entries` (collective under torch.distributed; a barrier)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return entries
+    every: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, entries)
+    return {k: v for rank in every for k, v in rank.items()}
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -79,11 +88,16 @@ class Storage:
     name it is stored as} (a pipeline's copy of the tied embedding, stored as the embedding);
     `keys` {name: key of this rank's piece} for pieces only the same split can read; `layouts`
     {name: where its piece lies in the full tensor} for pieces stored as full tensors, which
-    any split can read. `keys` and `layouts` are looked up under the stored name."""
+    any split can read. `keys` and `layouts` are looked up under the stored name.
+    `assembly` {name: how the pieces of its split make the full tensor}: 1D tensor
+    parallelism's `ShardSpec` fields (dim, segments, replicas), recorded in the checkpoint's
+    meta.json (every rank's, under the stored names) so that one process can rebuild a tensor
+    stored as pieces (`interlace export`)."""
 
     aliases: dict[str, str] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
+    assembly: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _stored(
@@ -222,9 +236,10 @@ def _write_folder(
     except (CheckpointException, RuntimeError) as exc:
         raise _os_error_of(exc, tmp) from None
     fsync_path(rng_file)
-    _barrier()
+    assembly = _every_ranks({storage.aliases.get(k, k): v for k, v in storage.assembly.items()})
     if _rank() == 0:
-        write_atomic(tmp / _META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
+        meta = {**meta, "step": step, **({"assembly": assembly} if assembly else {})}
+        write_atomic(tmp / _META, json.dumps(meta, indent=1, sort_keys=True))
         write_atomic(tmp / _MANIFEST, json.dumps(_manifest(tmp), indent=1, sort_keys=True))
 
 

@@ -90,7 +90,7 @@ def _hf(checkpoint: Path, meta: dict[str, Any], fields: dict[str, Any]) -> _Expo
     with torch.device("meta"):
         model = hf.build_from_config(config)
     shapes = {name: param.shape for name, param in model.named_parameters()}
-    weights = read_full_state(checkpoint, meta, shapes, join=False)
+    weights = read_full_state(checkpoint, meta, shapes)
     params = sum(shape.numel() for shape in shapes.values())
     return _Exported(
         weights,

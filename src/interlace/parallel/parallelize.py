@@ -298,9 +298,11 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
             )
         result.norm_shares.append(tensor_norm_share(tp))
         tp_mesh = mesh.device_mesh["tp"]
+        specs = sharded_parameter_names(model)
         result.storage = Storage(
-            keys={name: f"{name}.tp{tp.rank}" for name in sharded_parameter_names(model)},
+            keys={name: f"{name}.tp{tp.rank}" for name in specs},
             layouts={name: (tp_mesh, p) for name, p in tensor_layouts(model, tp_mesh).items()},
+            assembly={name: dataclasses.asdict(spec) for name, spec in specs.items()},
         )
     if plan.tensor3d_parallel:
         structure = _check_tensor3d(model, plan)
@@ -392,6 +394,7 @@ def apply_pipeline(
         aliases=runner.checkpoint_aliases(),
         keys={n: k for n, k in storage.keys.items() if n in held},
         layouts={n: layout for n, layout in storage.layouts.items() if n in held},
+        assembly={n: spec for n, spec in storage.assembly.items() if n in held},
     )
     result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
 
