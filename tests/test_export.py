@@ -217,11 +217,33 @@ def test_a_model_without_biases_is_refused(capsys, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_pieces_that_cannot_be_joined_are_refused_naming_plan_and_parameter(capsys, tmp_path):
-    # tp3d=1x2x2 cuts the rows of q, k, v and up over y, then again over z
-    run = _trained(tmp_path / "run", "tp3d=1x2x2", dataclasses.replace(BASE, steps=1))
+def test_pieces_of_a_3d_grid_cutting_a_dimension_twice_are_assembled(tmp_path, capsys):
+    # tp3d=1x2x2 cuts the rows of q, k, v and up over y, then again over z: each stored per
+    # piece, assembled by its recorded Shard3D; the run follows one process to float rounding
+    config = dataclasses.replace(BASE, steps=1)
+    run = _trained(tmp_path / "run", "tp3d=1x2x2", config)
+    stored = json.loads((checkpoint_dir(run) / "meta.json").read_text())["assembly"]
+    assert stored["blocks.0.attn.q_proj.weight"]["flat"] is not None  # rows cut twice
+    _export(capsys, run, tmp_path / "hf")
+    idx = _tokens(256, 64)
+    expected = _interlace_logits(config, _trained(tmp_path / "serial", "dp=1", config), idx)
+    assert (_hf_logits(tmp_path / "hf", idx) - expected).abs().max() <= 1e-5
+
+
+def test_pieces_with_no_recorded_assembly_are_refused_naming_plan_and_parameter(
+    capsys, tmp_path, monkeypatch
+):
+    # a checkpoint written before checkpoints recorded how their pieces assemble (dp_shard
+    # with tp keeps each rank's piece under its own key)
+    run = _trained(tmp_path / "run", "dp_shard=2,tp=2", dataclasses.replace(BASE, steps=1))
+    real = hf_folder.read_full_state
+
+    def without_assembly(checkpoint, meta, shapes):
+        return real(checkpoint, {k: v for k, v in meta.items() if k != "assembly"}, shapes)
+
+    monkeypatch.setattr(hf_folder, "read_full_state", without_assembly)
     argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
-    needle = "plan 'tp3d=1x2x2' stores blocks.0.attn.q_proj.weight as per-rank pieces"
+    needle = "plan 'dp_shard=2,tp=2' stores wte.weight as per-rank pieces"
     expect_usage_error(capsys, argv, needle)
     assert not (tmp_path / "hf").exists()
 

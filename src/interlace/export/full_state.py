@@ -6,11 +6,14 @@ of 1D tensor parallelism, `<name>.tp<rank>` (a fused q|k|v cut per head, grouped
 shared by several ranks, or pieces FSDP made DTensors under dp_shard with tp), are assembled
 by the rule the checkpoint recorded for them (meta.json's `assembly`: the parameter's
 `ShardSpec`, `parallel.tensor.shard.assemble`). Other pieces (3D grids that cut one dimension
-twice) are refused, naming the plan and the parameter.
+twice, `<name>.tp3d.y1.z0.x1`) likewise by their recorded `Shard3D` over the coordinates their
+keys name. Pieces with no recorded rule (checkpoints written before it was) are refused,
+naming the plan and the parameter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from interlace.checkpoint import single_process_is_intended
 from interlace.errors import CheckpointError, ExportError
 from interlace.parallel.tensor.shard import ShardSpec, assemble
+from interlace.parallel.tensor3d.shard import KEY_MARK, Shard3D, assemble3d, piece_coordinates
 from interlace.plan import Plan
 
 _MODEL = "model."
@@ -37,7 +41,7 @@ def read_full_state(
     plan = Plan.from_dict(meta["plan"])
     assembly = meta.get("assembly", {})
     sources = {
-        name: _sources(name, shape, stored, plan, assembly.get(name), checkpoint)
+        name: _source(name, shape, stored, plan, assembly.get(name), checkpoint)
         for name, shape in shapes.items()
     }
     request = {
@@ -47,19 +51,11 @@ def read_full_state(
     }
     with single_process_is_intended():
         dcp.load(request, checkpoint_id=checkpoint)
-    return {
-        name: _joined([request[k] for k in keys], spec) for name, (keys, spec) in sources.items()
-    }
+    return {name: join([request[k] for k in keys]) for name, (keys, join) in sources.items()}
 
 
-def _joined(pieces: list[torch.Tensor], spec: ShardSpec | None) -> torch.Tensor:
-    """A single tensor as it is; tensor-parallel pieces (one per rank) assembled by `spec`;
-    experts (`spec` None) stacked into a new first dimension."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if spec is None:
-        return torch.stack(pieces)
-    return assemble(pieces[:: spec.replicas], spec)
+Join = Callable[[list[torch.Tensor]], torch.Tensor]
+"""How the tensors under a parameter's keys make its full tensor."""
 
 
 def _stored_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
@@ -72,17 +68,18 @@ def _stored_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
     }
 
 
-def _sources(
+def _source(
     name: str,
     shape: torch.Size,
     stored: dict[str, TensorStorageMetadata],
     plan: Plan,
-    assembly: dict[str, int] | None,
+    assembly: dict[str, Any] | None,
     checkpoint: Path,
-) -> tuple[list[str], ShardSpec | None]:
-    """The keys holding parameter `name` and how they join: its own key, its experts one per
-    module (None: stacked), or its 1D tensor-parallel pieces in rank order with their
-    `ShardSpec` (`assembly`, as the checkpoint recorded it)."""
+) -> tuple[list[str], Join]:
+    """The keys holding parameter `name` and how they join: its own key; its experts one per
+    module, stacked; its tensor-parallel pieces assembled by the rule the checkpoint recorded
+    (`assembly`: 1D's `ShardSpec` fields over the tp ranks in order, or 3D's `Shard3D` over
+    the pieces' grid coordinates)."""
     key = _MODEL + name
     if key in stored:
         if stored[key].size != shape:
@@ -90,19 +87,25 @@ def _sources(
                 f"checkpoint '{checkpoint}' stores {name} with shape {list(stored[key].size)}, "
                 f"but its model config gives {list(shape)}"
             )
-        return [key], None
+        return [key], lambda tensors: tensors[0]
     parent, _, leaf = key.rpartition(".")
     experts = [f"{parent}.experts.{e}.{leaf}" for e in range(shape[0] if shape else 0)]
     if experts and all(stored.get(k) and stored[k].size == shape[1:] for k in experts):
-        return experts, None  # fused experts split into one module each (expert parallel)
+        return experts, torch.stack  # fused experts split into one module each (expert parallel)
+    if assembly is not None and plan.tensor3d_parallel:
+        spec3d = Shard3D(**assembly)
+        pieces = sorted(k for k in stored if k.startswith(key + KEY_MARK))
+        coords = [piece_coordinates(k) for k in pieces]
+        return pieces, lambda tensors: assemble3d(dict(zip(coords, tensors, strict=True)), spec3d)
     pieces = [f"{key}.tp{rank}" for rank in range(plan.tp)]
     if assembly is not None and plan.tp > 1 and all(piece in stored for piece in pieces):
-        return pieces, ShardSpec(**assembly)
+        spec = ShardSpec(**assembly)
+        return pieces, lambda tensors: assemble(tensors[:: spec.replicas], spec)
     found = sorted(k for k in stored if k.startswith(key + "."))
     if not found:
         raise CheckpointError(f"checkpoint '{checkpoint}' holds no {name}")
     raise ExportError(
         f"checkpoint under plan '{plan}' stores {name} as per-rank pieces ({found[0]}, ...) "
-        "that only its own split can read; export reads parameters stored whole and the "
-        "pieces of 1D tensor parallelism"
+        "with no recorded rule to assemble them (a checkpoint written before export could "
+        "assemble pieces); export reads parameters stored whole and recorded pieces"
     )

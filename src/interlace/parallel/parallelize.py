@@ -82,6 +82,7 @@ from interlace.parallel.tensor3d.comm import mean_over
 from interlace.parallel.tensor3d.shard import (
     Grid,
     shard3d_keys,
+    shard3d_specs,
     tensor3d_layouts,
     tensor3d_norm_shares,
 )
@@ -316,6 +317,9 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
         result.storage = Storage(
             keys=shard3d_keys(model, grid),
             layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
+            assembly={
+                name: dataclasses.asdict(spec) for name, spec in shard3d_specs(model).items()
+            },
         )
 
 

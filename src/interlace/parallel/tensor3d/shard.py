@@ -13,7 +13,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.parallel.grad_norm import NormShare
-from interlace.parallel.tensor.shard import ShardSpec, shard_of
+from interlace.parallel.tensor.shard import ShardSpec, assemble, shard_of
 
 AXES = ("x", "y", "z")
 
@@ -67,6 +67,13 @@ def shard3d_spec(param: torch.Tensor) -> Shard3D | None:
     return getattr(param, _SPEC_ATTR, None)
 
 
+def shard3d_specs(model: nn.Module) -> dict[str, Shard3D]:
+    """{parameter name: Shard3D} of every parameter of `model` split by 3D tensor parallelism,
+    tied aliases included."""
+    named = model.named_parameters(remove_duplicate=False)
+    return {n: s for n, p in named if (s := shard3d_spec(p)) is not None}
+
+
 def shard3d_of(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
     """This rank's piece of the full (serial) tensor under `spec`, as a new tensor."""
     piece = full.t() if spec.conv1d else full
@@ -80,6 +87,29 @@ def shard3d_of(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
     return piece.clone(memory_format=torch.contiguous_format)
 
 
+def assemble3d(pieces: dict[tuple[int, ...], torch.Tensor], spec: Shard3D) -> torch.Tensor:
+    """Inverse of `shard3d_of`: the full tensor from one piece per coordinate, a coordinate
+    being the piece's index along each of `spec.axes` in order (`_piece_index`: rows' over
+    its replicas). The last cut is undone first: flat pieces joined along dim 0, then cols
+    along dim 1, then the rows' parts as `ShardSpec(0, segments)` assembles them."""
+    joins = [join for axis, join in ((spec.rows, "rows"), (spec.cols, 1), (spec.flat, 0)) if axis]
+
+    def joined(prefix: tuple[int, ...]) -> torch.Tensor:
+        if len(prefix) == len(joins):
+            return pieces[prefix]
+        count = 1 + max(coords[len(prefix)] for coords in pieces)
+        parts = [joined((*prefix, i)) for i in range(count)]
+        join = joins[len(prefix)]
+        return (
+            assemble(parts, ShardSpec(0, spec.segments))
+            if join == "rows"
+            else torch.cat(parts, join)
+        )
+
+    full = joined(())
+    return full.t() if spec.conv1d else full
+
+
 def shard3d_parameter(param: nn.Parameter, spec: Shard3D, grid: Grid) -> nn.Parameter:
     """This rank's piece of `param` (see `shard3d_of`) as a new Parameter carrying `spec`."""
     new = nn.Parameter(shard3d_of(param.detach(), spec, grid), requires_grad=param.requires_grad)
@@ -87,15 +117,25 @@ def shard3d_parameter(param: nn.Parameter, spec: Shard3D, grid: Grid) -> nn.Para
     return new
 
 
+KEY_MARK = ".tp3d."
+"""What separates a parameter's name from its piece's coordinates in a checkpoint key."""
+
+
 def shard3d_keys(model: nn.Module, grid: Grid) -> dict[str, str]:
     """{parameter name: checkpoint key unique to this rank's piece}, e.g. `blocks.0.mlp.up.weight`
-    → `blocks.0.mlp.up.weight.tp3d.y1.z0.x1`; ranks holding the same piece share its key."""
+    → `blocks.0.mlp.up.weight.tp3d.y1.z0.x1` (the piece's index along each of `spec.axes`, in
+    order); ranks holding the same piece share its key."""
     keys = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if (spec := shard3d_spec(param)) is not None:
             coords = ".".join(f"{a}{_piece_index(spec, a, grid)}" for a in spec.axes)
-            keys[name] = f"{name}.tp3d.{coords}"
+            keys[name] = f"{name}{KEY_MARK}{coords}"
     return keys
+
+
+def piece_coordinates(key: str) -> tuple[int, ...]:
+    """The coordinates a `shard3d_keys` key names: `....tp3d.y1.z0.x1` → (1, 0, 1)."""
+    return tuple(int(part[1:]) for part in key.rpartition(KEY_MARK)[2].split("."))
 
 
 def _piece_index(spec: Shard3D, axis: str, grid: Grid) -> int:
