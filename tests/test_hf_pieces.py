@@ -1,19 +1,20 @@
 """A `hf:PATH` folder with weights, run under a plan whose pieces `interlace.parallel.pieces`
 places, is built on the meta device and each rank reads only its pieces from the safetensors:
 the same tensors, bit for bit, as the model built whole and then split (buffers recomputed, tied
-weights tied); a tensor-parallel rank reads half of each split tensor and never a whole one;
-folders in another layout or without weights are built whole."""
+weights tied; Mixture-of-Experts tensors fused from experts stored one by one, as transformers
+fuses them); a tensor-parallel rank reads half of each split tensor and never a whole one;
+folders without weights, or whose conversion cannot be read piece by piece, are built whole."""
 
 import dataclasses
 
 import pytest
 import safetensors
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from helpers import TINY_RUN
-from hf_models import needs_hf, saved_tiny_model, transformers
+from hf_models import needs_hf, saved_tiny_model, tiny_hf_model, transformers
 from interlace.mesh import build_mesh
 from interlace.models import hf
 from interlace.parallel.parallelize import Parallelized, parallelize
@@ -38,6 +39,10 @@ SPLITS = [
     ("llama", "dp_shard=2,tp=2", 4),  # FSDP2's shard of a tensor parallel piece
     ("llama-sharded", "tp=2", 2),  # several files and their index
     ("llama-bf16", "tp=2", 2),  # bf16 files: trained in fp32 all the same
+    ("mixtral", "dp=2", 2),  # experts stored one by one, fused as transformers loads them
+    ("mixtral", "tp=2", 2),  # each expert's gate and up rows, its down columns
+    ("mixtral", "dp_shard=2", 2),  # FSDP2's shard: experts 0-1 and 2-3
+    ("qwen2_moe", "tp=2", 2),  # and a shared expert
 ]
 
 
@@ -45,7 +50,8 @@ SPLITS = [
 def folders(tmp_path_factory) -> dict[str, str]:
     """{kind: hf:PATH} of the tiny saved models."""
     root = tmp_path_factory.mktemp("hf")
-    folders = {kind: saved_tiny_model(kind, root / kind, VOCAB) for kind in ("gpt2", "llama")}
+    kinds = ("gpt2", "llama", "mixtral", "qwen2_moe")
+    folders = {kind: saved_tiny_model(kind, root / kind, VOCAB) for kind in kinds}
     sharded = saved_tiny_model("llama", root / "sharded", VOCAB, max_shard_size="20KB")
     bf16 = saved_tiny_model("llama", root / "bf16", VOCAB, dtype=torch.bfloat16)
     return {**folders, "llama-sharded": sharded, "llama-bf16": bf16}
@@ -167,16 +173,67 @@ def test_a_tensor_parallel_rank_reads_half_of_each_split_tensor_and_nothing_whol
         assert split and all(2 * held[name] == full[name] for name in split)
 
 
-def test_a_folder_in_another_layout_or_without_weights_is_built_whole(folders, tmp_path):
-    """Mixtral's experts are stored one tensor each (transformers fuses them as it loads): no
-    pieces to read by the model's names. A folder with only config.json: nothing to read."""
-    mixtral = hf.hf_folder(saved_tiny_model("mixtral", tmp_path / "mixtral", VOCAB))
+@pytest.mark.parametrize("plan_text", ["tp=2"])
+def test_a_rank_reads_only_the_experts_and_pieces_it_holds(folders, monkeypatch, plan_text):
+    """Mixtral's experts are stored one tensor each, fused by the model: a rank reads as many
+    elements as it holds and no more; under tp=2 half of each expert's tensors by each rank."""
+    stored = load_file(hf.hf_folder(folders["mixtral"]) / "model.safetensors")
+    experts = {name: t.numel() for name, t in stored.items() if ".experts." in name}
+    monkeypatch.setattr(safetensors, "safe_open", _Recorded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)
+    ranks = run_ranks(2, _trainer_reads, folders["mixtral"], plan_text, timeout=120)
+    read = []
+    for reads, held in ranks:
+        assert sum(size for _, size in reads) == sum(held.values())
+        read.append({name: sum(n for r, n in reads if r == name) for name in experts})
+    for name, size in experts.items():
+        sizes = sorted(r[name] for r in read)
+        assert sizes == [size // 2] * 2, name
+
+
+def test_a_folder_storing_fused_experts_is_read_by_the_model_s_names(tmp_path):
+    """Experts saved fused, under the model's own names (as the model holds them), are read as
+    any tensor is, and equal the model's."""
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    model = tiny_hf_model("mixtral", 32, 2, VOCAB, positions=32)
+    model.config.save_pretrained(folder)
+    save_file(model.state_dict(), folder / "model.safetensors")
+    with torch.device("meta"):
+        meta = hf.build_from_config(hf.load_config(folder))
+    weights = hf.open_weights(folder, meta)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert weights.stored[name] == name
+    full = model.state_dict()[name]
+    runs = [[(1, 3)], [(0, 10), (96, 106)], [(0, 32)]]
+    expected = torch.cat([full[1:3, :10], full[1:3, 96:106]], 1)
+    assert torch.equal(weights.read(name, runs), expected)
+
+
+def test_a_folder_without_weights_or_converted_otherwise_is_built_whole(
+    folders, tmp_path, monkeypatch
+):
+    """A folder with only config.json: nothing to read. A conversion other than stacking
+    experts and concatenating parts (here a transpose after them) is not reproduced piece by
+    piece."""
+    from transformers import conversion_mapping, core_model_loading
+
+    mixtral = hf.hf_folder(folders["mixtral"])
     with torch.device("meta"):
         meta = hf.build_from_config(hf.load_config(mixtral))
+    assert hf.open_weights(mixtral, meta) is not None
+    mapping = conversion_mapping.get_model_conversion_mapping
+
+    def transposed(model):
+        conversions = mapping(model)
+        for conversion in conversions:
+            if isinstance(conversion, core_model_loading.WeightConverter):
+                conversion.operations.append(core_model_loading.Transpose(1, 2))
+        return conversions
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", transposed)
     assert hf.open_weights(mixtral, meta) is None
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_bytes(
-        (hf.hf_folder(folders["llama"]) / "config.json").read_bytes()
-    )
+    (bare / "config.json").write_bytes((mixtral / "config.json").read_bytes())
     assert hf.open_weights(bare, meta) is None

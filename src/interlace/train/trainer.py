@@ -162,9 +162,10 @@ def _model_to_split(
     setup: RunSetup, mesh: Mesh | None, device: torch.device
 ) -> tuple[torch.nn.Module, Weights | None]:
     """The model `parallelize` splits, and where its pieces are read from. A `hf:PATH` model
-    whose folder stores its tensors under their own names, run on a mesh under a plan whose
-    pieces `interlace.parallel.pieces` places, is built on the meta device, each rank reading
-    only its pieces (`hf.open_weights`); any other is built whole on `device` (None)."""
+    whose folder stores its tensors as `hf.open_weights` reads them (under the model's names,
+    renamed, experts fused), run on a mesh under a plan whose pieces `interlace.parallel.pieces`
+    places, is built on the meta device, each rank reading only its pieces; any other is built
+    whole on `device` (None)."""
     build = functools.partial(_build_model, setup.model_config, setup.hf_config, setup.config.model)
     folder = hf.hf_folder(setup.config.model)
     split = mesh is not None and loads_pieces(setup.plan)
