@@ -2,8 +2,9 @@
 places, is built on the meta device and each rank reads only its pieces from the safetensors:
 the same tensors, bit for bit, as the model built whole and then split (buffers recomputed, tied
 weights tied; Mixture-of-Experts tensors fused from experts stored one by one, as transformers
-fuses them); a tensor-parallel rank reads half of each split tensor and never a whole one;
-folders without weights, or whose conversion cannot be read piece by piece, are built whole."""
+fuses them); a tensor-parallel rank reads half of each split tensor and never a whole one, an
+expert-parallel rank only its experts; folders without weights, or whose conversion cannot be
+read piece by piece, are built whole."""
 
 import dataclasses
 
@@ -42,7 +43,10 @@ SPLITS = [
     ("mixtral", "dp=2", 2),  # experts stored one by one, fused as transformers loads them
     ("mixtral", "tp=2", 2),  # each expert's gate and up rows, its down columns
     ("mixtral", "dp_shard=2", 2),  # FSDP2's shard: experts 0-1 and 2-3
+    ("mixtral", "dp=2,ep=2", 2),  # experts 0-1 and 2-3, one module each, renamed
+    ("mixtral", "dp_shard=2,ep=2", 2),
     ("qwen2_moe", "tp=2", 2),  # and a shared expert
+    ("qwen2_moe", "dp=2,ep=2", 2),
 ]
 
 
@@ -173,10 +177,11 @@ def test_a_tensor_parallel_rank_reads_half_of_each_split_tensor_and_nothing_whol
         assert split and all(2 * held[name] == full[name] for name in split)
 
 
-@pytest.mark.parametrize("plan_text", ["tp=2"])
+@pytest.mark.parametrize("plan_text", ["dp=2,ep=2", "tp=2"])
 def test_a_rank_reads_only_the_experts_and_pieces_it_holds(folders, monkeypatch, plan_text):
     """Mixtral's experts are stored one tensor each, fused by the model: a rank reads as many
-    elements as it holds and no more; under tp=2 half of each expert's tensors by each rank."""
+    elements as it holds and no more; under ep=2 each expert's tensors are read, whole, by
+    exactly one rank of the pair, under tp=2 half of each by each rank."""
     stored = load_file(hf.hf_folder(folders["mixtral"]) / "model.safetensors")
     experts = {name: t.numel() for name, t in stored.items() if ".experts." in name}
     monkeypatch.setattr(safetensors, "safe_open", _Recorded)
@@ -188,7 +193,7 @@ def test_a_rank_reads_only_the_experts_and_pieces_it_holds(folders, monkeypatch,
         read.append({name: sum(n for r, n in reads if r == name) for name in experts})
     for name, size in experts.items():
         sizes = sorted(r[name] for r in read)
-        assert sizes == [size // 2] * 2, name
+        assert sizes == ([0, size] if "ep" in plan_text else [size // 2] * 2), name
 
 
 def test_a_folder_storing_fused_experts_is_read_by_the_model_s_names(tmp_path):

@@ -6,19 +6,19 @@ safetensors (one file or shards with their index). The model is built by `transf
 in one of two ways:
 
 - a folder with weights, in a run on several ranks whose plan `interlace.parallel.pieces`
-  places (any without tp3d or ep): built from the config on the meta device
-  (`build_from_config`), split there, then each rank allocates only the tensors it keeps and
-  reads only their pieces from the files (`open_weights`, `FolderWeights`). The files' tensors
-  are matched to the model's as transformers itself loads them (`stored_as`, by its conversion
-  mapping): under the model's names, renamed (Mixtral's `block_sparse_moe` is the model's
-  `mlp`), or fused from experts stored one tensor each (Mixtral's and Qwen2-MoE's gate|up
-  [E, 2F, d] and down [E, d, F], `Stacked`), a piece of a fused tensor read from only the
-  experts and parts it holds. The buffers the folder does not store (the rotary embedding's
-  inverse frequencies) are computed by the model's own rule, tied weights stay tied, so a rank
-  never holds more than its share;
+  places (any without tp3d): built from the config on the meta device (`build_from_config`),
+  split there, then each rank allocates only the tensors it keeps and reads only their pieces
+  from the files (`open_weights`, `FolderWeights`). The files' tensors are matched to the
+  model's as transformers itself loads them (`stored_as`, by its conversion mapping): under the
+  model's names, renamed (Mixtral's `block_sparse_moe` is the model's `mlp`), or fused from
+  experts stored one tensor each (Mixtral's and Qwen2-MoE's gate|up [E, 2F, d] and down
+  [E, d, F], `Stacked`), a piece of a fused tensor read from only the experts and parts it
+  holds. The buffers the folder does not store (the rotary embedding's inverse frequencies) are
+  computed by the model's own rule, tied weights stay tied, so a rank never holds more than its
+  share;
 - any other (no weights: initialised from the config with the run's seed, identically on every
   rank; files transformers converts otherwise than by renaming and fusing experts; one process;
-  tp3d or ep): built whole on every rank (`build`), then split, as the built-in GPT always is.
+  tp3d): built whole on every rank (`build`), then split, as the built-in GPT always is.
 
 Two adaptations and no more: the model's forward returns its logits [B, T, V] (a forward hook
 unwraps Hugging Face's output object), which is what the Trainer's loss reads, and the key/value

@@ -7,9 +7,11 @@ Where a piece lies in its full tensor is the splits' own rules, composed: 1D ten
 parallelism's (`shard_runs`: one run per fused q|k|v segment, a grouped-query kv head's
 replicas reading the same run), then FSDP2's shard of that piece (torch's
 `compute_local_shape_and_global_offset` of the DTensor). A pipeline rank holds fewer tensors,
-its last stage's copy of a tied embedding read as the embedding (`Storage.aliases`). A place is
-given as runs: per dimension, the [start, stop) index runs of the full tensor the piece holds,
-in order. 3D tensor and expert parallelism rename or cut pieces otherwise: `loads_pieces`
+its last stage's copy of a tied embedding read as the embedding (`Storage.aliases`). An
+expert-parallel rank holds its experts of a fused experts tensor [E, ...] one module each,
+renamed (`fused_expert_slices`): each is read as its expert's run of the fused tensor. A place
+is given as runs: per dimension, the [start, stop) index runs of the full tensor the piece
+holds, in order. 3D tensor parallelism recognises its norms by running them: `loads_pieces`
 says whether a plan's pieces are placed here.
 """
 
@@ -24,6 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from interlace.checkpoint import Storage
 from interlace.comm import Group
+from interlace.parallel.expert.fused import fused_expert_slices
 from interlace.parallel.tensor.shard import shard_runs, shard_spec
 from interlace.plan import Plan
 from interlace.tensors import local_tensor, materialise, state_tensors
@@ -47,8 +50,8 @@ class Weights(Protocol):
 
 def loads_pieces(plan: Plan) -> bool:
     """Whether `plan`'s pieces are placed here: any plan without 3D tensor parallelism (its
-    norms are recognised by running them) and expert parallelism (experts renamed)."""
-    return not plan.tensor3d_parallel and not plan.expert_parallel
+    norms are recognised by running them)."""
+    return not plan.tensor3d_parallel
 
 
 def load_pieces(
@@ -62,8 +65,9 @@ def load_pieces(
     """Make `model` (built on the meta device, then split: this rank's part, under the full
     model's names, held by the modules `roots` that run it: `model` or its pipeline stages)
     real on `device`: each parameter and persistent buffer filled with its piece read from
-    `weights` (under the name `storage` stores it as; `tp`: the 1D tensor parallel group, None
-    without), the non-persistent buffers computed by `weights.init_buffers`. In place."""
+    `weights` (under the name `storage` stores it as, a kept expert's slice as its run of the
+    fused tensor; `tp`: the 1D tensor parallel group, None without), the non-persistent
+    buffers computed by `weights.init_buffers`. In place."""
     held = nn.ModuleList(roots)
     materialise(held, device)
     state = dict(state_tensors(model))
@@ -73,10 +77,28 @@ def load_pieces(
         raise ValueError(f"{unnamed}: held by the stages but not named in the model")
     owners = [n.rpartition(".")[0] for n, _ in held.named_buffers() if n not in kept]
     weights.init_buffers([held.get_submodule(owner) for owner in dict.fromkeys(owners)])
+    experts = fused_expert_slices(model)
     with torch.no_grad():
         for name, tensor in state.items():
-            piece = weights.read(storage.aliases.get(name, name), piece_runs(tensor, tp))
-            local_tensor(tensor).copy_(piece)
+            local = local_tensor(tensor)
+            local.copy_(weights.read(*_place(name, tensor, storage, experts, tp)).view(local.shape))
+
+
+def _place(
+    name: str,
+    tensor: torch.Tensor,
+    storage: Storage,
+    experts: dict[str, tuple[str, int]],
+    tp: Group | None,
+) -> tuple[str, Runs]:
+    """The full tensor this rank's piece of tensor `name` is read from (`storage`'s alias; a
+    kept expert's slice, `experts`: the fused tensor) and the piece's runs in it (the slice's:
+    its expert's run, then its own, [1, *shape])."""
+    runs = piece_runs(tensor, tp)
+    if name not in experts:
+        return storage.aliases.get(name, name), runs
+    fused, expert = experts[name]
+    return fused, [[(expert, expert + 1)], *runs]
 
 
 def piece_runs(tensor: torch.Tensor, tp: Group | None) -> Runs:

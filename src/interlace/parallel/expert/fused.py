@@ -182,3 +182,16 @@ def parallelize_fused_experts(
         setattr(parent, block.experts, parallel)
         layers.append((f"{block.name}.{block.experts}", parallel))
     return layers
+
+
+def fused_expert_slices(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """{name of a parameter of an expert this rank keeps: (name of the fused parameter [E, ...]
+    of the full model it is a slice of, its expert index)} of every `FusedExpertParallel` in
+    `model`: `<layer>.experts.<e>.<name>` is `<layer>.<name>`[e]."""
+    return {
+        f"{layer}.experts.{e}.{name}": (f"{layer}.{name}", int(e))
+        for layer, module in model.named_modules()
+        if isinstance(module, FusedExpertParallel)
+        for e, expert in module.experts.items()
+        for name in expert.names
+    }
