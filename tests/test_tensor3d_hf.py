@@ -4,6 +4,8 @@ The parent builds each tiny model once and runs it serially (HF's own loss from 
 rank splits a copy on its grid, runs the same batch (its z slice, and its dp slice) once forward
 and backward, and compares in fp32 the loss, the gradient norm and every gradient: each rank's
 piece against the slice `shard3d_of` cuts from the serial gradient by the parameter's Shard3D.
+Norms are recognised on a model built on the meta device as on a real one, and plans are
+checked there.
 """
 
 import pytest
@@ -15,9 +17,8 @@ from hf_models import needs_hf, tiny_hf_model, transformers
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.parallel.detect import find_structure
-from interlace.parallel.parallelize import parallelize
-from interlace.parallel.tensor3d.apply import check_tensor3d
+from interlace.parallel.parallelize import check_fits, parallelize
+from interlace.parallel.tensor3d.layers import rms_norm_eps
 from interlace.parallel.tensor3d.shard import Grid, shard3d_of, shard3d_spec
 from interlace.plan import Plan
 from interlace.testing import run_ranks
@@ -109,12 +110,46 @@ def test_gpt2_3d_with_data_parallel_equals_serial():
     _assert_equal_to_serial(_build("gpt2"), (2, 1, 1), dp=2)
 
 
-def test_kv_heads_the_grid_cannot_split_are_refused():
+def test_norms_are_recognised_on_the_meta_device_as_on_the_cpu():
+    """A model built for its shapes has no values to probe its norms with: `check_fits` splits
+    it all the same, and its RMS norms are recognised as the real model's are. Not RMS norms:
+    one scaling by (1 + weight) (Gemma's), on either device, and one ignoring its weight, on
+    the meta device, where the probe's weight is random (a real one's may be all ones)."""
+    for kind in ("gpt2", "llama"):
+        with torch.device("meta"):
+            meta = _build(kind)
+        check_fits(meta, Plan(tp3d=(2, 1, 1)))
+    real = _build("llama")
+    for name, module in real.named_modules():
+        if name.endswith("layernorm"):
+            assert rms_norm_eps(meta.get_submodule(name), D) == rms_norm_eps(module, D) == 1e-6
+    assert rms_norm_eps(_GainNorm(D, lambda w: 1 + w), D) is None
+    with torch.device("meta"):
+        one_plus, unweighted = _GainNorm(D, lambda w: 1 + w), _GainNorm(D, lambda w: 1)
+    assert rms_norm_eps(one_plus, D) is None and rms_norm_eps(unweighted, D) is None
+
+
+class _GainNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · gain(weight), weight [d] initialised to 0."""
+
+    def __init__(self, d: int, gain):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+        self.eps = 1e-6
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.gain(self.weight)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_kv_heads_the_grid_cannot_split_are_refused(device):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=48, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3,
         intermediate_size=128, vocab_size=VOCAB,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
     with pytest.raises(PlanError, match=r"n_kv_heads=3 is not divisible by tp3d=1x2x1's y=2"):
-        check_tensor3d(model, find_structure(model), (1, 2, 1))
+        check_fits(model, Plan(tp3d=(1, 2, 1)))

@@ -474,11 +474,10 @@ def _layers(result: Parallelized, what: str) -> str:
 def check_fits(model: nn.Module, plan: Plan) -> None:
     """PlanError, naming what blocks it, if `plan`'s tensor and pipeline splits cannot run on
     `model` (which may live on the meta device): the checks `parallelize` makes before it
-    splits anything, without a mesh, so a launcher can run them before starting ranks. 3D
-    tensor parallelism's recognises norms by running them on a probe: not on the meta device."""
+    splits anything, without a mesh, so a launcher can run them before starting ranks."""
     if plan.tensor_parallel:
         _check_tensor(model, plan)
-    if plan.tensor3d_parallel and not any(p.is_meta for p in model.parameters()):
+    if plan.tensor3d_parallel:
         _check_tensor3d(model, plan)
     if plan.pipelined:
         check_pipelined(model, plan)

@@ -31,9 +31,10 @@ its indices):
 - **LayerNorms** inside blocks (`LayerNorm3D`) hold their [d/x] slice and all-reduce the row
   statistics Σx, Σx² [.., 2] over X (forward and backward): 2·2(x−1)/x·T·2·b per norm per step
   beyond the formula. RMS norms (`RMSNorm3D`: recognised by a [d] weight, an `eps` attribute
-  and their output on a probe) all-reduce Σx² [.., 1] the same way. The final norm, embeddings
-  and LM head stay replicated (full [.., d] after the gather); their cost is the gather above
-  and V·d replicated weights per rank.
+  and their output on a probe, on the meta device with a random weight in place of theirs)
+  all-reduce Σx² [.., 1] the same way. The final norm, embeddings and LM head stay replicated
+  (full [.., d] after the gather); their cost is the gather above and V·d replicated weights
+  per rank.
 - **Biases** of a normal layer [out/y] are replicated over X and Z, of a transposed one [out/x]
   over Y and Z. Every parameter except the 3D weights sees only its Z slice of the tokens: its
   gradient is all-reduced over Z by a hook. Data parallelism then all-reduces every gradient

@@ -118,16 +118,24 @@ class RMSNorm3D(nn.Module):
 
 def rms_norm_eps(module: nn.Module, d: int) -> float | None:
     """eps if `module` is an RMS norm over [d] (one [d] `weight`, a float eps attribute, and on a
-    random probe [2, d] it returns x / sqrt(mean(x²) + eps) · weight), None otherwise."""
+    random probe [2, d] it returns x / sqrt(mean(x²) + eps) · weight), None otherwise. A module
+    on the meta device (a model built for its shapes) is probed on the CPU with a random weight
+    in its place (`functional_call`): its own weight has no values; one holding buffers, which
+    have none either, is none."""
     params = dict(module.named_parameters(recurse=False))
     eps = next((getattr(module, a) for a in EPS_ATTRS if hasattr(module, a)), None)
     weight = params.get("weight")
     if list(params) != ["weight"] or weight.shape != (d,) or not isinstance(eps, float):
         return None
+    if weight.is_meta:
+        if list(module.buffers()):
+            return None
+        weight = torch.randn(d, generator=torch.Generator().manual_seed(1)).to(weight.dtype)
     probe = torch.randn(2, d, generator=torch.Generator().manual_seed(0)).to(weight)
     with torch.no_grad():
         expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * weight
-        matches = torch.allclose(module(probe), expected, rtol=1e-4, atol=1e-5)
+        output = torch.func.functional_call(module, {"weight": weight}, (probe,))
+        matches = torch.allclose(output, expected, rtol=1e-4, atol=1e-5)
     return eps if matches else None
 
 
