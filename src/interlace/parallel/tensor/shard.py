@@ -67,6 +67,18 @@ def shard_runs(spec: ShardSpec, rank: int, size: int, length: int) -> list[tuple
     return [(s * part + first, s * part + first + piece) for s in range(spec.segments)]
 
 
+def narrow_runs(runs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """The runs holding positions [start, start + length) of the indices `runs` hold, in order
+    (clipped at their end)."""
+    out, position = [], 0
+    for first, stop in runs:
+        low, high = max(position, start), min(position + stop - first, start + length)
+        if low < high:
+            out.append((first + low - position, first + high - position))
+        position += stop - first
+    return out
+
+
 def shard_of(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s piece (of `size` ranks) of the full tensor, as a new contiguous tensor."""
     runs = shard_runs(spec, rank, size, full.shape[spec.dim])

@@ -40,12 +40,14 @@ its indices):
   gradient is all-reduced over Z by a hook. Data parallelism then all-reduces every gradient
   over "dp" (the 3D weights were already reduce-scattered over Z).
 
-`Shard3D` records which grid axes split a parameter, for checkpoint keys, the gradient norm and
-tests. Dense decoders found by structure are supported (the built-in GPT, HF GPT-2 and Llama);
-Mixture-of-Experts layers, and parameterised modules in the layers that are neither blocks nor
-norms, are refused with a PlanError.
+`Shard3D` records which grid axes split a parameter, for checkpoint keys, the gradient norm,
+the runs of the full tensor a piece is read from (`shard3d_runs`: a model split on the meta
+device, `interlace.parallel.pieces`) and tests. Dense decoders found by structure are supported
+(the built-in GPT, HF GPT-2 and Llama); Mixture-of-Experts layers, and parameterised modules in
+the layers that are neither blocks nor norms, are refused with a PlanError.
 
-Modules: `comm` (the collectives as autograd functions), `shard` (the grid, `Shard3D`, checkpoint
-keys and the gradient norm of 3D pieces), `layers` (`Linear3D`, `LayerNorm3D`, `RMSNorm3D`),
-`prefetch` (the next layer's weight gathered ahead), `apply` (`apply_tensor3d`, `check_tensor3d`).
+Modules: `comm` (the collectives as autograd functions), `shard` (the grid, `Shard3D`, the runs
+a piece holds, checkpoint keys and the gradient norm of 3D pieces), `layers` (`Linear3D`,
+`LayerNorm3D`, `RMSNorm3D`), `prefetch` (the next layer's weight gathered ahead), `apply`
+(`apply_tensor3d`, `check_tensor3d`).
 """

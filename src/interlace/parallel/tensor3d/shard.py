@@ -4,6 +4,7 @@ piece once."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.parallel.grad_norm import NormShare
-from interlace.parallel.tensor.shard import ShardSpec, assemble, shard_of
+from interlace.parallel.tensor.shard import ShardSpec, assemble, narrow_runs, shard_runs
 
 AXES = ("x", "y", "z")
 
@@ -74,17 +75,43 @@ def shard3d_specs(model: nn.Module) -> dict[str, Shard3D]:
     return {n: s for n, p in named if (s := shard3d_spec(p)) is not None}
 
 
-def shard3d_of(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
-    """This rank's piece of the full (serial) tensor under `spec`, as a new tensor."""
-    piece = full.t() if spec.conv1d else full
+def shard3d_runs(shape: Sequence[int], spec: Shard3D, grid: Grid) -> list[list[tuple[int, int]]]:
+    """Per dimension of a full tensor of `shape` [rows, (cols)] as it is cut (HF's Conv1D: its
+    transpose [out, in]), the [start, stop) index runs of this rank's piece under `spec`, in
+    order: the rows cut as `ShardSpec(0, segments, replicas)` over `rows`, then the columns
+    chunked over `cols`, then the block's rows chunked over `flat` (chunks as `torch.chunk`)."""
+    runs = [[(0, n)] for n in shape]
     if spec.rows is not None:
         rows = grid.axis(spec.rows)
-        piece = shard_of(piece, ShardSpec(0, spec.segments, spec.replicas), rows.rank, rows.size)
+        rule = ShardSpec(0, spec.segments, spec.replicas)
+        runs[0] = shard_runs(rule, rows.rank, rows.size, shape[0])
     for dim, axis in ((1, spec.cols), (0, spec.flat)):
         if axis is not None:
             group = grid.axis(axis)
-            piece = piece.chunk(group.size, dim)[group.rank]
-    return piece.clone(memory_format=torch.contiguous_format)
+            held = sum(stop - start for start, stop in runs[dim])
+            size = -(-held // group.size)
+            runs[dim] = narrow_runs(runs[dim], group.rank * size, size)
+    return runs
+
+
+def full_shape3d(piece: Sequence[int], spec: Shard3D, grid: Grid) -> list[int]:
+    """The shape [rows, (cols)], as cut (see `shard3d_runs`), of the full tensor whose piece
+    under `spec` on `grid` is of shape `piece`: every cut even, as `check_grid` ensures."""
+
+    def parts(axis: str | None) -> int:
+        return 1 if axis is None else grid.axis(axis).size
+
+    rows = piece[0] * parts(spec.rows) * parts(spec.flat) // spec.replicas
+    return [rows, *(n * parts(spec.cols) for n in piece[1:])]
+
+
+def shard3d_of(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
+    """This rank's piece of the full (serial) tensor under `spec` (its runs, `shard3d_runs`,
+    of the tensor as cut), as a new contiguous tensor."""
+    piece = full.t() if spec.conv1d else full
+    for dim, runs in enumerate(shard3d_runs(piece.shape, spec, grid)):
+        piece = torch.cat([piece.narrow(dim, start, stop - start) for start, stop in runs], dim)
+    return piece.contiguous()
 
 
 def assemble3d(pieces: dict[tuple[int, ...], torch.Tensor], spec: Shard3D) -> torch.Tensor:
