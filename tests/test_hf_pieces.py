@@ -1,10 +1,10 @@
-"""A `hf:PATH` folder with weights, run under a plan whose pieces `interlace.parallel.pieces`
-places, is built on the meta device and each rank reads only its pieces from the safetensors:
-the same tensors, bit for bit, as the model built whole and then split (buffers recomputed, tied
-weights tied; Mixture-of-Experts tensors fused from experts stored one by one, as transformers
-fuses them); a tensor-parallel rank reads half of each split tensor and never a whole one, an
-expert-parallel rank only its experts; folders without weights, or whose conversion cannot be
-read piece by piece, are built whole."""
+"""A `hf:PATH` folder with weights, run on several ranks, is built on the meta device and each
+rank reads only its pieces from the safetensors: the same tensors, bit for bit, as the model
+built whole and then split (buffers recomputed, tied weights tied; Mixture-of-Experts tensors
+fused from experts stored one by one, as transformers fuses them); a tensor-parallel rank reads
+half of each split tensor and never a whole one, a 3D tensor-parallel rank as much as it holds,
+an expert-parallel rank only its experts; folders without weights, or whose conversion cannot
+be read piece by piece, are built whole."""
 
 import dataclasses
 
@@ -20,6 +20,7 @@ from interlace.mesh import build_mesh
 from interlace.models import hf
 from interlace.parallel.parallelize import Parallelized, parallelize
 from interlace.parallel.tensor.shard import shard_spec
+from interlace.parallel.tensor3d.shard import shard3d_spec
 from interlace.plan import Plan
 from interlace.tensors import local_tensor
 from interlace.testing import run_ranks
@@ -47,6 +48,12 @@ SPLITS = [
     ("mixtral", "dp_shard=2,ep=2", 2),
     ("qwen2_moe", "tp=2", 2),  # and a shared expert
     ("qwen2_moe", "dp=2,ep=2", 2),
+    ("gpt2", "tp3d=2x1x1", 2),  # norms' and Conv1D blocks' columns over x
+    ("gpt2", "tp3d=1x2x2", 4),  # fused q|k|v rows per part over y, then over z
+    ("gpt2", "dp=2,tp3d=1x2x1", 4),
+    ("llama", "tp3d=2x1x1", 2),  # RMS norms recognised on the meta device
+    ("llama", "tp3d=1x2x2", 4),
+    ("llama", "tp3d=1x4x1", 4),  # 2 kv heads: each read by two y ranks
 ]
 
 
@@ -78,8 +85,8 @@ def _split(model: str, plan_text: str, pieces: bool) -> Parallelized:
 def _held(model: str, plan_text: str, pieces: bool) -> tuple[dict, dict, list]:
     """{name: local tensor} of every parameter, its gradient after one step on a fixed batch
     (hooks such as sequence parallelism's all-reduce included) and every buffer this rank holds
-    (a pipeline's stages' too), {name: ShardSpec} of every parameter, and the names sharing
-    each parameter (ties)."""
+    (a pipeline's stages' too), {name: (ShardSpec, Shard3D)} of every parameter, and the names
+    sharing each parameter (ties)."""
     result = _split(model, plan_text, pieces)
     x = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     result.forward_backward(x[:, :-1], x[:, 1:])
@@ -91,7 +98,7 @@ def _held(model: str, plan_text: str, pieces: bool) -> tuple[dict, dict, list]:
         **{f"{name}.grad": local_tensor(t.grad).clone() for name, t in params.items()},
         **{name: t.clone() for name, t in held.named_buffers()},
     }
-    specs = {name: shard_spec(param) for name, param in params.items()}
+    specs = {name: (shard_spec(p), shard3d_spec(p)) for name, p in params.items()}
     shared: dict[int, list[str]] = {}
     for name, param in result.model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(param), []).append(name)
@@ -150,12 +157,12 @@ _SAFE_OPEN = safetensors.safe_open
 _READS: list[tuple[str, int]] = []  # this process's reads through `_Recorded`
 
 
-def _trainer_reads(model: str, plan_text: str) -> tuple[list, dict]:
+def _trainer_reads(model: str, plan_text: str, ranks: int = 2) -> tuple[list, dict]:
     """The reads of this rank's Trainer building the model ([(name, elements)]) and {name:
     elements held} of its parameters."""
     plan = Plan.parse(plan_text)
     trainer = Trainer(
-        prepare_run(dataclasses.replace(TINY_RUN, model=model), plan, 2), build_mesh(plan)
+        prepare_run(dataclasses.replace(TINY_RUN, model=model), plan, ranks), build_mesh(plan)
     )
     held = {n: local_tensor(p).numel() for n, p in trainer.model.named_parameters()}
     return list(_READS), held
@@ -175,6 +182,29 @@ def test_a_tensor_parallel_rank_reads_half_of_each_split_tensor_and_nothing_whol
         assert len(reads) == len(held) == len(full)
         split = {name for name, size in held.items() if size < full[name]}
         assert split and all(2 * held[name] == full[name] for name in split)
+
+
+@pytest.mark.parametrize(
+    ("kind", "plan_text", "ranks"),
+    [("llama", "tp3d=1x2x2", 4), ("gpt2", "tp3d=1x2x2", 4), ("gpt2", "tp3d=2x1x1", 2)],
+)
+def test_a_3d_rank_reads_exactly_what_it_holds(folders, monkeypatch, kind, plan_text, ranks):
+    """tp3d through the Trainer: each rank reads of each tensor as many elements as it holds
+    (GPT-2's fused q|k|v: one run per part; transformers' loader is off), so no rank reads the
+    whole model; the grid's ranks together read each 3D linear's weight exactly once."""
+    stored = load_file(hf.hf_folder(folders[kind]) / "model.safetensors")
+    full = {name: tensor.numel() for name, tensor in stored.items()}
+    linears = {n for n in full if n.endswith("weight") and ("_proj." in n or ".c_" in n)}
+    monkeypatch.setattr(safetensors, "safe_open", _Recorded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)
+    read = {name: 0 for name in linears}
+    for reads, held in run_ranks(ranks, _trainer_reads, folders[kind], plan_text, ranks):
+        assert {name: sum(n for r, n in reads if r == name) for name in held} == held
+        assert {name for name, _ in reads} == held.keys()
+        assert sum(held.values()) < sum(full.values())
+        for name in linears:
+            read[name] += held[name]
+    assert read == {name: full[name] for name in linears}
 
 
 @pytest.mark.parametrize("plan_text", ["dp=2,ep=2", "tp=2"])

@@ -19,7 +19,7 @@ from torch import nn
 
 from helpers import assert_grads_close
 from interlace import comm
-from interlace.checkpoint import checkpoint_name
+from interlace.checkpoint import Storage, checkpoint_name
 from interlace.cli import main
 from interlace.errors import PlanError
 from interlace.loss import cross_entropy
@@ -28,9 +28,16 @@ from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
 from interlace.parallel.parallelize import parallelize
+from interlace.parallel.pieces import load_pieces
 from interlace.parallel.tensor3d.apply import check_tensor3d
 from interlace.parallel.tensor3d.layers import layer_wire_bytes
-from interlace.parallel.tensor3d.shard import Grid, Shard3D, assemble3d, shard3d_of
+from interlace.parallel.tensor3d.shard import (
+    Grid,
+    Shard3D,
+    assemble3d,
+    shard3d_of,
+    shard3d_parameter,
+)
 from interlace.plan import Overlap, Plan
 from interlace.report import read_metrics
 from interlace.testing import run_ranks
@@ -336,6 +343,14 @@ def test_cli_trains_tp3d_with_data_parallel(tmp_path, monkeypatch, capfd):
     assert any(line.startswith("3D tensor parallel") for line in report["parallel"])
 
 
+def _grids(sizes: tuple[int, int, int]) -> list[Grid]:
+    """Every rank's Grid of x·y·z ranks of `sizes` (groups without a process group)."""
+    return [
+        Grid(*(comm.Group(a, None, n, r) for a, n, r in zip("xyz", sizes, ranks, strict=True)))
+        for ranks in itertools.product(*(range(n) for n in sizes))
+    ]
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -350,10 +365,72 @@ def test_assemble3d_rebuilds_the_full_tensor_from_every_distinct_piece(spec):
     the full tensor back (`interlace export` reads 3D checkpoints through it)."""
     full = torch.randn(24, 16)
     pieces = {}
-    for x, y, z in itertools.product(range(2), repeat=3):
-        grid = Grid(*(comm.Group(a, None, 2, r) for a, r in zip("xyz", (x, y, z), strict=True)))
+    for grid in _grids((2, 2, 2)):
         coords = tuple(
             grid.axis(a).rank // (spec.replicas if a == spec.rows else 1) for a in spec.axes
         )
         pieces[coords] = shard3d_of(full, spec, grid)
     assert torch.equal(assemble3d(pieces, spec), full)
+
+
+def _chunked(full: torch.Tensor, spec: Shard3D, grid: Grid) -> torch.Tensor:
+    """The piece of `full` under `spec` cut by chunks, as the layout describes it: each of the
+    rows' segments in rows/replicas parts, then cols, then flat."""
+    piece = full.t() if spec.conv1d else full
+    if spec.rows is not None:
+        rows = grid.axis(spec.rows)
+        parts, index = rows.size // spec.replicas, rows.rank // spec.replicas
+        piece = torch.cat([s.chunk(parts)[index] for s in piece.chunk(spec.segments)])
+    for dim, axis in ((1, spec.cols), (0, spec.flat)):
+        if axis is not None:
+            piece = piece.chunk(grid.axis(axis).size, dim)[grid.axis(axis).rank]
+    return piece
+
+
+class _FullWeights:
+    """`pieces.Weights` of full tensors in memory: a read is the runs' elements, counted."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.elements = 0
+
+    def read(self, name: str, runs: list) -> torch.Tensor:
+        piece = self.tensors[name]
+        for dim, dim_runs in enumerate(runs):
+            piece = torch.cat([piece.narrow(dim, a, b - a) for a, b in dim_runs], dim)
+        self.elements += piece.numel()
+        return piece
+
+    def init_buffers(self, modules: list[nn.Module]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sizes", [(2, 2, 2), (1, 2, 3), (3, 2, 1)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Shard3D(rows="y", cols="x", flat="z"),
+        Shard3D(rows="x", cols="y", flat="z"),  # a transposed layer's
+        Shard3D(rows="y", cols="x", flat="z", segments=3),  # a fused q|k|v
+        Shard3D(rows="y", cols="x", flat="z", replicas=2),  # grouped-query kv rows on 2 ranks
+        Shard3D(rows="y", cols="x", flat="z", segments=3, conv1d=True),  # GPT-2's c_attn
+        Shard3D(rows="x", cols="y", flat="z", conv1d=True),  # stored [in, out]
+        Shard3D(rows="y", segments=3),  # the fused bias
+        Shard3D(rows="x"),  # a norm's weight
+    ],
+)
+def test_a_3d_piece_of_a_meta_model_is_read_as_shard3d_of_cuts_it(spec, sizes):
+    """A parameter split on the meta device, made real by `load_pieces`, holds exactly the piece
+    `shard3d_of` cuts from the full tensor (itself the chunks the layout describes), reading
+    as many elements as it holds."""
+    shape = (24, 36) if spec.cols else (24,)
+    full = torch.randn(shape[::-1] if spec.conv1d else shape)
+    for grid in _grids(sizes):
+        module = nn.Module()
+        module.weight = shard3d_parameter(nn.Parameter(full.to("meta")), spec, grid)
+        weights = _FullWeights({"weight": full})
+        load_pieces(module, [module], Storage(), None, grid, torch.device("cpu"), weights)
+        expected = shard3d_of(full, spec, grid)
+        assert torch.equal(expected, _chunked(full, spec, grid))
+        assert torch.equal(module.weight, expected)
+        assert weights.elements == expected.numel()

@@ -5,10 +5,10 @@ safetensors (one file or shards with their index). The model is built by `transf
 (`AutoModelForCausalLM`) and split by `parallelize` by its structure, as the built-in GPT is,
 in one of two ways:
 
-- a folder with weights, in a run on several ranks whose plan `interlace.parallel.pieces`
-  places (any without tp3d): built from the config on the meta device (`build_from_config`),
-  split there, then each rank allocates only the tensors it keeps and reads only their pieces
-  from the files (`open_weights`, `FolderWeights`). The files' tensors are matched to the
+- a folder with weights, in a run on several ranks: built from the config on the meta device
+  (`build_from_config`), split there, then each rank allocates only the tensors it keeps and
+  reads only their pieces from the files (`interlace.parallel.pieces`; `open_weights`,
+  `FolderWeights`). The files' tensors are matched to the
   model's as transformers itself loads them (`stored_as`, by its conversion mapping): under the
   model's names, renamed (Mixtral's `block_sparse_moe` is the model's `mlp`), or fused from
   experts stored one tensor each (Mixtral's and Qwen2-MoE's gate|up [E, 2F, d] and down
@@ -17,8 +17,8 @@ in one of two ways:
   computed by the model's own rule, tied weights stay tied, so a rank never holds more than its
   share;
 - any other (no weights: initialised from the config with the run's seed, identically on every
-  rank; files transformers converts otherwise than by renaming and fusing experts; one process;
-  tp3d): built whole on every rank (`build`), then split, as the built-in GPT always is.
+  rank; files transformers converts otherwise than by renaming and fusing experts; one
+  process): built whole on every rank (`build`), then split, as the built-in GPT always is.
 
 Two adaptations and no more: the model's forward returns its logits [B, T, V] (a forward hook
 unwraps Hugging Face's output object), which is what the Trainer's loss reads, and the key/value

@@ -66,7 +66,7 @@ from interlace.parallel.expert.grads import (
 from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.grad_norm import GradNorm, NormShare
-from interlace.parallel.pieces import Weights, load_pieces, loads_pieces
+from interlace.parallel.pieces import Weights, load_pieces
 from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
@@ -246,14 +246,13 @@ def parallelize(
     `weights`: `model` was built on the meta device and is split as such; once this rank's
     parameters are its own (after the pipeline keeps its stages and FSDP2 shards them, before
     DDP, which broadcasts them) each is allocated on the mesh's device and filled with its
-    piece read from `weights` (`interlace.parallel.pieces`; a mesh and a plan it places the
-    pieces of, `loads_pieces`, needed).
+    piece read from `weights` (`interlace.parallel.pieces`; a mesh needed).
     """
     if sequence_parallel is not None:
         plan = dataclasses.replace(plan, sequence_parallel=sequence_parallel)
     plan.validate(1 if mesh is None else mesh.device_mesh.size())
-    if weights is not None and (mesh is None or not loads_pieces(plan)):
-        raise ValueError(f"plan {plan}: pieces of a meta-device model are not placed here")
+    if weights is not None and mesh is None:
+        raise ValueError("pieces of a meta-device model are placed on a mesh; give one")
     result = Parallelized(model, plan, cross_entropy)
     result.layers = _layer_list(model)
     result.blocks = list(model.get_submodule(result.layers)) if result.layers else []
@@ -452,9 +451,11 @@ def apply_data(
 def _load(result: Parallelized, mesh: Mesh, weights: Weights | None) -> None:
     """This rank's pieces of a meta-device model allocated and read from `weights`."""
     if weights is not None:
-        tp = mesh.group("tp") if result.plan.tensor_parallel else None
+        plan = result.plan
+        tp = mesh.group("tp") if plan.tensor_parallel else None
+        grid = Grid.from_mesh(mesh) if plan.tensor3d_parallel else None
         roots = result.pipeline.stages if result.pipeline is not None else [result.model]
-        load_pieces(result.model, roots, result.storage, tp, mesh.device, weights)
+        load_pieces(result.model, roots, result.storage, tp, grid, mesh.device, weights)
 
 
 def _layer_list(model: nn.Module) -> str | None:

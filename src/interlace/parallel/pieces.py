@@ -9,10 +9,11 @@ replicas reading the same run), then FSDP2's shard of that piece (torch's
 `compute_local_shape_and_global_offset` of the DTensor). A pipeline rank holds fewer tensors,
 its last stage's copy of a tied embedding read as the embedding (`Storage.aliases`). An
 expert-parallel rank holds its experts of a fused experts tensor [E, ...] one module each,
-renamed (`fused_expert_slices`): each is read as its expert's run of the fused tensor. A place
-is given as runs: per dimension, the [start, stop) index runs of the full tensor the piece
-holds, in order. 3D tensor parallelism recognises its norms by running them: `loads_pieces`
-says whether a plan's pieces are placed here.
+renamed (`fused_expert_slices`): each is read as its expert's run of the fused tensor. A 3D
+tensor parallel piece is its runs under the parameter's `Shard3D` (`shard3d_runs`, the rule
+`shard3d_of` cuts by), a Conv1D weight's read from the stored [in, out] tensor and transposed.
+A place is given as runs: per dimension, the [start, stop) index runs of the full tensor the
+piece holds, in order.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from interlace.checkpoint import Storage
 from interlace.comm import Group
 from interlace.parallel.expert.fused import fused_expert_slices
-from interlace.parallel.tensor.shard import shard_runs, shard_spec
-from interlace.plan import Plan
+from interlace.parallel.tensor.shard import narrow_runs, shard_runs, shard_spec
+from interlace.parallel.tensor3d.shard import Grid, full_shape3d, shard3d_runs, shard3d_spec
 from interlace.tensors import local_tensor, materialise, state_tensors
 
 Runs = list[list[tuple[int, int]]]
@@ -48,17 +49,12 @@ class Weights(Protocol):
         ...
 
 
-def loads_pieces(plan: Plan) -> bool:
-    """Whether `plan`'s pieces are placed here: any plan without 3D tensor parallelism (its
-    norms are recognised by running them)."""
-    return not plan.tensor3d_parallel
-
-
 def load_pieces(
     model: nn.Module,
     roots: list[nn.Module],
     storage: Storage,
     tp: Group | None,
+    grid: Grid | None,
     device: torch.device,
     weights: Weights,
 ) -> None:
@@ -66,8 +62,8 @@ def load_pieces(
     model's names, held by the modules `roots` that run it: `model` or its pipeline stages)
     real on `device`: each parameter and persistent buffer filled with its piece read from
     `weights` (under the name `storage` stores it as, a kept expert's slice as its run of the
-    fused tensor; `tp`: the 1D tensor parallel group, None without), the non-persistent
-    buffers computed by `weights.init_buffers`. In place."""
+    fused tensor; `tp`: the 1D tensor parallel group, `grid` the 3D one, None without), the
+    non-persistent buffers computed by `weights.init_buffers`. In place."""
     held = nn.ModuleList(roots)
     materialise(held, device)
     state = dict(state_tensors(model))
@@ -81,7 +77,8 @@ def load_pieces(
     with torch.no_grad():
         for name, tensor in state.items():
             local = local_tensor(tensor)
-            local.copy_(weights.read(*_place(name, tensor, storage, experts, tp)).view(local.shape))
+            piece = weights.read(*_place(name, tensor, storage, experts, tp, grid))
+            local.copy_(_as_held(piece, tensor).view(local.shape))
 
 
 def _place(
@@ -90,20 +87,27 @@ def _place(
     storage: Storage,
     experts: dict[str, tuple[str, int]],
     tp: Group | None,
+    grid: Grid | None,
 ) -> tuple[str, Runs]:
     """The full tensor this rank's piece of tensor `name` is read from (`storage`'s alias; a
     kept expert's slice, `experts`: the fused tensor) and the piece's runs in it (the slice's:
     its expert's run, then its own, [1, *shape])."""
-    runs = piece_runs(tensor, tp)
+    runs = piece_runs(tensor, tp, grid)
     if name not in experts:
         return storage.aliases.get(name, name), runs
     fused, expert = experts[name]
     return fused, [[(expert, expert + 1)], *runs]
 
 
-def piece_runs(tensor: torch.Tensor, tp: Group | None) -> Runs:
+def piece_runs(tensor: torch.Tensor, tp: Group | None, grid: Grid | None) -> Runs:
     """Where this rank's piece of `tensor` (a parameter as `parallelize` left it: a tensor
-    parallel piece carrying its `ShardSpec`, a DTensor of FSDP2) lies in the full tensor."""
+    parallel piece carrying its `ShardSpec`, over `tp`, or its `Shard3D`, over `grid`; a DTensor
+    of FSDP2) lies in the full tensor as stored (a 3D piece of a Conv1D weight: [in, out])."""
+    spec3d = shard3d_spec(tensor)
+    if spec3d is not None:
+        assert grid is not None, "a 3D tensor parallel piece without its grid"
+        runs = shard3d_runs(full_shape3d(tensor.shape, spec3d, grid), spec3d, grid)
+        return runs[::-1] if spec3d.conv1d else runs
     shape = list(tensor.shape)  # a DTensor: its global shape, the tensor parallel piece
     runs = [[(0, n)] for n in shape]
     spec = shard_spec(tensor)
@@ -115,16 +119,12 @@ def piece_runs(tensor: torch.Tensor, tp: Group | None) -> Runs:
         local, offset = compute_local_shape_and_global_offset(
             tensor.shape, tensor.device_mesh, tensor.placements
         )
-        runs = [_narrow(r, start, n) for r, start, n in zip(runs, offset, local, strict=True)]
+        runs = [narrow_runs(r, start, n) for r, start, n in zip(runs, offset, local, strict=True)]
     return runs
 
 
-def _narrow(runs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
-    """The runs holding positions [start, start + length) of the indices `runs` hold."""
-    out, position = [], 0
-    for first, stop in runs:
-        low, high = max(position, start), min(position + stop - first, start + length)
-        if low < high:
-            out.append((first + low - position, first + high - position))
-        position += stop - first
-    return out
+def _as_held(piece: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`piece`, read at `piece_runs(tensor, ...)`, in the layout `tensor` holds it: a 3D piece of
+    a Conv1D weight, read [in', out'], transposed to the [out', in'] it is held as."""
+    spec = shard3d_spec(tensor)
+    return piece.t() if spec is not None and spec.conv1d else piece

@@ -52,7 +52,7 @@ from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel.data.apply import check_reduce_dtype
 from interlace.parallel.parallelize import check_fits, parallelize
-from interlace.parallel.pieces import Weights, loads_pieces
+from interlace.parallel.pieces import Weights
 from interlace.parallel.pipeline.layout import check_split
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
@@ -163,13 +163,12 @@ def _model_to_split(
 ) -> tuple[torch.nn.Module, Weights | None]:
     """The model `parallelize` splits, and where its pieces are read from. A `hf:PATH` model
     whose folder stores its tensors as `hf.open_weights` reads them (under the model's names,
-    renamed, experts fused), run on a mesh under a plan whose pieces `interlace.parallel.pieces`
-    places, is built on the meta device, each rank reading only its pieces; any other is built
-    whole on `device` (None)."""
+    renamed, experts fused), run on a mesh, is built on the meta device, each rank reading only
+    its pieces (`interlace.parallel.pieces`); any other is built whole on `device` (None)."""
     build = functools.partial(_build_model, setup.model_config, setup.hf_config, setup.config.model)
     folder = hf.hf_folder(setup.config.model)
-    split = mesh is not None and loads_pieces(setup.plan)
-    if split and folder is not None and hf.has_weights(folder):  # none: from the seed, whole
+    # a folder without weights: initialised from the seed, whole
+    if mesh is not None and folder is not None and hf.has_weights(folder):
         model = build(torch.device("meta"))
         weights = hf.open_weights(folder, model)
         if weights is not None:
