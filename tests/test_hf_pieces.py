@@ -17,7 +17,7 @@ from torch import nn
 from helpers import TINY_RUN
 from hf_models import needs_hf, saved_tiny_model, tiny_hf_model, transformers
 from interlace.mesh import build_mesh
-from interlace.models import hf
+from interlace.models import hf, hf_weights
 from interlace.parallel.parallelize import Parallelized, parallelize
 from interlace.parallel.tensor.shard import shard_spec
 from interlace.parallel.tensor3d.shard import shard3d_spec
@@ -79,7 +79,7 @@ def _split(model: str, plan_text: str, pieces: bool) -> Parallelized:
         return parallelize(hf.build(folder, config, mesh.device), plan, mesh)
     with torch.device("meta"):
         meta = hf.build_from_config(config)
-    return parallelize(meta, plan, mesh, weights=hf.open_weights(folder, meta))
+    return parallelize(meta, plan, mesh, weights=hf_weights.open_weights(folder, meta))
 
 
 def _held(model: str, plan_text: str, pieces: bool) -> tuple[dict, dict, list]:
@@ -236,7 +236,7 @@ def test_a_folder_storing_fused_experts_is_read_by_the_model_s_names(tmp_path):
     save_file(model.state_dict(), folder / "model.safetensors")
     with torch.device("meta"):
         meta = hf.build_from_config(hf.load_config(folder))
-    weights = hf.open_weights(folder, meta)
+    weights = hf_weights.open_weights(folder, meta)
     name = "model.layers.1.mlp.experts.gate_up_proj"
     assert weights.stored[name] == name
     full = model.state_dict()[name]
@@ -256,7 +256,7 @@ def test_a_folder_without_weights_or_converted_otherwise_is_built_whole(
     mixtral = hf.hf_folder(folders["mixtral"])
     with torch.device("meta"):
         meta = hf.build_from_config(hf.load_config(mixtral))
-    assert hf.open_weights(mixtral, meta) is not None
+    assert hf_weights.open_weights(mixtral, meta) is not None
     mapping = conversion_mapping.get_model_conversion_mapping
 
     def transposed(model):
@@ -267,8 +267,8 @@ def test_a_folder_without_weights_or_converted_otherwise_is_built_whole(
         return conversions
 
     monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", transposed)
-    assert hf.open_weights(mixtral, meta) is None
+    assert hf_weights.open_weights(mixtral, meta) is None
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_bytes((mixtral / "config.json").read_bytes())
-    assert hf.open_weights(bare, meta) is None
+    assert hf_weights.open_weights(bare, meta) is None

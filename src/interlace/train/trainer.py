@@ -44,7 +44,7 @@ from interlace.data.tokens import SYNTHETIC
 from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import measure_step
 from interlace.mesh import Mesh, default_device
-from interlace.models import hf
+from interlace.models import hf, hf_weights
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
@@ -162,15 +162,16 @@ def _model_to_split(
     setup: RunSetup, mesh: Mesh | None, device: torch.device
 ) -> tuple[torch.nn.Module, Weights | None]:
     """The model `parallelize` splits, and where its pieces are read from. A `hf:PATH` model
-    whose folder stores its tensors as `hf.open_weights` reads them (under the model's names,
-    renamed, experts fused), run on a mesh, is built on the meta device, each rank reading only
-    its pieces (`interlace.parallel.pieces`); any other is built whole on `device` (None)."""
+    whose folder stores its tensors as `hf_weights.open_weights` reads them (under the model's
+    names, renamed, experts fused), run on a mesh, is built on the meta device, each rank
+    reading only its pieces (`interlace.parallel.pieces`); any other is built whole on
+    `device` (None)."""
     build = functools.partial(_build_model, setup.model_config, setup.hf_config, setup.config.model)
     folder = hf.hf_folder(setup.config.model)
     # a folder without weights: initialised from the seed, whole
     if mesh is not None and folder is not None and hf.has_weights(folder):
         model = build(torch.device("meta"))
-        weights = hf.open_weights(folder, model)
+        weights = hf_weights.open_weights(folder, model)
         if weights is not None:
             return model, weights
     return build(device), None
