@@ -186,6 +186,30 @@ def test_recomputation_replays_the_same_dropout_masks(schedule):
         assert_grads_close(rank["full"], rank["none"], what=f"rank {i}")
 
 
+def _grads_after_evaluate(config, plan_text):
+    """Gradients of one step, on a fresh runner and on one whose first run was `evaluate`."""
+    plan = Plan.parse(plan_text)
+    grads = []
+    for evaluate_first in (False, True):
+        runner = PipelineRunner(_model(config), plan, build_mesh(plan))
+        if evaluate_first:
+            runner.evaluate(*_batch(config, 2))
+        runner.step(*_batch(config))
+        grads.append({n: p.grad.clone() for n, p in runner.named_parameters()})
+    return grads
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_evaluate_before_the_first_step_leaves_its_gradients_unchanged(schedule):
+    """torch's schedules allocate the stages' receive buffers on their first run: an
+    evaluation first must not cut the gradient a stage sends back."""
+    config = tiny_config(4)
+    plan_text = f"pp=2,micro_batches=4,schedule={schedule}"
+    for i, (fresh, after) in enumerate(run_ranks(2, _grads_after_evaluate, config, plan_text)):
+        assert set(after) == set(fresh)
+        assert_grads_close(after, fresh, what=f"rank {i}")
+
+
 def _budget_ratios(config, budget, tokens):
     plan = Plan.parse("pp=2,micro_batches=4,schedule=1f1b,recompute=stage-aware")
     runner = PipelineRunner(

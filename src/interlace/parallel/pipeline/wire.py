@@ -55,7 +55,14 @@ class StageWire:
 
 class WiredStage(nn.Module):
     """A stage module between its two casts, as torch's PipelineStage runs it:
-    forward(x [b, T] ids or [b, T, d] wire dtype) → [b, T, d] wire dtype, or logits."""
+    forward(x [b, T] ids or [b, T, d] wire dtype) → [b, T, d] wire dtype, or logits.
+
+    A received activation is torch's receive buffer itself, and the gradient a stage sends back
+    is that buffer's: a training forward makes the buffer require grad if it does not yet.
+    torch allocates the buffers when a schedule first runs and marks them then only if that
+    run has a backward; torch 2.11 keeps them across later runs, so after an `eval()` that ran
+    before the first `step()` every later step's input gradient would be None (torch 2.13
+    reallocates them when a schedule switches between eval and step)."""
 
     def __init__(self, stage: nn.Module, wire: StageWire) -> None:
         super().__init__()
@@ -63,4 +70,6 @@ class WiredStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes."""
+        if not self.wire.first and torch.is_grad_enabled() and x.is_leaf and not x.requires_grad:
+            x.requires_grad_(True)
         return self.wire.send(self.stage(self.wire.receive(x)))
