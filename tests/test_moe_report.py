@@ -3,7 +3,11 @@ report.json, and the numbers behind it are the recorded routing counts, placed b
 
 import dataclasses
 import json
+import math
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
@@ -20,11 +24,34 @@ CONFIG = TrainConfig(
 )
 
 
+def _route_to_the_first_rank(model: nn.Module) -> None:
+    """Make every MoE router send each token to experts 0 and 1 (the first rank's), whatever
+    the token, so that the first step's routing is as unbalanced as it gets and shadowing
+    replicates from the second step on, under any kernel's rounding.
+
+    The block's ln_2 gives γ ⊙ x̂ + β with x̂ the normalised token (zero mean over its d
+    features); with γ = 1, β = 1 and router rows +1/√d for experts 0, 1 and −1/√d for 2, 3,
+    the router's logits are ±(Σ x̂ + d)/√d = ±√d for every token: a margin of 2√d."""
+    for block in model.modules():
+        moe = getattr(block, "mlp", None)
+        if not isinstance(moe, ExpertParallelMoE):
+            continue
+        weight = moe.router.proj.weight  # [E, d]
+        experts, d = weight.shape
+        sign = torch.tensor([1.0 if e < experts // 2 else -1.0 for e in range(experts)])
+        with torch.no_grad():
+            block.ln_2.weight.fill_(1.0)
+            block.ln_2.bias.fill_(1.0)
+            weight.copy_(sign[:, None].expand(experts, d) / math.sqrt(d))
+
+
 def _fit(out: Path):
-    """Train PLAN on 2 ranks into `out`; this rank's newest routed count matrix per layer."""
+    """Train PLAN on 2 ranks into `out`, every token of the first step routed to the first
+    rank's experts; this rank's newest routed count matrix per layer."""
     plan = Plan.parse(PLAN)
     setup = prepare_run(dataclasses.replace(CONFIG, out=str(out)), plan, 2)
     trainer = Trainer(setup, build_mesh(plan))
+    _route_to_the_first_rank(trainer.model)
     trainer.fit()
     layers = [m for m in trainer.model.modules() if isinstance(m, ExpertParallelMoE)]
     return [m.routing_history[-1].tolist() for m in layers]
