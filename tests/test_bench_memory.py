@@ -63,6 +63,7 @@ def test_every_plan_is_measured_with_its_prediction_beside_it(run):
         "dp=4,recompute=selective",
         "dp=4,recompute=full",
         "dp_shard=4",
+        "dp_shard=4,reshard_after_forward=false",
         "dp_shard=4,recompute=full",
         "dp_shard=2,tp=2",
     ]
@@ -82,7 +83,11 @@ def test_fsdp_keeps_a_quarter_of_the_state_and_recomputation_cuts_activations(ru
     _, doc = run
     runs = doc["result"]["plans"]
     ddp = heaviest_rank(runs["dp=4"]["memory"])
-    for plan in ("dp_shard=4", "dp_shard=4,recompute=full"):
+    for plan in (
+        "dp_shard=4",
+        "dp_shard=4,reshard_after_forward=false",
+        "dp_shard=4,recompute=full",
+    ):
         for rank in runs[plan]["memory"]["per_rank"]:
             for part in PARTS[:3]:
                 assert rank[part] == pytest.approx(ddp[part] / 4, rel=0.05), (plan, part)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.cluster_calibration import calibrate_cluster, cluster_hardware
-from interlace.bench.memory_report import headline, key_numbers, plot, table
+from interlace.bench.memory_report import KEPT, headline, key_numbers, plot, table
 from interlace.bench.timing import slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
@@ -35,7 +35,7 @@ def plans(ranks: int) -> list[str]:
     """The plans compared on `ranks` ranks (dp_shard × tp from 4 even ranks on)."""
     n = ranks
     rows = [f"dp={n}", f"dp={n},recompute=selective", f"dp={n},recompute=full"]
-    rows += [f"dp_shard={n}", f"dp_shard={n},recompute=full"]
+    rows += [f"dp_shard={n}", f"dp_shard={n},{KEPT}", f"dp_shard={n},recompute=full"]
     if n >= 4 and n % 2 == 0:
         rows.append(f"dp_shard={n // 2},tp=2")
     return rows
@@ -120,7 +120,8 @@ BENCHMARK = Benchmark(
     summary="memory per rank and step time: DDP, FSDP, FSDP x TP, recompute none/selective/full",
     describe=(
         "One model at one global batch under `dp=N` (DDP), `dp=N` with `recompute=selective` "
-        "and `full`, `dp_shard=N` (FSDP2) with and without full recomputation, and "
+        "and `full`, `dp_shard=N` (FSDP2) with and without full recomputation and with "
+        "`reshard_after_forward=false` (no second gather in backward), and "
         "`dp_shard=N/2,tp=2`, all trained through the Trainer on the cluster's ranks. Memory "
         "per rank is the Trainer's own measurement of the run's third step (parameters, "
         "gradients and AdamW states as the bytes of their storages before the update; "

@@ -10,6 +10,11 @@ PARTS = ("parameters", "gradients", "optimizer", "activations")
 """The measured parts of a rank's memory, stacked in this order."""
 
 
+KEPT = "reshard_after_forward=false"
+"""FSDP keeping each block's gathered parameters from its forward to its backward (ZeRO-2's
+traffic: no second gather; its memory: the gathered blocks)."""
+
+
 def heaviest_rank(memory: dict[str, Any]) -> dict[str, int]:
     """The measured parts of the rank holding the most (of `PARTS` together) in a Trainer's
     memory report."""
@@ -39,6 +44,13 @@ def fsdp_over_ddp(result: dict[str, Any]) -> float:
     return fsdp["step_s"] / ddp["step_s"]
 
 
+def kept_over_ddp(result: dict[str, Any]) -> float | None:
+    """The step time of FSDP keeping its gathered blocks through backward (dp_shard=N with
+    KEPT) over DDP's, None where the result has no such run."""
+    kept = result["plans"].get(f"dp_shard={result['ranks']},{KEPT}")
+    return None if kept is None else kept["step_s"] / compared(result)[0]["step_s"]
+
+
 def _state(rank: dict[str, int]) -> int:
     return rank["parameters"] + rank["gradients"] + rank["optimizer"]
 
@@ -48,18 +60,19 @@ def table(doc: dict[str, Any]) -> str:
     their prediction, step time beside its prediction, and the bytes rank 0's interface sent per
     step on a shaped link (MiB, seconds, MB)."""
     r = doc["result"]
+    width = max(map(len, r["plans"]))
     lines = [
         f"model {doc['options']['model']} ({r['params'] / 1e6:.1f} M params, seq_len "
         f"{r['seq_len']}), global batch {doc['options']['global_batch']}; MiB per rank "
         "(the rank holding the most), predicted in brackets",
-        f"{'plan':30s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'state (pred)':>16s} "
+        f"{'plan':{width}s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'state (pred)':>16s} "
         f"{'activ (pred)':>16s} {'peak':>7s} {'step s (pred)':>15s} {'sent MB':>8s}",
     ]
     for name, run in r["plans"].items():
         mine, pred = heaviest_rank(run["memory"]), predicted_parts(run["memory"])
         predicted_s, sent = run["predicted_step_s"], run["tx_bytes_per_step"]
         lines.append(
-            f"{name:30s} {mine['parameters'] / MIB:7.1f} {mine['gradients'] / MIB:7.1f} "
+            f"{name:{width}s} {mine['parameters'] / MIB:7.1f} {mine['gradients'] / MIB:7.1f} "
             f"{mine['optimizer'] / MIB:7.1f} {_state(mine) / MIB:7.1f} "
             f"({pred['state'] / MIB:6.1f}) {mine['activations'] / MIB:7.1f} "
             f"({pred['activations'] / MIB:6.1f}) {mine['step_peak'] / MIB:7.1f} "
@@ -68,6 +81,8 @@ def table(doc: dict[str, Any]) -> str:
             + (f" {sent / 1e6:8.1f}" if sent is not None else f" {'-':>8s}")
         )
     lines.append(f"FSDP step / DDP step at equal batch: {fsdp_over_ddp(r):.2f}x")
+    if (kept := kept_over_ddp(r)) is not None:
+        lines.append(f"FSDP keeping the gathered blocks through backward ({KEPT}): {kept:.2f}x")
     return "\n".join(lines)
 
 
@@ -128,9 +143,12 @@ def headline(doc: dict[str, Any]) -> str:
     activations = (
         heaviest_rank(full["memory"])["activations"] / heaviest_rank(ddp["memory"])["activations"]
     )
+    kept = kept_over_ddp(r)
+    keeping = "" if kept is None else f"; {kept:.2f}x keeping the gathered blocks ({KEPT})"
     return (
         f"FSDP's step {fsdp['step_s']:.3f} s vs DDP's {ddp['step_s']:.3f} s at equal batch, "
-        f"{fsdp_over_ddp(r):.2f}x (target <= 1.15x); FSDP keeps {state:.3f} of DDP's state per "
+        f"{fsdp_over_ddp(r):.2f}x (target <= 1.15x{keeping}); FSDP keeps {state:.3f} of DDP's "
+        "state per "
         f"rank (1/{n} = {1 / n:.3f}); full recomputation keeps {activations:.2f}x the "
         "activations of none under DDP"
     )
