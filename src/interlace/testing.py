@@ -84,6 +84,9 @@ def _rank_main(
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ[DEVICE_ENV] = "cpu"
+    # the fork left the parent's thread pool behind: make this rank's own now, on its main
+    # thread, before another thread (autograd's, a background reduce-scatter's) races to
+    torch.set_num_threads(torch.get_num_threads())
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
