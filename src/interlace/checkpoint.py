@@ -90,7 +90,8 @@ class Storage:
     {name: where its piece lies in the full tensor} for pieces stored as full tensors, which
     any split can read. `keys` and `layouts` are looked up under the stored name.
     `assembly` {name: how the pieces of its split make the full tensor}: 1D tensor
-    parallelism's `ShardSpec` fields (dim, segments, replicas), recorded in the checkpoint's
+    parallelism's `ShardSpec` fields (dim, segments, replicas) or 3D's `Shard3D` fields,
+    recorded in the checkpoint's
     meta.json (every rank's, under the stored names) so that one process can rebuild a tensor
     stored as pieces (`interlace export`)."""
 

@@ -73,6 +73,7 @@ from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.moe import check_expert_blocks
 from interlace.parallel.tensor.overlap import apply_tp_overlap, check_tp_overlap
 from interlace.parallel.tensor.shard import (
+    parameters_split_by,
     sharded_parameter_names,
     tensor_layouts,
     tensor_norm_share,
@@ -82,7 +83,7 @@ from interlace.parallel.tensor3d.comm import mean_over
 from interlace.parallel.tensor3d.shard import (
     Grid,
     shard3d_keys,
-    shard3d_specs,
+    shard3d_spec,
     tensor3d_layouts,
     tensor3d_norm_shares,
 )
@@ -317,7 +318,8 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
             keys=shard3d_keys(model, grid),
             layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
             assembly={
-                name: dataclasses.asdict(spec) for name, spec in shard3d_specs(model).items()
+                name: dataclasses.asdict(spec)
+                for name, spec in parameters_split_by(model, shard3d_spec).items()
             },
         )
 

@@ -33,10 +33,15 @@ from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.parallel.parallelize import parallelize
 from interlace.plan import Plan
-from interlace.planner.calibrate import cache_path, fingerprint, measure_matmul_flops
+from interlace.planner.calibrate import (
+    cache_path,
+    fingerprint,
+    measure_matmul_flops,
+    memory_bytes,
+)
 from interlace.planner.hardware import Hardware
-from interlace.planner.profile import model_profile
-from interlace.throughput import synchronize
+from interlace.run_folder import write_atomic
+from interlace.throughput import model_flops_per_token, synchronize
 
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
 """The dtypes a model's step can be measured in: those a run trains in."""
@@ -84,8 +89,7 @@ def measure_model_flops(
         model.model.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(saved)
-    flops = 3 * model_profile(config).forward_flops_per_token * rows * config.seq_len
-    return flops / statistics.median(times)
+    return model_flops_per_token(config) * rows * config.seq_len / statistics.median(times)
 
 
 def measure_model_efficiency(
@@ -108,7 +112,7 @@ def measurable(config: GPTConfig, dtype: str, device: torch.device) -> None:
             f"{', '.join(MEASURED_PRECISIONS)}, not {dtype}; pass --dtype with one of them"
         )
     need = STATE_BYTES_PER_PARAM * config.num_params()
-    have = _device_memory(device)
+    have = memory_bytes(device)
     if need > have:
         raise ConfigError(
             f"--calibrate-model runs the model on this machine's {device.type}, but its "
@@ -116,12 +120,6 @@ def measurable(config: GPTConfig, dtype: str, device: torch.device) -> None:
             f"weights, gradients and optimizer states alone (the device has "
             f"{have / 2**30:.1f} GiB); drop --calibrate-model for this model"
         )
-
-
-def _device_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def efficiency_cache_path() -> Path:
@@ -149,9 +147,7 @@ def cached_model_flops(
         return cache[key]
     cache[key] = measure_model_flops(config, rows, os.cpu_count() or 1, dtype=dtype, device=device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(cache, indent=1))
     return cache[key]
 
 

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from interlace.comm import Group
-from interlace.parallel.data.ring import BackgroundRingReduceScatter, RingReduceScatter
+from interlace.parallel.data.ring import RingReduceScatter
 from interlace.parallel.grad_norm import NormShare
 from interlace.plan import Plan
 from interlace.precision import DTYPES
@@ -116,11 +116,12 @@ def apply_fully_shard(
             root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
         )
     if mesh.device_type == "cpu":  # gloo: a reduce-scatter half the bytes of its own
-        background = BackgroundRingReduceScatter(ring) if ring is not None else None
+        background = RingReduceScatter(ring)  # one thread and queue for every block
         for module in [*blocks, *roots]:
             if isinstance(module, FSDPModule):  # the roots' come last: nothing to overlap
-                inside = background is not None and module not in roots
-                module.set_custom_reduce_scatter(background if inside else RingReduceScatter())
+                module.set_custom_reduce_scatter(
+                    RingReduceScatter() if module in roots else background
+                )
     for name, param in model.named_parameters():
         for key, value in attributes.get(name, {}).items():
             setattr(param, key, value)

@@ -3,10 +3,10 @@ which runs a whole all-reduce there, plugged in through `set_custom_reduce_scatt
 torch's (NCCL's reduce-scatter is a ring already).
 
 On the CPU FSDP2 has no second stream to overlap its reduce-scatters with backward: each
-block's blocks the backward of the block before it. `BackgroundRingReduceScatter` runs the ring
-on a thread of its own, over a process group of its own (`ring_group`: the same ranks, other
-connections, so its sends never interleave with the gathers of the main thread), and waits for
-every transfer at the end of the backward that started it (an autograd engine callback, as
+block's blocks the backward of the block before it. `RingReduceScatter(background)` runs the
+ring on a thread of its own, over a process group of its own (`ring_group`: the same ranks,
+other connections, so its sends never interleave with the gathers of the main thread), and
+waits for every transfer at the end of the backward that started it (an autograd engine callback, as
 FSDP2's own end-of-backward work is), so `.grad` is whole when `backward()` returns. That is
 sound only where FSDP2 merely views the reduced buffer inside backward: no cast to another
 dtype, no division after, no all-reduce over replicas (HSDP), no accumulation into gradients
@@ -26,7 +26,19 @@ from interlace.comm import ring_reduce_scatter
 
 class RingReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter (output [S], input [n·S], the sum or mean over the group's n
-    ranks of input chunk `rank`) as a ring of gloo sends."""
+    ranks of input chunk `rank`) as a ring of gloo sends: now, or with `background` (FSDP2's
+    group's ranks in a group of their own) on a background thread over that group, awaited at
+    the end of the backward pass that issued it (see the module docstring for where that is
+    sound)."""
+
+    def __init__(self, background: dist.ProcessGroup | None = None) -> None:
+        self.background = background
+        self.worker = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="interlace-ring")
+            if background is not None
+            else None
+        )
+        self.pending: list[Future] = []
 
     def allocate(
         self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
@@ -44,45 +56,19 @@ class RingReduceScatter(ReduceScatter):
     ) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or async_op:
             raise ValueError(f"the ring reduce-scatter sums or averages synchronously, not {op}")
-        self.reduce(output_tensor, input_tensor, group, op)
-
-    def reduce(
-        self,
-        output: torch.Tensor,
-        chunks: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp,
-    ) -> None:
-        """`reduce_into(output, chunks, group, op)`, now."""
-        reduce_into(output, chunks, group, op)
-
-
-class BackgroundRingReduceScatter(RingReduceScatter):
-    """`RingReduceScatter` on a background thread over `ring_group` (FSDP2's group's ranks in
-    a group of their own), awaited at the end of the backward pass that issued it (see the
-    module docstring for where that is sound)."""
-
-    def __init__(self, ring_group: dist.ProcessGroup) -> None:
-        self.ring_group = ring_group
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interlace-ring")
-        self.pending: list[Future] = []
-
-    def reduce(
-        self,
-        output: torch.Tensor,
-        chunks: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp,
-    ) -> None:
-        """`reduce_into(output, chunks, ring_group, op)` on the background thread, awaited at
-        the end of this backward pass (outside one: now)."""
+        if self.background is None:
+            reduce_into(output_tensor, input_tensor, group, op)
+            return
         if not self.pending:
             try:  # the end of this backward pass waits for every transfer it started
                 torch.autograd.Variable._execution_engine.queue_callback(self.wait)
             except RuntimeError:  # not inside a backward pass: nothing to overlap with
-                reduce_into(output, chunks, self.ring_group, op)
+                reduce_into(output_tensor, input_tensor, self.background, op)
                 return
-        self.pending.append(self.worker.submit(reduce_into, output, chunks, self.ring_group, op))
+        assert self.worker is not None
+        self.pending.append(
+            self.worker.submit(reduce_into, output_tensor, input_tensor, self.background, op)
+        )
 
     def wait(self) -> None:
         """Block until every transfer issued so far has landed in its output (re-raising a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +21,8 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.detect import linear_shape
 from interlace.parallel.grad_norm import NormShare
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,19 @@ def copy_shard_spec(source: torch.Tensor, target: torch.Tensor) -> None:
         setattr(target, _SPEC_ATTR, spec)
 
 
-def sharded_parameter_names(model: nn.Module) -> dict[str, ShardSpec]:
-    """{parameter name: ShardSpec} of every sharded parameter of `model`, tied aliases included
-    (both `wte.weight` and `lm_head.weight`: a state dict holds both)."""
+def parameters_split_by(
+    model: nn.Module, spec_of: Callable[[torch.Tensor], S | None]
+) -> dict[str, S]:
+    """{parameter name: its spec} of every parameter of `model` that `spec_of` (`shard_spec`,
+    3D's `shard3d_spec`) gives one, tied aliases included (both `wte.weight` and
+    `lm_head.weight`: a state dict holds both)."""
     named = model.named_parameters(remove_duplicate=False)
-    return {n: s for n, p in named if (s := shard_spec(p)) is not None}
+    return {n: s for n, p in named if (s := spec_of(p)) is not None}
+
+
+def sharded_parameter_names(model: nn.Module) -> dict[str, ShardSpec]:
+    """{parameter name: ShardSpec} of every 1D tensor-parallel parameter of `model`."""
+    return parameters_split_by(model, shard_spec)
 
 
 def shard_runs(spec: ShardSpec, rank: int, size: int, length: int) -> list[tuple[int, int]]:

@@ -68,13 +68,6 @@ def shard3d_spec(param: torch.Tensor) -> Shard3D | None:
     return getattr(param, _SPEC_ATTR, None)
 
 
-def shard3d_specs(model: nn.Module) -> dict[str, Shard3D]:
-    """{parameter name: Shard3D} of every parameter of `model` split by 3D tensor parallelism,
-    tied aliases included."""
-    named = model.named_parameters(remove_duplicate=False)
-    return {n: s for n, p in named if (s := shard3d_spec(p)) is not None}
-
-
 def shard3d_runs(shape: Sequence[int], spec: Shard3D, grid: Grid) -> list[list[tuple[int, int]]]:
     """Per dimension of a full tensor of `shape` [rows, (cols)] as it is cut (HF's Conv1D: its
     transpose [out, in]), the [start, stop) index runs of this rank's piece under `spec`, in
