@@ -89,6 +89,25 @@ def grad_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None
     return torch.amp.GradScaler(device_type)
 
 
+def scaled_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """`scaler.step(optimizer)`, then `scaler.update()`. torch's ShardedGradScaler hands a
+    fused optimizer its overflow flag as a [1] tensor, which the fused step cannot subtract
+    from its 0-d step counts ("output with shape [] doesn't match the broadcast shape [1]");
+    a pre-hook held for this one step gives the step the flag's 0-d view."""
+    hook = optimizer.register_step_pre_hook(_scalar_found_inf)
+    try:
+        scaler.step(optimizer)
+    finally:
+        hook.remove()
+    scaler.update()
+
+
+def _scalar_found_inf(optimizer: torch.optim.Optimizer, *_: object) -> None:
+    found_inf = vars(optimizer).get("found_inf")
+    if found_inf is not None and found_inf.dim():
+        optimizer.found_inf = found_inf.reshape(())
+
+
 def _autocast_call(forward: Callable, precision: str, device_type: str, *args, **kwargs):
     with autocast(precision, device_type):
         return forward(*args, **kwargs)

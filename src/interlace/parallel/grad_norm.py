@@ -15,11 +15,19 @@ The groups must be distinct axes of the mesh (tp; tp_x, tp_y, tp_z; ep; pp; dp_s
 squares are all-reduced over one after the other. Data parallel replicas hold equal gradients
 after their reduction and are not a share. A gradient sharded by FSDP2 (a DTensor) counts by its
 local piece, and sharded data parallelism is a share like the others.
+
+**Clipping inside the optimizer's kernel.** Scaling every gradient by the clip coefficient c
+reads and writes each gradient once more: on an MoE model of 1.7 B parameters that pass cost
+3.7 ms of a 77 ms step on an H200. torch's fused optimizers (AdamW among them) divide each
+gradient by `optimizer.grad_scale` inside their update (the hook `torch.amp.GradScaler`
+unscales through), so handed such an optimizer `GradNorm.clip_` leaves 1/c there for the next
+`step()` instead of scaling `.grad`.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -54,19 +62,28 @@ class GradNorm:
             groups[math.prod(share.holders(p) for share in shares)].append(p)
         self.groups = dict(groups)
         self.shares = list(shares)
+        self._left: tuple[torch.optim.Optimizer, torch.Tensor] | None = None
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def norm(self) -> torch.Tensor:
         """‖g‖ (a 0-d fp32 tensor, equal on every rank); collective over every share's group."""
         return self._norm(self._grads())
 
-    def clip_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients in place by min(1, max_norm / ‖g‖), as
-        `torch.nn.utils.clip_grad_norm_` does for one process; returns ‖g‖ before clipping
-        (max_norm = inf: only measure it)."""
+    def clip_(
+        self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
+        """Scale the gradients by c = min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
+        does for one process; returns ‖g‖ before clipping (max_norm = inf: only measure it).
+        Where `optimizer` divides gradients in its own step (`divides_gradients`), `.grad` stays
+        unscaled and its next `step()` applies c: step it before clipping again."""
+        self._withdraw()
         grads = self._grads()
         norm = self._norm(grads)
         if math.isfinite(max_norm):
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            if optimizer is not None and divides_gradients(optimizer):
+                self._leave_for_step(optimizer, 1 / scale)
+                return norm
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
             for group in grads.values():
                 for grad in group:
@@ -74,6 +91,23 @@ class GradNorm:
             for dtype, same in by_dtype.items():
                 torch._foreach_mul_(same, scale.to(dtype))  # what torch's own clipping calls
         return norm
+
+    def _leave_for_step(self, optimizer: torch.optim.Optimizer, divisor: torch.Tensor) -> None:
+        """`optimizer`'s next step divides every gradient by `divisor` (0-d), then forgets it."""
+        optimizer.grad_scale = divisor
+        self._left = (optimizer, divisor)
+        if optimizer not in self._hooked:  # a hook may not remove itself while hooks run
+            optimizer.register_step_post_hook(lambda *_: self._withdraw())
+            self._hooked.add(optimizer)
+
+    def _withdraw(self) -> None:
+        """Forget the divisor left for a step, once stepped or when no step took it (a step
+        skipped for a non-finite loss)."""
+        if self._left is not None:
+            optimizer, divisor = self._left
+            if vars(optimizer).get("grad_scale") is divisor:
+                del optimizer.grad_scale
+            self._left = None
 
     def _grads(self) -> dict[int, list[torch.Tensor]]:
         """{holders: this rank's pieces of the gradients of that group's parameters that have
@@ -93,6 +127,15 @@ class GradNorm:
             if share.group.size > 1:
                 comm.all_reduce(total, share.group)
         return total.sqrt()
+
+
+def divides_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` divides each gradient by `optimizer.grad_scale` (a 0-d tensor)
+    within its update: torch's fused optimizers (Adam, AdamW, SGD, Adagrad), every group still
+    fused (`load_state_dict` takes the groups' settings from the state it loads)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
+        group.get("fused") for group in optimizer.param_groups
+    )
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = ()) -> torch.Tensor:

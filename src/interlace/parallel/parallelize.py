@@ -88,7 +88,7 @@ from interlace.parallel.tensor3d.shard import (
     tensor3d_norm_shares,
 )
 from interlace.plan import Plan
-from interlace.precision import forward_in_precision, grad_scaler
+from interlace.precision import forward_in_precision, grad_scaler, scaled_step
 from interlace.recompute import recompute_blocks
 
 logger = logging.getLogger("interlace.parallel")
@@ -185,23 +185,23 @@ class Parallelized:
     ) -> torch.Tensor:
         """Clip to `max_norm` by the whole model's gradient norm, counted once over every split;
         returns that norm before clipping (equal on every rank). Under fp16 `optimizer`'s
-        gradients are first divided by the scaler's scale (required then)."""
+        gradients are first divided by the scaler's scale (required then). Otherwise a fused
+        `optimizer` applies the clip coefficient in its next step (`GradNorm.clip_`)."""
         if self.scaler is not None:
             if optimizer is None:
                 raise ValueError("fp16: clip_grad_norm_ needs the optimizer to unscale")
             self.scaler.unscale_(optimizer)
         if self._grad_norm is None:  # the split is final once a step runs
             self._grad_norm = GradNorm(self.model.parameters(), self.norm_shares)
-        return self._grad_norm.clip_(max_norm)
+        return self._grad_norm.clip_(max_norm, optimizer if self.scaler is None else None)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer.step()`; under fp16 through the gradient scaler, which skips the step on
         every rank when any rank's gradients overflowed, and adapts its scale."""
         if self.scaler is None:
             optimizer.step()
-            return
-        self.scaler.step(optimizer)
-        self.scaler.update()
+        else:
+            scaled_step(self.scaler, optimizer)
 
     def metrics(self) -> dict[str, Any]:
         """What the plan's dimensions log per step: the gradient compression ratio so far,

@@ -13,8 +13,8 @@ STATE_BYTES = 16
 """Bytes per parameter of fp32 weight, fp32 gradient and two fp32 AdamW moments."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """Memory traffic of one parameter's optimizer step: AdamW reads the fp32 weight, gradient and
-two moments (16 bytes) and writes the weight and moments (12), and gradient clipping reads the
-gradient once more (4)."""
+two moments (16 bytes) and writes the weight and moments (12), and the gradient norm reads the
+gradient once more (4); the fused step applies the clip coefficient within its own pass."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
 """Bytes per activation element of each compute dtype."""
 

@@ -48,6 +48,7 @@ from interlace.comm import Group, wire_bytes
 from interlace.errors import ConfigError
 from interlace.mesh import default_device
 from interlace.optim import build_optimizer
+from interlace.parallel.grad_norm import GradNorm
 from interlace.planner.bytes import OPTIMIZER_BYTES_PER_PARAM
 from interlace.planner.hardware import Hardware, local
 from interlace.precision import DTYPES
@@ -163,8 +164,8 @@ def measure_optimizer_bandwidth(
     min_seconds: float = 0.3,
     device: torch.device | None = None,
 ) -> float:
-    """Bytes/s the run's AdamW step (`optim.build_optimizer`: fused on CUDA) with gradient-norm
-    clipping streams on `device` (default: the CPU) with `threads` threads:
+    """Bytes/s the run's AdamW step (`optim.build_optimizer`) with its gradient-norm clipping
+    (`GradNorm.clip_`) streams on `device` (default: the CPU) with `threads` threads:
     `bytes.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
     parameter tensors of `params` / 8 elements, with gradients; default `OPTIMIZER_PARAMS` of
     the device type)."""
@@ -175,8 +176,10 @@ def measure_optimizer_bandwidth(
         w.grad = torch.randn_like(w)
     optimizer = build_optimizer(weights, lr=1e-6, weight_decay=0.0)
 
+    clipping = GradNorm(weights.parameters())
+
     def step() -> None:
-        torch.nn.utils.clip_grad_norm_(weights.parameters(), 1.0)
+        clipping.clip_(1.0, optimizer)
         optimizer.step()
 
     seconds = _best_seconds(step, threads, min_seconds, device)  # its warm-up makes the moments
