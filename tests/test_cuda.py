@@ -1,7 +1,8 @@
 """On a CUDA device (skipped elsewhere; each test in a fresh interpreter, see conftest): a GPT
 step under bf16 autocast follows the fp32 step on the CPU; the count sketch encodes and decodes
 bit for bit as on the CPU; grouped experts follow the per-expert loop; the Trainer's CUDA
-defaults (bf16, compiled blocks) follow its fp32 CPU run and report MFU."""
+defaults (bf16, compiled blocks) follow its fp32 CPU run and report MFU; the fused AdamW applies
+the clip in its step as torch's clipping pass does."""
 
 import copy
 import dataclasses
@@ -17,6 +18,7 @@ from interlace.mesh import DEVICE_ENV
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.moe.grouped import grouped_mlp
+from interlace.parallel.grad_norm import GradNorm
 from interlace.plan import Plan
 from interlace.throughput import device_peak_tflops, model_flops_per_token
 from interlace.train import Trainer, prepare_run
@@ -140,3 +142,28 @@ def test_trainer_compiled_in_bf16_on_cuda_follows_fp32_on_the_cpu_and_reports_mf
 def _train(run: TrainConfig) -> list[dict]:
     trainer = Trainer(prepare_run(run, Plan(), 1))
     return [trainer.train_step() for _ in range(run.steps)]
+
+
+def test_fused_adamw_on_cuda_applies_the_clip_in_its_step_as_torch_clips():
+    """`GradNorm.clip_` handed CUDA's fused AdamW leaves 1/c for its kernel: three steps of
+    clipped gradients end where torch's clipping pass then the same fused step ends."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(256, 64, generator=gen), torch.randn(64, generator=gen)]
+    grads = [[torch.randn(w.shape, generator=gen) * (s + 1) for w in weights] for s in range(3)]
+
+    def run(in_step: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(w.cuda()) for w in weights]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        clipping = GradNorm(params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.cuda()
+            if in_step:
+                clipping.clip_(1.0, optimizer)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+        return [p.detach().cpu() for p in params]
+
+    for ours, reference in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)

@@ -117,10 +117,18 @@ def _for_threads(by_threads: dict[str, float], threads: int) -> float:
     return by_threads[str(usable[-1])]
 
 
+MEASURED_STEP = 2
+"""What the calibration's step measurements time, numbered so a cache of an older kind is
+measured again: 2 since the optimizer step is torch's fused AdamW with the clip inside it on the
+CPU too (1: foreach AdamW on the CPU and a separate clipping pass)."""
+
+
 def fingerprint() -> dict[str, Any]:
-    """What a calibration depends on: CPU count, torch version, architecture, and the type of
-    device a run computes on ("cpu" or "cuda"; read without initialising CUDA)."""
+    """What a calibration depends on: CPU count, torch version, architecture, the type of
+    device a run computes on ("cpu" or "cuda"; read without initialising CUDA) and what its
+    step measurements time (`MEASURED_STEP`)."""
     return {
+        "measured_step": MEASURED_STEP,
         "cpus": os.cpu_count() or 1,
         "torch": torch.__version__,
         "machine": platform.machine(),
