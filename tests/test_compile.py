@@ -25,17 +25,23 @@ CONFIG = TrainConfig(
 )
 
 
-def _run(compile: str, plan_text: str = "dp=1") -> dict:
-    """Every step's (loss, grad_norm), the parallel report, and the frames dynamo compiled."""
+def _run(compile: str, plan_text: str = "dp=1", model: str = "tiny") -> dict:
+    """Every step's (loss, grad_norm), the parallel report, the frames dynamo compiled and the
+    reasons of its graph breaks."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     plan = Plan.parse(plan_text)
     mesh = build_mesh(plan) if plan.world_size > 1 else None
-    config = TrainConfig(**{**CONFIG.to_dict(), "compile": compile})
+    config = TrainConfig(**{**CONFIG.to_dict(), "compile": compile, "model": model})
     trainer = Trainer(prepare_run(config, plan, plan.world_size), mesh)
     rows = [(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(3))]
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return {"rows": rows, "report": trainer.parallel.report, "frames": frames}
+    counters = torch._dynamo.utils.counters
+    return {
+        "rows": rows,
+        "report": trainer.parallel.report,
+        "frames": counters["stats"]["unique_graphs"],
+        "breaks": list(counters["graph_break"]),
+    }
 
 
 def _assert_same(compiled: dict, eager: dict) -> None:
@@ -65,7 +71,6 @@ def test_compiled_pipeline_stages_follow_the_eager_pipeline():
     ("plan_text", "reason"),
     [
         ("tp=2,tp_subbatches=2", "tp_subbatches=2"),
-        ("dp=2,ep=2", "ep=2"),
         ("tp3d=2x1x1", "tp3d"),
         ("tp=2,recompute=full", "tp=2 and recompute=full"),
     ],
@@ -96,3 +101,26 @@ def test_compiled_recomputed_blocks_follow_the_eager_run(plan_text):
     for result, reference in zip(compiled, eager, strict=True):
         assert result["frames"] > 0
         _assert_same(result, reference)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_run_expert_parallel_layers_eagerly_between_their_graphs():
+    plan = "dp=2,ep=2"
+    eager = run_ranks(2, _run, "off", plan, "moe-tiny")
+    for compiled, reference in zip(run_ranks(2, _run, "on", plan, "moe-tiny"), eager, strict=True):
+        assert compiled["frames"] > 0
+        assert all("ExpertParallelMoE.forward" in reason for reason in compiled["breaks"])
+        assert "blocks: expert-parallel layers run eagerly inside their compiled blocks" in (
+            " ".join(compiled["report"])
+        )
+        _assert_same(compiled, reference)
+
+
+@pytest.mark.slow
+def test_recomputed_moe_blocks_compile_whole_and_follow_the_eager_run():
+    eager, compiled = (
+        _run("off", "recompute=full", "moe-tiny"),
+        _run("on", "recompute=full", "moe-tiny"),
+    )
+    assert compiled["frames"] > 0 and compiled["breaks"] == []
+    _assert_same(compiled, eager)

@@ -5,12 +5,16 @@ Each block (an entry of the model's layer list, found by structure) is compiled 
 (`nn.Module.compile`, so parameter names and checkpoints are unchanged): the blocks of a model
 share one graph, compile time does not grow with depth, and pipeline stages, recomputation and
 1D tensor parallelism (whose collectives become graph breaks) keep working on the same modules.
+An expert-parallel layer is never traced (its all-to-all splits are read on the host, its
+placement search runs on a thread): its block compiles around it, one graph before it and one
+after, unless the block is recomputed, where torch.compile cannot split the checkpointed
+region and runs that block eagerly. A recomputed block with a single-device MoE layer compiles
+whole: the layer's record of its aux loss is not replayed in the recomputation.
+
 Refused: the threaded sub-batch overlap (`tp_subbatches > 1`, whose threads hand over inside a
-block), expert parallelism (its layers run placement searches and all-to-alls on their own
-threads), 3D tensor parallelism (its weight prefetcher records the order of gathers at run
-time) and 1D tensor parallelism with recomputation outside a pipeline (the checkpoint's
-reduction replay is a context torch.compile cannot trace). `auto` leaves those uncompiled
-instead.
+block), 3D tensor parallelism (its weight prefetcher records the order of gathers at run time)
+and 1D tensor parallelism with recomputation outside a pipeline (the checkpoint's reduction
+replay is a context torch.compile cannot trace). `auto` leaves those uncompiled instead.
 
 The loss is compiled too where it is the plain cross-entropy (`compile_loss`): the upcast of
 the logits to fp32 fuses into the softmax's reductions, so the fp32 copy of the [tokens, V]
@@ -34,8 +38,6 @@ def uncompilable(plan: Plan) -> str | None:
     """Why `plan` cannot run compiled blocks (a phrase), or None if it can."""
     if plan.overlap.tp_subbatches > 1:
         return f"tp_subbatches={plan.overlap.tp_subbatches} (threads hand over inside a block)"
-    if plan.expert_parallel:
-        return f"ep={plan.ep} (expert layers work on their own threads)"
     if plan.tensor3d_parallel:
         return "tp3d (the weight prefetcher records gathers at run time)"
     if plan.tensor_parallel and plan.recompute != "none" and not plan.pipelined:
@@ -60,13 +62,27 @@ def resolve_compile(choice: str, device: torch.device, plan: Plan) -> bool:
     return choice == "on"
 
 
-def compile_blocks(model: nn.Module, layers: str) -> list[str]:
+def compile_blocks(model: nn.Module, layers: str, plan: Plan) -> list[str]:
     """Compile every block of `model`'s layer list `layers` (an nn.ModuleList's name) in place;
-    returns one report line."""
+    returns the report lines."""
+    # An MoE layer records its aux loss and counts on itself: inside a recomputed block that
+    # side effect made dynamo run the whole block eagerly. The recomputation need not replay
+    # it (the loss holds the first forward's aux loss).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     blocks = model.get_submodule(layers)
     for block in blocks:
         block.compile()
-    return [f"{layers}: {len(blocks)} blocks compiled (torch.compile, one per block)"]
+    lines = [f"{layers}: {len(blocks)} blocks compiled (torch.compile, one per block)"]
+    if plan.expert_parallel:
+        lines.append(
+            f"{layers}: expert-parallel layers run eagerly inside their compiled blocks "
+            + (
+                "(a graph break each)"
+                if plan.recompute == "none"
+                else f"(with recompute={plan.recompute} their blocks run eagerly whole)"
+            )
+        )
+    return lines
 
 
 def compile_loss(scores: CrossEntropy) -> tuple[CrossEntropy, list[str]]:

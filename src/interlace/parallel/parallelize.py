@@ -366,7 +366,7 @@ def apply_compile(result: Parallelized, compile: bool) -> None:
     reason = uncompilable(result.plan)
     if reason is not None:
         raise PlanError(f"compiled blocks cannot run with {reason}; leave compile off")
-    result.report += compile_blocks(result.model, _layers(result, "compile"))
+    result.report += compile_blocks(result.model, _layers(result, "compile"), result.plan)
     result.scores, lines = compile_loss(result.scores)
     result.report += lines
 

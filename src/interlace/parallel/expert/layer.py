@@ -189,8 +189,11 @@ class ExpertParallelMoE(nn.Module):
         return [p for e in self._local_experts() for p in e.parameters()]
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable  # a compiled block runs the rest of itself compiled around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] → [B, T, d_model]; collective over the expert group."""
+        """[B, T, d_model] → [B, T, d_model]; collective over the expert group. Never traced
+        by torch.compile: the all-to-alls' splits are read on the host and the placement
+        search runs on a thread of its own."""
         tokens = x.reshape(-1, x.shape[-1])
         trans = self._take_inflight()
         placement = trans.placement
