@@ -1,5 +1,6 @@
 """The data pipeline: corpus loading, tokenizers, the held-out split and the batch streams."""
 
+import json
 import math
 import re
 import sys
@@ -64,9 +65,19 @@ def test_missing_path_is_named(tmp_path):
         load_corpus(missing)
 
 
-def test_directory_without_text_files_is_named(tmp_path):
+def test_directory_without_data_files_is_named(tmp_path):
     (tmp_path / "code.py").write_text("x = 1")
-    with pytest.raises(DataError, match=rf"'{re.escape(str(tmp_path))}' holds no text files"):
+    with pytest.raises(DataError, match=rf"'{re.escape(str(tmp_path))}' holds no data files"):
+        load_corpus(tmp_path)
+
+
+def test_json_lines_give_a_document_per_line_joined_like_files(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha\n")
+    lines = [{"text": "one\n", "id": 1}, {"text": "two"}, {"text": "three", "meta": {}}]
+    (tmp_path / "b.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n\n")
+    assert load_corpus(tmp_path) == "alpha\n\none\n\ntwo\n\nthree"
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"b.jsonl:2: no field 'text' .*its fields: 'body'"):
         load_corpus(tmp_path)
 
 

@@ -1,11 +1,13 @@
-"""`interlace data prepare`: text files tokenized into shards that decode back to each document,
-the dtype by vocabulary, refusals before any work, nothing half-written, a tokenizer.json as
-`--tokenizer`, and `interlace train --data DIR` end to end."""
+"""`interlace data prepare`: text and JSON Lines files tokenized into shards that decode back to
+each document, the dtype by vocabulary, refusals before any work, nothing half-written, a
+tokenizer.json as `--tokenizer`, JSON Lines streamed in bounded work units, and `interlace
+train --data DIR` end to end."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import re
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import tokenizers as tk
 
 from interlace.cli import main
 from interlace.data import FileTokenizer, ShardIndex, prepare_shards
+from interlace.data import prepare as prepare_module
 from interlace.data.shards import ShardTokens, file_sha256
 from interlace.data.tokenizer import train_byte_level_bpe
 from interlace.errors import DataError
@@ -188,3 +191,63 @@ def test_prepare_then_train_through_the_command_line(tmp_path, texts, tokenizer_
     assert "shard-00000.bin' holds 2 bytes, but the index says" in capsys.readouterr().err
     assert main([*train, "--overwrite"]) == 2
     assert "holds 2 bytes" in capsys.readouterr().err
+
+
+def _write_jsonl(file: Path, texts: list[str], field: str = "text") -> Path:
+    file.write_text("".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(texts)))
+    return file
+
+
+JSONL_TEXTS = [f"Line document {i}: " + "words and more words " * (i % 5) for i in range(40)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_json_lines_are_a_document_each_whatever_the_work_units(
+    tmp_path, tokenizer_file, monkeypatch, workers
+):
+    texts = [*JSONL_TEXTS[:20], "   ", *JSONL_TEXTS[20:]]  # a blank text is no document
+    _write_jsonl(tmp_path / "in.jsonl", texts, field="body")
+    with (tmp_path / "in.jsonl").open("a") as f:
+        f.write("\n")  # a blank line is no document either
+    monkeypatch.setattr(prepare_module, "JSONL_CHUNK_BYTES", 300)  # about 6 lines a unit
+    assert len(list(prepare_module.work_units([tmp_path / "in.jsonl"]))) > 5
+    out = tmp_path / "shards"
+    index = prepare_shards(
+        [tmp_path / "in.jsonl"], str(tokenizer_file), out, workers=workers, text_field="body"
+    )
+    tokenizer = FileTokenizer(tokenizer_file)
+    ids = read_all(out).tolist()
+    pieces = " ".join(map(str, ids)).split(" 0")
+    documents = [tokenizer.decode([int(i) for i in p.split()]) for p in pieces if p.strip()]
+    assert documents == JSONL_TEXTS and index.documents == len(JSONL_TEXTS)
+
+
+def test_a_bad_json_line_is_named_and_leaves_nothing(tmp_path):
+    file = _write_jsonl(tmp_path / "in.jsonl", JSONL_TEXTS[:3])
+    with file.open("a") as f:
+        f.write('{"text": "cut off\n')
+    with pytest.raises(DataError, match=r"in.jsonl:4: not a JSON object"):
+        prepare_shards([file], "byte", tmp_path / "out", progress=False)
+    _write_jsonl(file, ["fine", 7])  # type: ignore[list-item]
+    with pytest.raises(DataError, match=r"in.jsonl:2: field 'text' is int, not text"):
+        prepare_shards([file], "byte", tmp_path / "out", workers=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_work_units_are_read_no_further_ahead_than_the_workers_need():
+    """`ordered_map` takes at most `ahead` items beyond what it has yielded: a JSON Lines file
+    of any size is held a few units at a time."""
+    taken = []
+
+    def items():
+        for i in range(50):
+            taken.append(i)
+            yield i
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = prepare_module.ordered_map(pool, abs, items(), ahead=4)
+        seen = []
+        for value in results:
+            seen.append(value)
+            assert len(taken) <= len(seen) + 4
+    assert seen == list(range(50))

@@ -1,5 +1,5 @@
-"""`interlace data prepare` (text files → a shard folder) and `interlace data verify` (a shard
-folder's sizes and hashes against its index)."""
+"""`interlace data prepare` (text and JSON Lines files → a shard folder) and `interlace data
+verify` (a shard folder's sizes and hashes against its index)."""
 
 import argparse
 import os
@@ -13,15 +13,20 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     prepare = sub.add_parser(
         "prepare",
-        help="tokenize text files into token shards that `train --data DIR` streams",
-        description="tokenize text files into token shards that `train --data DIR` streams",
+        help="tokenize text and JSON Lines files into token shards that `train --data DIR` streams",
+        description=(
+            "tokenize text and JSON Lines files into token shards that `train --data DIR` streams"
+        ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     prepare.add_argument(
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="text files, or folders whose *.txt/*.md/*.rst files are read (each file a document)",
+        help=(
+            "data files, or folders whose *.txt/*.md/*.rst files (each a document) and *.jsonl "
+            "files (each line a document) are read"
+        ),
     )
     prepare.add_argument(
         "--tokenizer",
@@ -38,6 +43,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     )
     prepare.add_argument(
         "--shard-tokens", type=int, default=SHARD_TOKENS, help="most token ids per shard file"
+    )
+    prepare.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the field of each *.jsonl line that holds the document's text",
     )
     prepare.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out instead of refusing"
@@ -65,6 +76,7 @@ def run_data(args: argparse.Namespace) -> int:
             shard_tokens=args.shard_tokens,
             overwrite=args.overwrite,
             progress=args.progress,
+            text_field=args.text_field,
         )
         print(f"prepared {_describe(index)} in {args.out}/")
     else:

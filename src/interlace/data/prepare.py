@@ -1,21 +1,35 @@
-"""Tokenize text files into a shard folder (`interlace data prepare`; the format in `shards.py`).
+"""Tokenize data files into a shard folder (`interlace data prepare`; the format in `shards.py`).
 
-Every text file is one document. Worker processes tokenize the documents; this process writes
-their ids in input order, the tokenizer's end-of-document id after each where it has one, into
-shards of at most `shard_tokens` ids. Everything is written into a hidden folder beside `out`,
-renamed to `out` only once complete, so an error leaves nothing half-written.
+A text file is one document, a JSON Lines file one document per line (`corpus.documents`).
+This process cuts the input into work units (a text file; `JSONL_CHUNK_BYTES` of a JSON Lines
+file's lines) and worker processes tokenize them, at most two units per worker in flight, so a
+JSON Lines file of any size is streamed with bounded memory. The ids are written in input
+order, the tokenizer's end-of-document id after each document where it has one, into shards of
+at most `shard_tokens` ids. Everything is written into a hidden folder beside `out`, renamed to
+`out` only once complete, so an error leaves nothing half-written.
 """
 
 import multiprocessing
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.pool import Pool
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from tqdm import tqdm
 
-from interlace.data.corpus import read_text_file, text_files
+from interlace.data.corpus import (
+    TEXT_FIELD,
+    data_files,
+    is_jsonl,
+    jsonl_lines,
+    jsonl_text,
+    read_text_file,
+)
 from interlace.data.shards import (
     INDEX_FILE,
     Shard,
@@ -36,9 +50,26 @@ from interlace.errors import DataError
 
 SHARD_TOKENS = 1 << 28
 """Most token ids per shard file by default (512 MiB of uint16)."""
+JSONL_CHUNK_BYTES = 4 << 20
+"""Bytes of JSON Lines lines one work unit holds (the last line may pass it)."""
 
 _worker_tokenizer: Tokenizer | None = None
 _worker_dtype: str = ""
+_worker_text_field: str = TEXT_FIELD
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """What one worker tokenizes: a text file whole (`lines` None), or a run of a JSON Lines
+    file's lines, the first of them line `first_line` (1-based); `size`: the input bytes it
+    stands for (the progress bar's unit)."""
+
+    file: Path
+    size: int
+    lines: tuple[str, ...] | None = None
+    first_line: int = 1
 
 
 def prepare_shards(
@@ -51,17 +82,22 @@ def prepare_shards(
     shard_tokens: int = SHARD_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
+    text_field: str = TEXT_FIELD,
 ) -> ShardIndex:
-    """Tokenize the text files of `inputs` (files, or folders read as `load_corpus` reads them)
-    with `tokenizer` ("byte" or a tokenizer.json path) on `workers` processes into the shard
-    folder `out`, and return its index. The last `val_fraction` of the tokens is held out.
+    """Tokenize the documents of `inputs` (data files, or folders read as `load_corpus` reads
+    them; a JSON Lines file's texts under `text_field`) with `tokenizer` ("byte" or a
+    tokenizer.json path) on `workers` processes into the shard folder `out`, and return its
+    index. The last `val_fraction` of the tokens is held out.
 
     Raises `DataError` before any work for a bad argument, an unusable tokenizer, a non-empty
-    `out` without `overwrite`, or a missing input; and for inputs that hold no text.
+    `out` without `overwrite`, or a missing input; and, leaving nothing written, for a JSON
+    Lines line without its text or inputs that hold no text.
     """
     out = Path(out)
     _check_arguments(tokenizer, out, val_fraction, workers, shard_tokens, overwrite)
-    files = [file for path in inputs for file in text_files(path)]
+    if not text_field:
+        raise DataError("--text-field must name a field, e.g. text")
+    files = [file for path in inputs for file in data_files(path)]
     if not files:
         raise DataError("no inputs: give one or more text files or folders")
     loaded = get_tokenizer(tokenizer, "")
@@ -70,7 +106,7 @@ def prepare_shards(
     try:
         partial.mkdir(parents=True)
         shards, documents = _write_shards(
-            files, tokenizer, dtype, partial, workers, shard_tokens, progress
+            files, (tokenizer, dtype, text_field), partial, workers, shard_tokens, progress
         )
         if not shards:
             raise DataError(
@@ -124,54 +160,101 @@ def _check_arguments(
 
 def _write_shards(
     files: list[Path],
-    tokenizer: str,
-    dtype: str,
+    worker_setup: tuple[str, str, str],
     folder: Path,
     workers: int,
     shard_tokens: int,
     progress: bool,
 ) -> tuple[list[Shard], int]:
-    """Tokenize `files` on `workers` processes (no more than there are files) and write their
-    ids, in order, into shards in `folder`; return the shards and the number of documents that
-    held text."""
-    writer = ShardWriter(folder, dtype, shard_tokens)
+    """Tokenize `files` on `workers` processes set up with `worker_setup` (tokenizer, dtype,
+    text field) and write their ids, in order, into shards in `folder`; return the shards and
+    the number of documents that held text."""
+    writer = ShardWriter(folder, worker_setup[1], shard_tokens)
     documents = 0
-    encoded = _encoded(files, tokenizer, dtype, workers)
-    for ids in tqdm(encoded, total=len(files), desc="tokenize", unit="file", disable=not progress):
-        if ids.size:
-            writer.write(ids)
-            documents += 1
+    total = sum(file.stat().st_size for file in files)
+    bar = tqdm(total=total, desc="tokenize", unit="B", unit_scale=True, disable=not progress)
+    if workers == 1:
+        _start_worker(*worker_setup)
+        encoded = map(_encode_unit, work_units(files))
+    else:  # spawned, not forked: a forked copy of a process with running threads can deadlock
+        jsonl = any(is_jsonl(file) for file in files)
+        context = multiprocessing.get_context("spawn")
+        pool = context.Pool(
+            workers if jsonl else min(workers, len(files)), _start_worker, worker_setup
+        )
+        encoded = ordered_map(pool, _encode_unit, work_units(files), ahead=2 * workers)
+    try:
+        for ids, count, size in encoded:
+            if ids.size:
+                writer.write(ids)
+            documents += count
+            bar.update(size)
+    finally:
+        bar.close()
+        if workers > 1:
+            pool.terminate()
     return writer.close(), documents
 
 
-def _encoded(files: list[Path], tokenizer: str, dtype: str, workers: int) -> Iterator[np.ndarray]:
-    """The ids of each file in order: tokenized here for one worker, else in spawned processes
-    (not forked: a forked copy of a process with running threads can deadlock)."""
-    if workers == 1:
-        _start_worker(tokenizer, dtype)
-        yield from map(_encode_document, files)
-        return
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(min(workers, len(files)), _start_worker, (tokenizer, dtype)) as pool:
-        yield from pool.imap(_encode_document, files)
+def work_units(files: Iterable[Path]) -> Iterator[WorkUnit]:
+    """`files` cut into work units, in order: a text file whole; a JSON Lines file in runs of
+    lines of about `JSONL_CHUNK_BYTES`, read as they are needed."""
+    for file in files:
+        if not is_jsonl(file):
+            yield WorkUnit(file, file.stat().st_size)
+            continue
+        lines: list[str] = []
+        first, size = 1, 0
+        for number, line in jsonl_lines(file):
+            lines.append(line)
+            size += len(line.encode())
+            if size >= JSONL_CHUNK_BYTES:
+                yield WorkUnit(file, size, tuple(lines), first)
+                lines, first, size = [], number + 1, 0
+        if lines:
+            yield WorkUnit(file, size, tuple(lines), first)
 
 
-def _start_worker(tokenizer: str, dtype: str) -> None:
-    global _worker_tokenizer, _worker_dtype
+def ordered_map(pool: Pool, fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:
+    """fn over `items` on `pool`, results in order, with at most `ahead` items taken from
+    `items` and not yet yielded (`Pool.imap` would read every item up front)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _start_worker(tokenizer: str, dtype: str, text_field: str) -> None:
+    global _worker_tokenizer, _worker_dtype, _worker_text_field
     _worker_tokenizer = get_tokenizer(tokenizer, "")
     _worker_dtype = dtype
+    _worker_text_field = text_field
 
 
-def _encode_document(file: Path) -> np.ndarray:
-    """The ids of one file and its end-of-document id (none for a blank file)."""
+def _encode_unit(unit: WorkUnit) -> tuple[np.ndarray, int, int]:
+    """(the ids of the unit's documents, each followed by the end-of-document id, the number
+    of documents that held text, the unit's size); blank documents are skipped."""
     assert _worker_tokenizer is not None
-    text = read_text_file(file)
-    if not text.strip():
-        return np.empty(0, numpy_dtype(_worker_dtype))
-    ids = _worker_tokenizer.encode(text)
-    if _worker_tokenizer.end_of_document is not None:
-        ids.append(_worker_tokenizer.end_of_document)
-    return np.asarray(ids, dtype=numpy_dtype(_worker_dtype))
+    if unit.lines is None:
+        texts = [read_text_file(unit.file)]
+    else:
+        texts = [
+            jsonl_text(line, _worker_text_field, f"{unit.file}:{unit.first_line + i}")
+            for i, line in enumerate(unit.lines)
+            if line.strip()
+        ]
+    ids: list[int] = []
+    count = 0
+    for text in texts:
+        if text.strip():
+            ids += _worker_tokenizer.encode(text)
+            if _worker_tokenizer.end_of_document is not None:
+                ids.append(_worker_tokenizer.end_of_document)
+            count += 1
+    return np.asarray(ids, dtype=numpy_dtype(_worker_dtype)), count, unit.size
 
 
 def _describe_tokenizer(tokenizer: Tokenizer, folder: Path) -> dict[str, str]:
