@@ -185,3 +185,17 @@ def test_compiled_layer_is_one_graph_for_every_routing():
             assert_grads_close(out.detach(), expected.detach(), what="output")
     grads = {name: p.grad for name, p in layer.named_parameters()}
     assert_grads_close(grads, {name: p.grad for name, p in reference.named_parameters()})
+
+
+def test_experts_are_stacked_in_the_compute_dtype_each_receiving_its_fp32_gradient():
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(torch.nn.Linear(4, 3) for _ in range(5))
+    stacked = stack_parameters(experts, torch.bfloat16)
+    assert {t.dtype for t in stacked.values()} == {torch.bfloat16}
+    assert torch.equal(stacked["weight"][2], experts[2].weight.to(torch.bfloat16))
+    upstream = torch.randn(5, 3, 4, dtype=torch.bfloat16)
+    (stacked["weight"] * upstream).sum().backward()
+    for i, expert in enumerate(experts):
+        assert expert.weight.grad.dtype == torch.float32
+        assert torch.equal(expert.weight.grad, upstream[i].float())
+    assert stack_parameters(experts)["bias"].dtype == torch.float32  # None: their own

@@ -15,10 +15,10 @@ only bfloat16 on CUDA (sm90+ here) and under torch.compile, needs 16-byte aligne
 no per-group bias and leaves the rows past the last group unset (forward and backward). Without a
 loop over experts, torch.compile traces one graph whatever the routing.
 
-Where the weights live stays the experts' own business: `stack_parameters` stacks alike expert
-modules' parameters in every forward (the backward hands each expert its own gradient), so the
-`experts.<i>.up/down` modules that tensor and expert parallelism, Trans / Agg and checkpoints
-see are untouched.
+Where the weights live stays the experts' own business: `stack_parameters` casts alike expert
+modules' parameters to the compute dtype and stacks them in every forward (the backward hands
+each expert its own gradient), so the `experts.<i>.up/down` modules that tensor and expert
+parallelism, Trans / Agg and checkpoints see are untouched.
 """
 
 from __future__ import annotations
@@ -33,11 +33,20 @@ from interlace.models.mlp import MLP
 from interlace.precision import compute_dtype
 
 
-def stack_parameters(experts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """{name: [E, *shape]}: each parameter of the alike modules `experts` stacked over them in
-    order (differentiable: each expert's parameter receives its own slice of the gradient)."""
+def stack_parameters(
+    experts: Sequence[nn.Module], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """{name: [E, *shape]}: each parameter of the alike modules `experts` cast to `dtype` (the
+    dtype the experts compute in; None: their own) and stacked over them in order
+    (differentiable: each expert's parameter receives its own slice of the gradient). Casting
+    before stacking writes the stacked copy once, in the narrower dtype: for 16 fp32 experts of
+    2048 x 512 stacked in bf16 on two CPU cores, 20 ms against 48 ms stacking then casting
+    (46 against 127 ms with the backward, compiled)."""
     named = [dict(e.named_parameters()) for e in experts]
-    return {name: torch.stack([params[name] for params in named]) for name in named[0]}
+    return {
+        name: torch.stack([params[name].to(dtype or params[name].dtype) for params in named])
+        for name in named[0]
+    }
 
 
 def grouped_mm_applies(*operands: torch.Tensor) -> bool:

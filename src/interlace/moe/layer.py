@@ -15,6 +15,7 @@ from interlace.models.mlp import MLP
 from interlace.moe.gating import TopKRouter, expert_counts
 from interlace.moe.grouped import mlp_experts, stack_parameters
 from interlace.moe.permute import from_expert_order, inverse_permutation, to_expert_order
+from interlace.precision import compute_dtype
 
 
 class MoELayer(nn.Module):
@@ -54,7 +55,7 @@ class MoELayer(nn.Module):
         expert = torch.where(routing.keep, routing.expert_index, n_experts).flatten()
         order = torch.argsort(expert, stable=True)
         counts = expert_counts(expert, n_experts + 1)[:n_experts]
-        params = stack_parameters(self.experts)
+        params = stack_parameters(self.experts, compute_dtype(tokens))
         inverse = inverse_permutation(order)
         rows = to_expert_order(tokens, order, inverse, top_k)
         y = mlp_experts(self.experts[0], params, rows, counts, routing.capacity)

@@ -107,6 +107,7 @@ from interlace.moe.grouped import mlp_experts, stack_parameters
 from interlace.moe.layer import MoELayer
 from interlace.parallel.expert.comm import all_to_all_rows, keep_in_graph
 from interlace.parallel.expert.trans import InFlight, Trans, TransRoute
+from interlace.precision import compute_dtype
 
 
 class ExpertParallelMoE(nn.Module):
@@ -274,7 +275,7 @@ class ExpertParallelMoE(nn.Module):
             received.reshape(-1).to(device), output_size=inbox.shape[0]
         )
         order = torch.argsort(labels, stable=True)
-        params = stack_parameters(self._local_experts())
+        params = stack_parameters(self._local_experts(), compute_dtype(inbox))
         y = self.run_experts(params, inbox.index_select(0, order), received.sum(dim=0).to(device))
         return torch.empty_like(y).index_copy(0, order, y)
 
