@@ -146,11 +146,12 @@ class FusedExpertParallel(ExpertParallelMoE):
         router = _GivenRouting(block.n_experts, block.d_model)
         super().__init__(_Experts(router, experts), group, balance, history, overlap)
 
+    @torch.compiler.disable  # as ExpertParallelMoE.forward, which it calls
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """[N, d] tokens routed to experts `top_k_index` [N, k] with `top_k_weights` [N, k] →
-        [N, d]; collective over the expert group."""
+        [N, d]; collective over the expert group. Never traced by torch.compile."""
         self.router.give(top_k_index, top_k_weights)
         return super().forward(hidden)
 
