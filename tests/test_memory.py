@@ -5,12 +5,15 @@ keeps 1/dp_shard of the state per rank; full recomputation cuts the activations 
 planner predicts."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from interlace.memory import LiveBytes, describe_memory, state_bytes
 from interlace.mesh import build_mesh
+from interlace.models.gpt import build_model
+from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 from interlace.train import Trainer, prepare_run
@@ -90,3 +93,17 @@ def test_full_recomputation_saves_the_activations_the_planner_predicts():
     # saving per block is measured against the estimate in test_recompute.py)
     assert measured_full < 0.6 * measured_plain
     assert "activations" in describe_memory(recomputed)
+
+
+def test_fsdp_gathered_blocks_are_counted_as_the_step_holds_them(tmp_path):
+    """FSDP2 allocates its gathered parameters by resizing storages made when it wrapped the
+    model, which no operation creates: keeping every block gathered through the forward
+    (reshard_after_forward=false) must show in the activations as all the blocks' weights."""
+    model = dataclasses.replace(get_preset("tiny"), n_layers=6)
+    (tmp_path / "six.json").write_text(json.dumps(model.to_dict()))
+    config = dataclasses.replace(BASE, steps=3, model=str(tmp_path / "six.json"))
+    plans = ("dp_shard=2", "dp_shard=2,reshard_after_forward=false")
+    resharded, kept = (run_ranks(2, _memory, config, plan, 2)[0]["per_rank"][0] for plan in plans)
+    blocks = sum(p.numel() for p in build_model(model).blocks.parameters()) * 4
+    assert kept["activations"] - resharded["activations"] == pytest.approx(blocks, rel=0.05)
+    assert kept["step_peak"] >= kept["activations"]

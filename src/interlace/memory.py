@@ -133,14 +133,27 @@ def measure_step(
     base = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    samples = [0]
+    samples, peaks = [0], [0]
+    kept = {local_tensor(p).untyped_storage().data_ptr() for p in params}
+
+    def gathered() -> int:
+        """Bytes of the parameters the model holds now in storages it did not hold at the
+        step's start: FSDP2's unsharded copies, which it allocates and frees by resizing
+        storages made when it wrapped the model, unseen by `LiveBytes`."""
+        return storage_bytes(
+            p
+            for p in model.parameters()
+            if not is_traceable_wrapper_subclass(p) and p.untyped_storage().data_ptr() not in kept
+        )
 
     def sample(*_: Any) -> None:
         grads = [p.grad for p in params if p.grad is not None]
         if cuda:
             samples.append(torch.cuda.memory_allocated() - base - storage_bytes(grads))
         else:
-            samples.append(probe.current - probe.tracked_bytes(grads))
+            now = probe.current + gathered()
+            samples.append(now - probe.tracked_bytes(grads))
+            peaks.append(now)
 
     def before_update(opt: torch.optim.Optimizer, *_: Any) -> None:
         held.update(state_bytes(model, opt))
@@ -153,7 +166,7 @@ def measure_step(
     finally:
         for handle in handles:
             handle.remove()
-    peak = torch.cuda.max_memory_allocated() - base if cuda else probe.peak
+    peak = torch.cuda.max_memory_allocated() - base if cuda else max(probe.peak, *peaks)
     if not held:  # the update was skipped (a non-finite step): the state as it stands
         held.update(state_bytes(model, optimizer))
     return result, {**held, "activations": max(samples), "step_peak": peak}
