@@ -80,6 +80,9 @@ def test_every_plan_is_measured_with_its_prediction_beside_it(run):
 
 
 def test_fsdp_keeps_a_quarter_of_the_state_and_recomputation_cuts_activations(run):
+    """Under DDP full recomputation keeps the least; under FSDP the gathered blocks count too,
+    so keeping them through the forward (reshard_after_forward=false) holds the most (on this
+    small model they outweigh what recomputation saves, so FSDP's two are not ordered)."""
     _, doc = run
     runs = doc["result"]["plans"]
     ddp = heaviest_rank(runs["dp=4"]["memory"])
@@ -98,8 +101,8 @@ def test_fsdp_keeps_a_quarter_of_the_state_and_recomputation_cuts_activations(ru
     assert activations[",recompute=full"] < activations[",recompute=selective"]
     assert activations[",recompute=selective"] < activations[""]
     fsdp = heaviest_rank(runs["dp_shard=4"]["memory"])["activations"]
-    full = heaviest_rank(runs["dp_shard=4,recompute=full"]["memory"])["activations"]
-    assert full < fsdp
+    kept = heaviest_rank(runs["dp_shard=4,reshard_after_forward=false"]["memory"])["activations"]
+    assert kept > fsdp
 
 
 def test_table_headline_and_plot(run, tmp_path):
