@@ -11,7 +11,7 @@ are exported), one document per line, its text under a field ("text" unless told
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from interlace.errors import DataError
@@ -75,10 +75,15 @@ def is_jsonl(file: Path) -> bool:
 def documents(file: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
     """The documents of one data file, read as they are needed: a JSON Lines file's texts
     (`jsonl_text`, blank lines skipped), else the whole file (`read_text_file`)."""
-    if not is_jsonl(file):
+    if is_jsonl(file):
+        yield from jsonl_texts(jsonl_lines(file), text_field, file)
+    else:
         yield read_text_file(file)
-        return
-    for number, line in jsonl_lines(file):
+
+
+def jsonl_texts(lines: Iterable[tuple[int, str]], text_field: str, file: Path) -> Iterator[str]:
+    """The texts (`jsonl_text`) of numbered JSON Lines `lines` of `file`, blank lines skipped."""
+    for number, line in lines:
         if line.strip():
             yield jsonl_text(line, text_field, f"{file}:{number}")
 

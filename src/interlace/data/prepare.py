@@ -27,7 +27,7 @@ from interlace.data.corpus import (
     data_files,
     is_jsonl,
     jsonl_lines,
-    jsonl_text,
+    jsonl_texts,
     read_text_file,
 )
 from interlace.data.shards import (
@@ -241,11 +241,8 @@ def _encode_unit(unit: WorkUnit) -> tuple[np.ndarray, int, int]:
     if unit.lines is None:
         texts = [read_text_file(unit.file)]
     else:
-        texts = [
-            jsonl_text(line, _worker_text_field, f"{unit.file}:{unit.first_line + i}")
-            for i, line in enumerate(unit.lines)
-            if line.strip()
-        ]
+        numbered = enumerate(unit.lines, start=unit.first_line)
+        texts = list(jsonl_texts(numbered, _worker_text_field, unit.file))
     ids: list[int] = []
     count = 0
     for text in texts:
