@@ -11,8 +11,8 @@ from torch import nn
 from helpers import tiny_config
 from interlace.mesh import build_mesh
 from interlace.models.gpt import GPT
-from interlace.optim import build_optimizer
-from interlace.parallel.grad_norm import GradNorm, divides_gradients
+from interlace.optim import build_optimizer, reads_amp_hooks
+from interlace.parallel.grad_norm import GradNorm
 from interlace.parallel.parallelize import parallelize
 from interlace.plan import Plan
 from interlace.testing import run_ranks
@@ -71,13 +71,13 @@ def _torch_clipped(steps: int) -> list[torch.Tensor]:
 
 def test_the_built_optimizer_is_fused_and_divides_its_gradients_itself():
     optimizer = build_optimizer(_model(), lr=1e-3, weight_decay=0.0)
-    assert optimizer.defaults["fused"] and divides_gradients(optimizer)
-    assert not divides_gradients(torch.optim.AdamW(_model().parameters(), foreach=True))
+    assert optimizer.defaults["fused"] and reads_amp_hooks(optimizer)
+    assert not reads_amp_hooks(torch.optim.AdamW(_model().parameters(), foreach=True))
     unfused = optimizer.state_dict()  # a state saved by a foreach AdamW
     for group in unfused["param_groups"]:
         group["fused"], group["foreach"] = None, True
     optimizer.load_state_dict(unfused)  # takes the groups' settings: its step is foreach now
-    assert not divides_gradients(optimizer)
+    assert not reads_amp_hooks(optimizer)
 
 
 def test_the_step_applies_the_clip_and_leaves_the_gradients_as_backward_made_them():

@@ -1,19 +1,25 @@
 """The non-finite guard: a step whose loss or global gradient norm is NaN or infinite applies no
 update, and the run stops when the policy says so.
 
-The loss and the gradient norm reach the host together, in the step's one sync, before the
-optimizer step; both are the same on every rank (the loss averaged over the data-parallel ranks,
-the norm summed over every split, and NaN survives both sums), so every rank takes the same
-decision without another collective. A skipped step calls no `optimizer.step()`: weights, AdamW
-moments and step counts stay bit for bit as they were. Under fp16 the gradient scaler makes that
-call itself and skips a step whose gradients overflowed while it lowers its scale; such a step
-is logged as skipped, but only a non-finite loss counts toward the policy there.
+The loss and the gradient norm are the same on every rank (the loss averaged over the
+data-parallel ranks, the norm summed over every split, and NaN survives both sums), so every rank
+takes the same decision without another collective. Where the optimizer skips an update itself
+(`optim.reads_amp_hooks`: torch's fused AdamW on CUDA and the CPU) the decision stays on the
+device: `skip_if_nonfinite` hands the step that verdict as `optimizer.found_inf`, and the host
+reads the loss and norm in the step's one sync at its end, once the update is queued. Waiting for
+them before the step instead left the device idle while the host prepared the update: on an H100
+a 1.7 B-parameter MoE model's step spent a fifth of its time idle. Other optimizers get the two
+values first and no `optimizer.step()` call on a bad step. Either way weights, AdamW moments and
+step counts stay bit for bit as they were. Under fp16 the gradient scaler makes that call itself
+and skips a step whose gradients overflowed while it lowers its scale; such a step is logged as
+skipped, but only a non-finite loss counts toward the policy there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +34,19 @@ _WATCHED = {"loss": "loss", "grad_norm": "gradient norm"}
 def finite_step(loss: float, grad_norm: float) -> bool:
     """True when a step's loss and gradient norm are both finite: its update may be applied."""
     return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
+@contextlib.contextmanager
+def skip_if_nonfinite(optimizer: torch.optim.Optimizer, watched: torch.Tensor) -> Iterator[None]:
+    """Within: `optimizer.found_inf` (a 0-d fp32 tensor on `watched`'s device) is 1 where any
+    entry of `watched` (the loss and the gradient norm, [2]) is not finite, else 0, so that a
+    step of an optimizer reading it (`optim.reads_amp_hooks`) applies no update, without the host
+    waiting for the verdict."""
+    optimizer.found_inf = (~torch.isfinite(watched).all()).float()
+    try:
+        yield
+    finally:
+        del optimizer.found_inf
 
 
 class NonFiniteGuard:

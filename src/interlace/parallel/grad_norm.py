@@ -37,6 +37,7 @@ from torch.nn.utils import get_total_norm
 
 from interlace import comm
 from interlace.comm import Group
+from interlace.optim import reads_amp_hooks
 from interlace.tensors import local_tensor
 
 
@@ -74,14 +75,14 @@ class GradNorm:
     ) -> torch.Tensor:
         """Scale the gradients by c = min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
         does for one process; returns ‖g‖ before clipping (max_norm = inf: only measure it).
-        Where `optimizer` divides gradients in its own step (`divides_gradients`), `.grad` stays
+        Where `optimizer` divides gradients in its own step (`optim.reads_amp_hooks`), `.grad` stays
         unscaled and its next `step()` applies c: step it before clipping again."""
         self._withdraw()
         grads = self._grads()
         norm = self._norm(grads)
         if math.isfinite(max_norm):
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            if optimizer is not None and divides_gradients(optimizer):
+            if optimizer is not None and reads_amp_hooks(optimizer):
                 self._leave_for_step(optimizer, 1 / scale)
                 return norm
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
@@ -127,15 +128,6 @@ class GradNorm:
             if share.group.size > 1:
                 comm.all_reduce(total, share.group)
         return total.sqrt()
-
-
-def divides_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` divides each gradient by `optimizer.grad_scale` (a 0-d tensor)
-    within its update: torch's fused optimizers (Adam, AdamW, SGD, Adagrad), every group still
-    fused (`load_state_dict` takes the groups' settings from the state it loads)."""
-    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
-        group.get("fused") for group in optimizer.param_groups
-    )
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], shares: Sequence[NormShare] = ()) -> torch.Tensor:

@@ -48,8 +48,8 @@ from interlace.models import hf, hf_weights
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
-from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step
-from interlace.optim import build_optimizer, lr_at
+from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step, skip_if_nonfinite
+from interlace.optim import build_optimizer, lr_at, reads_amp_hooks
 from interlace.parallel.data.apply import check_reduce_dtype
 from interlace.parallel.parallelize import check_fits, parallelize
 from interlace.parallel.pieces import Weights
@@ -313,11 +313,19 @@ class Trainer:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         grad_norm = self.parallel.clip_grad_norm_(max_norm, self.optimizer)
         loss_mean = self._dp_mean(loss_sum / self.accum)
-        loss, norm = torch.stack([loss_mean, grad_norm.to(loss_mean)]).tolist()  # one sync
-        finite = finite_step(loss, norm)
-        if finite or self.parallel.scaler is not None:  # fp16's scaler skips an overflow itself
-            self.parallel.optimizer_step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        watched = torch.stack([loss_mean, grad_norm.to(loss_mean)])
+        if self.parallel.scaler is None and reads_amp_hooks(self.optimizer):
+            with skip_if_nonfinite(self.optimizer, watched):
+                self.parallel.optimizer_step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, norm = watched.tolist()  # one sync, the update queued
+            finite = finite_step(loss, norm)
+        else:
+            loss, norm = watched.tolist()  # one sync
+            finite = finite_step(loss, norm)
+            if finite or self.parallel.scaler is not None:  # fp16's scaler skips an overflow
+                self.parallel.optimizer_step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
