@@ -16,6 +16,7 @@ OPTIONS = {
     "steps": 1,
     "warmup": 0,
     "compile": False,
+    "moe_micro_batches": 2,
 }
 
 
@@ -23,9 +24,8 @@ def test_cpu_smoke_run_measures_trainer_and_loops_for_the_moe_model_and_its_dens
     result = BENCH.run_local(OPTIONS)
     rows = {(r["model"], r["mode"]): r for r in result["rows"]}
     models = ("moe-tiny", "moe-tiny (dense equivalent)")
-    assert set(rows) == {
-        (m, mode) for m in models for mode in ("trainer", "loop_fp32", "loop_bf16")
-    }
+    modes = ("trainer", "trainer_micro_batches_2", "loop_fp32", "loop_bf16")
+    assert set(rows) == {(m, mode) for m in models for mode in modes}
     moe = shape("moe-tiny", OPTIONS)
     flops = {
         models[0]: model_flops_per_token(moe),
@@ -36,7 +36,18 @@ def test_cpu_smoke_run_measures_trainer_and_loops_for_the_moe_model_and_its_dens
         assert row["model_tflops"] == pytest.approx(flops[model] * row["tokens_per_s"] / 1e12)
         assert row["mfu"] is None  # no peak for the CPU
     doc = {"result": result}
-    assert "moe-tiny: Trainer" in BENCH.headline(doc)
+    ratios = [
+        rows[(models[0], mode)]["tokens_per_s"] / rows[(models[1], mode)]["tokens_per_s"]
+        for mode in modes[:2]
+    ]
+    versus_loop = (
+        rows[(models[0], "trainer")]["tokens_per_s"]
+        / rows[(models[0], "loop_bf16")]["tokens_per_s"]
+    )
+    assert BENCH.headline(doc).startswith(
+        f"moe-tiny: Trainer {versus_loop:.2f}x the plain loop, {ratios[0]:.2f}x its dense "
+        f"equivalent ({ratios[1]:.2f}x at 2 micro-batches a step); "
+    )
     assert "loop_bf16" in BENCH.table(doc)
 
 
@@ -58,6 +69,7 @@ def test_shapes_pad_the_vocabulary_to_a_multiple_of_128():
         ({"batch": "16,8"}, "batch=16,8 gives 2 counts for 3 models"),
         ({"batch": "8,x,8"}, "batch=8,x,8 must be whole numbers"),
         ({"warmup": -1}, "warmup=-1 must be >= 0"),
+        ({"moe_micro_batches": 0}, "moe_micro_batches=0 must be >= 1"),
     ],
 )
 def test_bad_options_are_refused(change, message):
