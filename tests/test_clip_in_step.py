@@ -147,6 +147,9 @@ def _sharded_weights() -> list[torch.Tensor]:
 
 
 def test_sharded_parameters_step_with_the_clip_as_torch_clips_one_process():
+    # LR / 100: AdamW divides by sqrt(v), so a weight whose gradient is near zero moves by up
+    # to LR on rounding alone; the sums over two ranks round otherwise than one process's, and
+    # with torch 2.11 one weight of 16384 ended 1.46e-5 away. Unclipped steps differ by ~2 LR.
     results = run_ranks(2, _sharded_weights)
     for ours, reference in zip(results[0], _torch_clipped(3), strict=True):
-        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=LR / 1000)
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=LR / 100)

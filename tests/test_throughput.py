@@ -92,3 +92,28 @@ def test_synthetic_data_trains_at_the_presets_vocabulary(tmp_path):
     assert setup.data.fingerprint == prepare_run(config, Plan(), 1).data.fingerprint
     first = Trainer(setup).train_step()
     assert first["loss"] == pytest.approx(math.log(1000), rel=0.05)
+
+
+def test_allocator_retries_are_counted_from_the_runs_start_and_warned_about_once(
+    monkeypatch, capsys
+):
+    """On CUDA each row carries the caching allocator's retries since the Trainer was built; the
+    first step that has any prints one warning line (faked here: the CPU has no such count)."""
+    counts = iter([5, 5, 7, 9, 9])  # at the Trainer's start, then after each step
+    monkeypatch.setattr("interlace.train.trainer.allocator_retries", lambda device: next(counts))
+    config = TrainConfig(
+        model="tiny", steps=4, global_batch=8, eval_every=0, out=None, progress=False
+    )
+    report = Trainer(prepare_run(config, Plan(), 1)).fit()
+    assert report["alloc_retries"] == 4
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "allocator" in line]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("interlace: warning: by step 2 the CUDA caching allocator")
+    assert "retried 2 allocation(s)" in warnings[0]
+    assert "expandable_segments:True" in warnings[0]
+
+
+def test_the_cpu_reports_no_allocator_retries():
+    _, rows = _rows()
+    assert all("alloc_retries" not in row for row in rows)
+    assert summarize(rows)["alloc_retries"] is None

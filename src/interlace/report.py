@@ -87,6 +87,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_memory_gib": max(
             (r["peak_memory_gib"] for r in steady if "peak_memory_gib" in r), default=None
         ),
+        "alloc_retries": max(
+            (r["alloc_retries"] for r in train if "alloc_retries" in r), default=None
+        ),
         "comm_bytes_per_step": {
             g: _mean([r.get("comm_bytes", {}).get(g, 0) for r in steady]) for g in groups
         },

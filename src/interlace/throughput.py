@@ -1,5 +1,6 @@
 """What a training step achieves: model FLOPs per token, TFLOP/s per device and MFU against the
-device's dense peak in the run's precision, and peak device memory.
+device's dense peak in the run's precision, peak device memory, and the CUDA caching
+allocator's retries.
 
 Model FLOPs count what the model needs, not what the hardware ran: 3 × the forward (forward,
 and backward at twice the forward) of every matmul — 6 · N per token for N matmul parameters
@@ -52,6 +53,25 @@ def peak_memory_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def allocator_retries(device: torch.device) -> int | None:
+    """How often, so far in this process, the CUDA caching allocator found no block for an
+    allocation, released its whole cache and tried again; None off CUDA. Each retry waits for
+    the device and returns memory to the driver, so a step that needs one runs much slower."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def retries_warning(step: int, retries: int) -> str:
+    """The one-line warning for `retries` allocator retries seen by step `step`."""
+    return (
+        f"warning: by step {step} the CUDA caching allocator had released its cache and retried "
+        f"{retries} allocation(s): device memory is nearly full or fragmented, and each retry "
+        "waits for the device. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True usually ends "
+        "them; so does a smaller --micro-batch, recomputation or sharded data parallelism"
+    )
 
 
 def synchronize(device: torch.device) -> None:

@@ -12,10 +12,13 @@ timed step ends with a device synchronisation.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,13 @@ from interlace.models.gpt import build_model
 from interlace.models.presets import PRESETS, get_preset
 from interlace.optim import build_optimizer
 from interlace.plan import Plan
-from interlace.throughput import device_peak_tflops, model_flops_per_token, synchronize
+from interlace.throughput import (
+    allocator_retries,
+    device_peak_tflops,
+    model_flops_per_token,
+    peak_memory_gib,
+    synchronize,
+)
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
@@ -139,30 +148,50 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
             if config.n_experts:
                 shapes.append((f"{name} {DENSE_SUFFIX}", dense_equivalent(config)))
             for label, cfg in shapes:
-                results = {"trainer": time_trainer(cfg, batch, options, Path(tmp))}
+                runs = {"trainer": functools.partial(time_trainer, cfg, batch, options, Path(tmp))}
                 if config.n_experts and options["moe_micro_batches"] > 1:
                     k = options["moe_micro_batches"]
-                    results[f"{TRAINER_ACCUMULATING}{k}"] = time_trainer(
-                        cfg, batch, options, Path(tmp), k
+                    runs[f"{TRAINER_ACCUMULATING}{k}"] = functools.partial(
+                        time_trainer, cfg, batch, options, Path(tmp), k
                     )
                 for mode, (precision, compiled) in modes.items():
-                    results[mode] = time_loop(cfg, precision, compiled, batch, options)
+                    runs[mode] = functools.partial(
+                        time_loop, cfg, precision, compiled, batch, options
+                    )
                 flops = model_flops_per_token(cfg)
-                for mode, tokens_per_s in results.items():
+                for mode, run in runs.items():
+                    measured = _from_a_clean_allocator(device, run)
                     precision = "fp32" if mode == "loop_fp32" else _trainer_precision(device, mode)
                     peak = device_peak_tflops(device, precision)
-                    tflops = flops * tokens_per_s / 1e12
+                    tflops = flops * measured["tokens_per_s"] / 1e12
                     rows.append(
                         {
                             "model": label,
                             "mode": mode,
                             "batch": batch,
-                            "tokens_per_s": tokens_per_s,
+                            **measured,
                             "model_tflops": tflops,
                             "mfu": tflops / peak if peak else None,
                         }
                     )
     return {"device": str(device), "device_name": _device_name(device), "rows": rows}
+
+
+def _from_a_clean_allocator(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
+    """{"tokens_per_s": run()}, run after the last measurement's memory is collected and, on
+    CUDA, handed back to the driver (the caching allocator keeps freed blocks, which a larger
+    model after a smaller one may find too fragmented), with `peak_memory_gib` and the
+    allocator's retries during the run (`alloc_retries`) beside it."""
+    gc.collect()
+    before = allocator_retries(device)
+    if before is not None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    row: dict[str, Any] = {"tokens_per_s": run()}
+    if before is not None:
+        row["peak_memory_gib"] = peak_memory_gib(device)
+        row["alloc_retries"] = allocator_retries(device) - before
+    return row
 
 
 def _trainer_precision(device: torch.device, mode: str) -> str:
@@ -192,19 +221,23 @@ def check(options: dict[str, Any]) -> None:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """One row per model and mode: tokens/s, model TFLOP/s, MFU, and the ratio to the loop's
-    bf16 + compile (or bf16) row."""
+    """One row per model and mode: tokens/s, model TFLOP/s, MFU, the ratio to the loop's
+    bf16 + compile (or bf16) row, and on CUDA peak memory and allocator retries ('-' where the
+    JSON predates them)."""
     rows = doc["result"]["rows"]
     lines = [f"device: {doc['result']['device_name']}"]
     lines.append(
-        f"{'model':34s} {'mode':18s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'vs loop':>7s}"
+        f"{'model':34s} {'mode':25s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
+        f"{'vs loop':>7s} {'GiB':>6s} {'retries':>7s}"
     )
     for row in rows:
         best = _best_loop(rows, row["model"])
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        memory = row.get("peak_memory_gib")
         lines.append(
-            f"{row['model']:34s} {row['mode']:18s} {row['tokens_per_s']:10.0f} "
-            f"{row['model_tflops']:8.2f} {mfu:>6s} {row['tokens_per_s'] / best:6.2f}x"
+            f"{row['model']:34s} {row['mode']:25s} {row['tokens_per_s']:10.0f} "
+            f"{row['model_tflops']:8.2f} {mfu:>6s} {row['tokens_per_s'] / best:6.2f}x "
+            f"{'-' if memory is None else f'{memory:.1f}':>6s} {row.get('alloc_retries', '-'):>7}"
         )
     return "\n".join(lines)
 

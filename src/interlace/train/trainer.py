@@ -61,9 +61,11 @@ from interlace.precision import resolve_precision
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.run_folder import remove_stale
 from interlace.throughput import (
+    allocator_retries,
     device_peak_tflops,
     model_flops_per_token,
     peak_memory_gib,
+    retries_warning,
     synchronize,
 )
 from interlace.train_config import TrainConfig
@@ -267,6 +269,7 @@ class Trainer:
         self.peak_tflops = self.config.peak_tflops or device_peak_tflops(
             self.device, setup.precision
         )
+        self._retries_before = allocator_retries(self.device) or 0  # this run's own, in rows
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from `checkpoint` (a checkpoint, `checkpoints/` or run folder): weights,
@@ -353,6 +356,9 @@ class Trainer:
         memory = peak_memory_gib(self.device)
         if memory is not None:
             row["peak_memory_gib"] = memory
+        retries = allocator_retries(self.device)
+        if retries is not None:
+            row["alloc_retries"] = retries - self._retries_before
         return row
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -405,6 +411,7 @@ class Trainer:
         traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
         # the third step: DDP rebuilds its gradient buckets in the second
         measured_step = min(self.step + 2, cfg.steps - 1) if cfg.measure_memory else -1
+        warned_retries = False
         while self.step < cfg.steps:
             with self._traced(traced_step):
                 row = self._measured_step() if self.step == measured_step else self.train_step()
@@ -417,6 +424,12 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(_postfix(row), refresh=False)
+            if self.is_main and row.get("alloc_retries") and not warned_retries:
+                print(
+                    f"interlace: {retries_warning(row['step'], row['alloc_retries'])}",
+                    file=sys.stderr,
+                )
+                warned_retries = True
             reason = self.guard.stop_reason(row)
             if reason is not None:
                 raise NonFiniteError(reason)
