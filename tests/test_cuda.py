@@ -2,7 +2,7 @@
 step under bf16 autocast follows the fp32 step on the CPU; the count sketch encodes and decodes
 bit for bit as on the CPU; grouped experts follow the per-expert loop; the Trainer's CUDA
 defaults (bf16, compiled blocks) follow its fp32 CPU run and report MFU; the fused AdamW applies
-the clip in its step as torch's clipping pass does."""
+the clip in its step as torch's clipping pass does, and skips a non-finite step on the device."""
 
 import copy
 import dataclasses
@@ -18,11 +18,13 @@ from interlace.mesh import DEVICE_ENV
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.moe.grouped import grouped_mlp
+from interlace.optim import reads_amp_hooks
 from interlace.parallel.grad_norm import GradNorm
 from interlace.plan import Plan
 from interlace.throughput import device_peak_tflops, model_flops_per_token
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
+from test_nonfinite import _assert_bit_identical, _poison_in_backward, _snapshot
 
 pytestmark = pytest.mark.cuda
 
@@ -137,6 +139,7 @@ def test_trainer_compiled_in_bf16_on_cuda_follows_fp32_on_the_cpu_and_reports_mf
         peak = device_peak_tflops(torch.device("cuda"), "bf16")
         assert peak is None or row["mfu"] == pytest.approx(row["model_tflops"] / peak)
         assert row["peak_memory_gib"] > 0
+        assert row["alloc_retries"] == 0  # a tiny model leaves the allocator room
 
 
 def _train(run: TrainConfig) -> list[dict]:
@@ -167,3 +170,17 @@ def test_fused_adamw_on_cuda_applies_the_clip_in_its_step_as_torch_clips():
 
     for ours, reference in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_nan_gradient_on_cuda_is_skipped_by_the_fused_step_on_the_device():
+    """The fused AdamW gets the verdict as `found_inf`: the poisoned step leaves weights, moments
+    and step counts bit for bit, with no host sync before the update."""
+    trainer = Trainer(prepare_run(dataclasses.replace(TINY_RUN, steps=3), Plan(), 1))
+    assert reads_amp_hooks(trainer.optimizer)
+    _poison_in_backward(trainer, step=2)
+    trainer.train_step()
+    before = _snapshot(trainer)
+    row = trainer.train_step()
+    _assert_bit_identical(before, _snapshot(trainer))
+    assert row["skipped"] and row["grad_norm"] != row["grad_norm"]  # NaN
+    assert not trainer.train_step().get("skipped")
