@@ -2,9 +2,10 @@
 derived from the model FLOP count, and bad options refused before any work."""
 
 import pytest
+import torch
 
 from interlace.bench import get_benchmark
-from interlace.bench.mfu import batches, dense_equivalent, shape
+from interlace.bench.mfu import _afresh, batches, dense_equivalent, shape
 from interlace.errors import ConfigError
 from interlace.throughput import model_flops_per_token
 
@@ -75,3 +76,21 @@ def test_shapes_pad_the_vocabulary_to_a_multiple_of_128():
 def test_bad_options_are_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         BENCH.check({**BENCH.options, **change})
+
+
+def test_each_measurement_compiles_afresh_with_static_sizes():
+    """Without a reset, a function compiled for two sizes is compiled a third time with symbolic
+    sizes, which every later size reuses; each measurement starts as a new process would."""
+    from torch._dynamo.utils import counters
+
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    double(torch.ones(3))
+    double(torch.ones(4))  # now symbolic in x's size
+
+    def run() -> float:
+        before = counters["frames"]["ok"]
+        double(torch.ones(5))
+        double(torch.ones(6))
+        return float(counters["frames"]["ok"] - before)
+
+    assert _afresh(torch.device("cpu"), run)["tokens_per_s"] == 2  # compiled for each size

@@ -160,7 +160,7 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
                     )
                 flops = model_flops_per_token(cfg)
                 for mode, run in runs.items():
-                    measured = _from_a_clean_allocator(device, run)
+                    measured = _afresh(device, run)
                     precision = "fp32" if mode == "loop_fp32" else _trainer_precision(device, mode)
                     peak = device_peak_tflops(device, precision)
                     tflops = flops * measured["tokens_per_s"] / 1e12
@@ -177,11 +177,14 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
     return {"device": str(device), "device_name": _device_name(device), "rows": rows}
 
 
-def _from_a_clean_allocator(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
-    """{"tokens_per_s": run()}, run after the last measurement's memory is collected and, on
+def _afresh(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
+    """{"tokens_per_s": run()}, run as in a fresh process: torch.compile's caches cleared (else a
+    block compiled for one model is compiled again for the next with symbolic sizes, torch's
+    automatic dynamic shapes, and runs slower), the last measurement's memory collected and, on
     CUDA, handed back to the driver (the caching allocator keeps freed blocks, which a larger
-    model after a smaller one may find too fragmented), with `peak_memory_gib` and the
+    model after a smaller one may find too fragmented); with `peak_memory_gib` and the
     allocator's retries during the run (`alloc_retries`) beside it."""
+    torch._dynamo.reset()
     gc.collect()
     before = allocator_retries(device)
     if before is not None:
