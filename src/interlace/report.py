@@ -72,7 +72,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     expert parallelism)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    steady = [r for r in train[1:] if not r.get("memory_measured")] or train
+    steady = [r for r in train[1:] if not r.get("memory_measured") and not r.get("profiled")]
+    steady = steady or train
     groups = sorted({g for r in steady for g in r.get("comm_bytes", {})})
     return {
         "steps": train[-1]["step"] if train else 0,

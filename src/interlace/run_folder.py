@@ -108,10 +108,12 @@ def append_line(file: Path, line: str) -> None:
 
 
 def remove_stale(folder: Path) -> list[Path]:
-    """Delete what an interrupted run left in `folder` and its `checkpoints/`: `.<name>.partial`
-    files and `step-N.tmp` folders. Returns what was removed."""
+    """Delete what an interrupted run left in `folder`, its `checkpoints/` and `profile/`:
+    `.<name>.partial` files (and a profile trace's `.partial.gz`) and `step-N.tmp` folders.
+    Returns what was removed."""
     folder = Path(folder)
     stale = [*folder.glob(f".*{_PARTIAL}"), *folder.glob(f"checkpoints/.*{_PARTIAL}")]
+    stale += folder.glob(f"profile/.*{_PARTIAL}*")
     stale += folder.glob("checkpoints/step-*.tmp")
     for path in stale:
         if path.is_dir():

@@ -66,7 +66,7 @@ class TrainConfig:
     compile: str = option(
         "auto",
         "torch.compile each transformer block; auto: on for CUDA where the plan allows (not "
-        "with tp_subbatches > 1, ep > 1 or tp3d), off on the CPU",
+        "with tp_subbatches > 1 or tp3d; under ep > 1 around the expert layers), off on the CPU",
         choices=COMPILE_CHOICES,
     )
     peak_tflops: float | None = option(
@@ -111,6 +111,14 @@ class TrainConfig:
         "states, activations) beside the planner's estimate; on the CPU that step runs slower "
         "and is left out of the throughput means",
     )
+    profile_steps: int = option(
+        0,
+        "record this many steps with torch.profiler into out/profile/: per rank a Chrome trace "
+        "(rank<r>.json.gz, for Perfetto) and the operators that took the most time "
+        "(rank<r>.txt); they follow the first step and the memory-measured one, with one step "
+        "for the profiler to settle, and all of them are left out of the throughput means "
+        "(0 = off)",
+    )
     split_points: tuple[str, ...] = option(
         (),
         "with pp > 1: the modules that begin stages 1, 2, ..., e.g. blocks.3,blocks.6, instead "
@@ -144,9 +152,22 @@ class TrainConfig:
             "seed",
             "weight_decay",
             "grad_clip",
+            "profile_steps",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.profile_steps:
+            if self.out is None:
+                raise ConfigError("profile_steps needs a run folder (out) to write the profile to")
+            # the first step compiles, the third measures memory, one more lets the profiler settle
+            needed = (3 if self.measure_memory else 1) + 1 + self.profile_steps
+            if self.steps < needed:
+                raise ConfigError(
+                    f"profile_steps={self.profile_steps} needs steps >= {needed} (the first step "
+                    f"{'and the memory-measured third ' if self.measure_memory else ''}come "
+                    "before the profile, and one step lets the profiler settle); raise steps or "
+                    "lower profile_steps"
+                )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"peak_tflops={self.peak_tflops} must be > 0 (or unset)")
         if self.lr <= 0:

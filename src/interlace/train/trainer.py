@@ -58,6 +58,7 @@ from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.plan import Plan
 from interlace.planner.cost import plan_memory
 from interlace.precision import resolve_precision
+from interlace.profiling import PROFILE_FOLDER, StepProfiler, profile_window
 from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
 from interlace.run_folder import remove_stale
 from interlace.throughput import (
@@ -258,6 +259,7 @@ class Trainer:
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
         self.step = 0
         self.memory: dict[str, Any] | None = None  # measured on one step by `fit`
+        self.profile_files: list[str] = []  # every rank's, relative to `out`, set by `fit`
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
         self.guard = NonFiniteGuard(
@@ -411,10 +413,40 @@ class Trainer:
         traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
         # the third step: DDP rebuilds its gradient buckets in the second
         measured_step = min(self.step + 2, cfg.steps - 1) if cfg.measure_memory else -1
+        window = profile_window(
+            self.step, max(measured_step, self.step), cfg.profile_steps, cfg.steps
+        )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        profiler = StepProfiler(
+            window, self.step, Path(self.out or ".") / PROFILE_FOLDER, rank, self.device
+        )
+        with profiler:
+            history = self._steps(history, bar, log, traced_step, measured_step, profiler)
+        if bar is not None:
+            bar.close()
+        self.profile_files = profiler.files(self.plan.world_size)
+        return self._finish(history, time.perf_counter() - started)
+
+    def _steps(
+        self,
+        history: list[dict[str, Any]],
+        bar: Any,
+        log: MetricsLog | None,
+        traced_step: int,
+        measured_step: int,
+        profiler: StepProfiler,
+    ) -> list[dict[str, Any]]:
+        """The training loop of `_fit`: each step, its evaluation, log line, progress, guard
+        and checkpoint; returns `history` with every step's row."""
+        cfg = self.config
         warned_retries = False
         while self.step < cfg.steps:
+            profiled = profiler.covers(self.step)
             with self._traced(traced_step):
                 row = self._measured_step() if self.step == measured_step else self.train_step()
+            profiler.step()
+            if profiled:
+                row["profiled"] = True
             final = self.step == cfg.steps
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or final):
                 row["eval_loss"] = self.evaluate()
@@ -436,9 +468,7 @@ class Trainer:
             due = (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or final
             if self.out and due and not row.get("skipped"):  # never from a skipped step
                 self._save_if_finite()
-        if bar is not None:
-            bar.close()
-        return self._finish(history, time.perf_counter() - started)
+        return history
 
     def _measured_step(self) -> dict[str, Any]:
         """`train_step()` with every rank's memory measured (`interlace.memory.measure_step`),
@@ -536,6 +566,7 @@ class Trainer:
             "wall_time_s": seconds,
             "parallel": self.parallel.report,
             "memory": self.memory,
+            "profile": self.profile_files,
             **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:

@@ -1,0 +1,90 @@
+"""`profile_steps`: torch.profiler over chosen steps of a run, written into its folder.
+
+The recorded steps follow the first (compilation) step and the memory-measured third step, so
+they show a steady step, and one more step before them lets the profiler settle (torch's own
+warm-up phase). Each rank writes `profile/rank<r>.json.gz`, a Chrome trace that Perfetto or
+chrome://tracing opens (every operator on the host, every kernel and copy on a CUDA device), and
+`profile/rank<r>.txt`, the operators that took the most device time (host time on the CPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from interlace.run_folder import replaced_atomically, write_atomic
+
+PROFILE_FOLDER = "profile"
+TOP_OPERATORS = 40
+
+
+def profile_window(first: int, settle_after: int, count: int, total: int) -> range:
+    """The steps (as the Trainer counts them before each: 0-based) to profile: one to settle,
+    then `count` recorded, starting after step `settle_after` (the warm-up or memory step) and
+    never before `first` (where this invocation starts) nor past `total`."""
+    start = max(first, settle_after + 1)
+    return range(start, min(start + 1 + count, total)) if count else range(0)
+
+
+class StepProfiler:
+    """Profiles the steps of `window` (`profile_window`); call `step()` after every training
+    step from `first` on. Writes rank `rank`'s trace and table into `folder`."""
+
+    def __init__(
+        self, window: range, first: int, folder: Path, rank: int, device: torch.device
+    ) -> None:
+        self.window = window
+        self.folder = Path(folder)
+        self.rank = rank
+        self.cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._profiler = (
+            profile(
+                activities=activities,
+                schedule=schedule(
+                    wait=window.start - first, warmup=1, active=len(window) - 1, repeat=1
+                ),
+                on_trace_ready=self._write,
+            )
+            if len(window) > 1
+            else None
+        )
+
+    def __enter__(self) -> StepProfiler:
+        if self._profiler is not None:
+            self._profiler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+
+    def covers(self, step: int) -> bool:
+        """Whether step `step` (0-based, before it runs) is profiled: its time is not steady."""
+        return self._profiler is not None and step in self.window
+
+    def step(self) -> None:
+        """Mark the end of a training step."""
+        if self._profiler is not None:
+            self._profiler.step()
+
+    def files(self, ranks: int) -> list[str]:
+        """Every rank's files (each rank profiles the same steps), relative to the run folder;
+        empty when nothing is recorded."""
+        if self._profiler is None:
+            return []
+        names = [(f"rank{r}.json.gz", f"rank{r}.txt") for r in range(ranks)]
+        return [f"{PROFILE_FOLDER}/{name}" for pair in names for name in pair]
+
+    def _write(self, prof: Any) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(self.folder / f"rank{self.rank}.json.gz") as tmp:
+            staged = tmp.with_name(tmp.name + ".gz")  # torch compresses by the suffix
+            prof.export_chrome_trace(str(staged))
+            staged.replace(tmp)
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=TOP_OPERATORS)
+        write_atomic(self.folder / f"rank{self.rank}.txt", table + "\n")
