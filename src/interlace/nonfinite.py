@@ -7,12 +7,13 @@ takes the same decision without another collective. Where the optimizer skips an
 (`optim.reads_amp_hooks`: torch's fused AdamW on CUDA and the CPU) the decision stays on the
 device: `skip_if_nonfinite` hands the step that verdict as `optimizer.found_inf`, and the host
 reads the loss and norm in the step's one sync at its end, once the update is queued. Waiting for
-them before the step instead left the device idle while the host prepared the update: on an H100
-a 1.7 B-parameter MoE model's step spent a fifth of its time idle. Other optimizers get the two
-values first and no `optimizer.step()` call on a bad step. Either way weights, AdamW moments and
-step counts stay bit for bit as they were. Under fp16 the gradient scaler makes that call itself
-and skips a step whose gradients overflowed while it lowers its scale; such a step is logged as
-skipped, but only a non-finite loss counts toward the policy there.
+them before the step instead left the device idle while the host prepared the update (with the
+experts stacked by one copy, dropping that wait took an H100's step of the 1.7 B-parameter
+`moe-gpt-12l` from 102.6 to 95.7 ms). Other optimizers get the two values first and no
+`optimizer.step()` call on a bad step. Either way weights, AdamW moments and step counts stay
+bit for bit as they were. Under fp16 the gradient scaler makes that call itself and skips a step
+whose gradients overflowed while it lowers its scale; such a step is logged as skipped, but only
+a non-finite loss counts toward the policy there.
 """
 
 from __future__ import annotations

@@ -320,17 +320,13 @@ class Trainer:
         loss_mean = self._dp_mean(loss_sum / self.accum)
         watched = torch.stack([loss_mean, grad_norm.to(loss_mean)])
         if self.parallel.scaler is None and reads_amp_hooks(self.optimizer):
-            with skip_if_nonfinite(self.optimizer, watched):
+            with skip_if_nonfinite(self.optimizer, watched):  # no sync before the update
                 self.parallel.optimizer_step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss, norm = watched.tolist()  # one sync, the update queued
-            finite = finite_step(loss, norm)
-        else:
-            loss, norm = watched.tolist()  # one sync
-            finite = finite_step(loss, norm)
-            if finite or self.parallel.scaler is not None:  # fp16's scaler skips an overflow
-                self.parallel.optimizer_step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
+        elif finite_step(*watched.tolist()) or self.parallel.scaler is not None:
+            self.parallel.optimizer_step(self.optimizer)  # fp16's scaler skips an overflow
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, norm = watched.tolist()  # the step's sync, the update queued
+        finite = finite_step(loss, norm)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
