@@ -46,7 +46,8 @@ def _cap(env: dict) -> str:
 
 
 def _section(doc: dict, bench: Benchmark, file: Path, page: Path) -> str:
-    """One measurement: command, environment, headline, table, spread and picture."""
+    """One measurement: command, environment, headline, the run's note if it has one, table,
+    spread and picture."""
     env = doc["environment"]
     parts = [
         f"Command:\n\n```\n{doc['command']}\n```\n\n"
@@ -56,6 +57,8 @@ def _section(doc: dict, bench: Benchmark, file: Path, page: Path) -> str:
     ]
     if bench.headline is not None:
         parts.append(f"**Result:** {bench.headline(doc)}.\n")
+    if doc.get("note"):  # what a reader must know of this run, added to its JSON afterwards
+        parts.append(f"**Note:** {doc['note']}\n")
     parts.append(f"```\n{bench.table(doc)}\n```\n")
     spreads = spread(doc.get("repeats", []), bench)  # from the raw runs, not a stored figure
     if spreads:
