@@ -8,13 +8,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from interlace.checkpoint import checkpoint_name, verify_checkpoint
+from interlace.checkpoint import _os_error_of, checkpoint_name, verify_checkpoint
 from interlace.cli import main
 from interlace.models.presets import get_preset
 from interlace.report import MetricsLog, read_metrics
@@ -195,6 +196,21 @@ def test_checkpoint_files_and_the_latest_pointer_are_flushed_to_disk(tmp_path, m
     assert out / "checkpoints" in synced  # after the rename, and after latest's
     assert out / "checkpoints" / ".latest.partial" in synced
     assert (ckpt / "manifest.json").exists()
+
+
+def test_a_full_disk_is_named_after_rank_0_removed_the_unfinished_checkpoint(tmp_path, monkeypatch):
+    """Rank 0 removes the unfinished folder at once; a slower rank, asking the disk why its write
+    failed, asks through the checkpoints folder instead of failing on the missing one."""
+    real = shutil.disk_usage
+
+    def full(path):
+        return real(path)._replace(free=0)  # raises, as the real one, for a missing path
+
+    monkeypatch.setattr(shutil, "disk_usage", full)
+    gone = tmp_path / "checkpoints" / f"{checkpoint_name(3)}.tmp"
+    gone.parent.mkdir()
+    error = _os_error_of(RuntimeError("torch's writer failed"), gone)
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
 
 
 @pytest.mark.slow  # a launch of two ranks: seconds of process start-up

@@ -247,13 +247,17 @@ def _write_folder(
 def _os_error_of(exc: BaseException, folder: Path) -> BaseException:
     """The OSError behind a failed write into `folder`: the first among the ranks' failures DCP
     gathered, or "no space left" where the folder's disk is full (torch's file writer reports
-    a full disk as a RuntimeError); else `exc` itself."""
+    a full disk as a RuntimeError); else `exc` itself. The disk is asked through the folder's
+    nearest existing ancestor: rank 0 may already have removed the folder itself."""
     failures = exc.failures.values() if isinstance(exc, CheckpointException) else [exc]
     for failure in failures:
         error = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(error, OSError):
             return error
-    if shutil.disk_usage(folder).free < _DISK_FULL_BYTES:
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if shutil.disk_usage(existing).free < _DISK_FULL_BYTES:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
     return exc
 
