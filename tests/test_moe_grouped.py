@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from helpers import assert_grads_close
 from interlace.moe import grouped
-from interlace.moe.grouped import grouped_mlp, mlp_experts, stack_parameters
+from interlace.moe.grouped import grouped_mlp, mlp_experts, stack_as, stack_parameters
 from interlace.moe.layer import MoELayer
 from interlace.parallel.expert.fused import FusedExpert
 
@@ -199,3 +199,11 @@ def test_experts_are_stacked_in_the_compute_dtype_each_receiving_its_fp32_gradie
         assert expert.weight.grad.dtype == torch.float32
         assert torch.equal(expert.weight.grad, upstream[i].float())
     assert stack_parameters(experts)["bias"].dtype == torch.float32  # None: their own
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stack_as_is_a_well_formed_operator_for_the_compiler(dtype):
+    """torch's own checks of a custom op: its shape function, autograd registration and
+    schema agree with what it does (what torch.compile relies on to keep it whole)."""
+    tensors = [torch.randn(3, 5, requires_grad=True) for _ in range(4)]
+    torch.library.opcheck(stack_as, (tensors, dtype))
