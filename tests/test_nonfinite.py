@@ -17,8 +17,10 @@ from interlace.checkpoint import checkpoint_name
 from interlace.cli import main
 from interlace.mesh import build_mesh
 from interlace.nonfinite import NonFiniteGuard
+from interlace.optim import reads_amp_hooks
 from interlace.parallel.parallelize import Parallelized
 from interlace.plan import Plan
+from interlace.tensors import local_tensor
 from interlace.testing import run_ranks
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
@@ -116,6 +118,36 @@ def poison_from(monkeypatch):
         monkeypatch.setattr(Parallelized, "sync_gradients", sync_gradients)
 
     return install
+
+
+def _local_snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """`_snapshot` of this rank's shards: every weight and optimizer state entry, local."""
+    state = {
+        f"weight {k}": local_tensor(v).detach().clone()
+        for k, v in trainer.model.state_dict().items()
+    }
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        for key, value in trainer.optimizer.state[param].items():
+            state[f"optimizer {index}.{key}"] = local_tensor(value).detach().clone()
+    return state
+
+
+def _sharded_steps_around_a_poisoned_third():
+    plan = Plan.parse("dp_shard=2")
+    trainer = Trainer(prepare_run(BASE, plan, 2), build_mesh(plan))
+    assert reads_amp_hooks(trainer.optimizer)  # every parameter a DTensor: one fused step
+    rows = [trainer.train_step() for _ in range(2)]
+    before = _local_snapshot(trainer)
+    rows.append(trainer.train_step())
+    return rows, before, _local_snapshot(trainer)
+
+
+def test_under_fsdp_the_fused_step_skips_a_nan_gradient_on_the_sharded_parameters(poison_from):
+    poison_from(3)
+    for rows, before, after in run_ranks(2, _sharded_steps_around_a_poisoned_third):
+        assert [bool(r.get("skipped")) for r in rows] == [False, False, True]
+        _assert_bit_identical(before, after)
 
 
 def _error_line(capsys) -> str:
