@@ -184,14 +184,15 @@ def _afresh(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
     CUDA, handed back to the driver (the caching allocator keeps freed blocks, which a larger
     model after a smaller one may find too fragmented); with `peak_memory_gib` and the
     allocator's retries during the run (`alloc_retries`) beside it."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
-    before = allocator_retries(device)
-    if before is not None:
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    before = allocator_retries(device)
     row: dict[str, Any] = {"tokens_per_s": run()}
-    if before is not None:
+    if cuda:
         row["peak_memory_gib"] = peak_memory_gib(device)
         row["alloc_retries"] = allocator_retries(device) - before
     return row
