@@ -17,6 +17,7 @@ import torch
 
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
+from interlace.moe.experts import STORED_AS, expert_keys
 from interlace.planner import calibrate as cal
 from interlace.train_config import TrainConfig
 
@@ -69,6 +70,20 @@ GRAD_FLOOR = 1e-7
 tensors compared together: a gradient that is zero in exact arithmetic (a key projection's bias:
 softmax ignores a shift common to a row's scores) comes out as float32 rounding noise, a few
 1e-10 of the largest gradients, which no relative criterion on its own scale can match."""
+
+
+def per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with every stacked expert tensor (`<layer>.experts.up_weight` [E, ...]) replaced
+    by its E slices under the names expert parallelism holds them as
+    (`<layer>.experts.<e>.up.weight`)."""
+    out = {}
+    for name, tensor in tensors.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf in STORED_AS and parent.rpartition(".")[2] == "experts":
+            out.update(zip(expert_keys(name, len(tensor)), tensor, strict=True))
+        else:
+            out[name] = tensor
+    return out
 
 
 def assert_grads_close(

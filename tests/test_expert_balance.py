@@ -22,6 +22,7 @@ from interlace.moe.balance import (
     prophet_search,
     shadow_search,
 )
+from interlace.moe.experts import STORED_AS
 from interlace.parallel.expert.grads import expert_parameter_names
 from interlace.parallel.expert.layer import ExpertParallelMoE
 
@@ -229,7 +230,9 @@ def test_layer_keeps_its_experts_under_their_global_index():
     layer = MoELayer(8, 16, n_experts=4, top_k=2)
     parallel = ExpertParallelMoE(layer, _fake_group(2, 1), balance="prophet")
     assert list(parallel.experts) == ["2", "3"]
-    assert parallel.experts["2"] is layer.experts[2]
+    copied = dict(parallel.experts["2"].named_parameters())
+    for name, stacked in layer.experts.named_parameters():
+        assert torch.equal(copied[STORED_AS[name]], stacked[2])
     assert parallel.router.dropless  # prophet is dropless
     names = expert_parameter_names(torch.nn.Sequential(parallel))
     assert names[0] == "0.experts.2.up.weight" and len(names) == 8

@@ -13,7 +13,7 @@ import torch._dynamo  # DDP imports it lazily: once here beats once per forked r
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import assert_grads_close
+from helpers import assert_grads_close, per_expert
 from interlace import comm
 from interlace.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from interlace.comm import Group
@@ -81,7 +81,7 @@ def _ep_and_reference(n_experts: int, top_k: int, dropless: bool):
         "x_grad": (x.grad, x_ref.grad),
         "aux": (parallel.aux_loss.detach(), reference.aux_loss.detach()),
         "grads": _grads(parallel),
-        "ref_grads": _grads(reference),
+        "ref_grads": per_expert(_grads(reference)),
     }
 
 
@@ -272,7 +272,7 @@ def _data_and_expert_parallel_steps(balance, steps: int = 2):
         )
         serial_loss.backward()
         serial_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.5)
-        serial_grads = _grads(serial)
+        serial_grads = per_expert(_grads(serial))
         grads = _grads(model)
         expected = {n: serial_grads[n] for n in grads}
         assert_grads_close(grads, expected, what=f"rank {mesh.rank('dp')}, step {len(rows)}")
@@ -355,9 +355,11 @@ def test_expert_parallel_checkpoint_loads_into_the_serial_model(tmp_path):
     serial = build_model(GPT)
     optimizer = torch.optim.AdamW(serial.parameters(), lr=1e-2)
     load_checkpoint(resolve_checkpoint(tmp_path), serial, optimizer, {"run": "ep"})
-    params = dict(serial.named_parameters())
+    named = dict(serial.named_parameters())
+    params = per_expert({n: p.detach() for n, p in named.items()})
+    serial_moments = per_expert({n: optimizer.state[p]["exp_avg"] for n, p in named.items()})
     for rank_params, moments in results:
         for name, value in rank_params.items():
-            torch.testing.assert_close(params[name].detach(), value, atol=0, rtol=0)
+            torch.testing.assert_close(params[name], value, atol=0, rtol=0)
         for name, value in moments.items():
-            torch.testing.assert_close(optimizer.state[params[name]]["exp_avg"], value)
+            torch.testing.assert_close(serial_moments[name], value)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from helpers import TINY_RUN, assert_grads_close
+from helpers import TINY_RUN, assert_grads_close, per_expert
 from interlace.checkpoint import checkpoint_name
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -33,7 +33,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None) -> dict:
     """Every step's row, the first step's unclipped synced gradients (whole) and the weights at
-    the end (whole)."""
+    the end (whole), stacked experts as expert parallelism names them (`per_expert`)."""
     plan = Plan.parse(plan_text)
     mesh = build_mesh(plan) if world_size > 1 else None
     trainer = Trainer(prepare_run(config, plan, world_size), mesh)
@@ -45,11 +45,12 @@ def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None)
     while trainer.step < config.steps:
         rows.append(trainer.train_step())
         if grads is None:
-            grads = {n: _full(p.grad).clone() for n, p in trainer.model.named_parameters()}
+            named = trainer.model.named_parameters()
+            grads = per_expert({n: _full(p.grad).clone() for n, p in named})
         zero_grad()
         if config.out and trainer.step % config.ckpt_every == 0:
             trainer.save()
-    params = {n: _full(p).clone() for n, p in trainer.model.named_parameters()}
+    params = per_expert({n: _full(p).clone() for n, p in trainer.model.named_parameters()})
     return {"rows": rows, "grads": grads, "params": params}
 
 

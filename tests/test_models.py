@@ -100,6 +100,19 @@ def test_gpt2_init_zero_biases_unit_layernorm_and_scaled_residual_projections():
     assert block.mlp.down.weight.std().item() == pytest.approx(residual_std, rel=0.05)
 
 
+def test_stacked_experts_get_the_init_their_linear_layers_would():
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=64, seq_len=8, d_model=128, n_layers=8, n_heads=4, n_experts=4, moe_every=1
+    )
+    experts = build_model(config).blocks[3].mlp.experts
+    assert not experts.up_bias.any() and not experts.down_bias.any()
+    for e in range(len(experts)):  # every expert, not only the stack as a whole
+        assert experts.up_weight[e].std().item() == pytest.approx(0.02, rel=0.05)
+        residual_std = 0.02 / math.sqrt(2 * 8)
+        assert experts.down_weight[e].std().item() == pytest.approx(residual_std, rel=0.05)
+
+
 def test_meta_model_materialised_with_to_empty_and_init_weights_equals_a_cpu_model():
     model = build_model("moe-tiny", device="meta")
     assert all(p.is_meta for p in model.parameters())

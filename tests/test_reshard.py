@@ -78,6 +78,14 @@ def test_expert_parallel_checkpoints_resume_under_other_plans(tmp_path):
     _check_matrix(tmp_path, config, MOE, MOE)
 
 
+def test_sharded_stacked_experts_resume_under_expert_parallelism_and_back(tmp_path):
+    # dp_shard=2 shards each stacked expert tensor's rows (FSDP2), each rank storing the
+    # experts it holds under their own keys: the keys expert parallelism stores them under
+    config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
+    plans = ["dp_shard=2", "dp=2,ep=2"]
+    _check_matrix(tmp_path, config, plans, plans)
+
+
 def test_a_changed_global_batch_resumes_with_a_warning(tmp_path, capfd):
     saved = dataclasses.replace(BASE, out=str(tmp_path / "a"), steps=3)
     _run(saved, "dp=2")

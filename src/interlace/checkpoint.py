@@ -44,6 +44,7 @@ from interlace.errors import CheckpointError
 from interlace.plan import Plan
 from interlace.run_folder import fsync_path, write_atomic
 from interlace.safe_load import check_dcp_metadata, load_rng_state
+from interlace.stored_rows import one_key_per_row, rejoined, sliced_names
 from interlace.tensors import local_tensor
 
 _META = "meta.json"
@@ -225,6 +226,7 @@ def _write_folder(
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     model_state, optim_state, _ = _stored(_untied(model_state)[0], optim_state, storage)
+    model_state, optim_state = one_key_per_row(model_state, optim_state, sliced_names(model))
     # DCP stages tensors ahead (torch's default: 10 MB) on a CUDA stream wherever CUDA is
     # available: useless for CPU tensors, fatal in a CPU rank forked from a CUDA process.
     on_gpu = any(p.is_cuda for p in model.parameters())
@@ -391,11 +393,13 @@ def load_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer)
     model_state, tied = _untied(model_state)
     model_state, optim_state, viewed = _stored(model_state, optim_state, storage)
+    sliced = sliced_names(model)
     # DCP keeps one copy of non-tensor values, so ranks holding different parameters (pipeline
     # stages) would get another rank's param_groups: keep this rank's own (hyper-parameters
     # come from the run's config, the per-parameter state from the checkpoint)
     param_groups = copy.deepcopy(optim_state["param_groups"])
-    state = {"model": model_state, "optim": optim_state}
+    rows, optim_rows = one_key_per_row(model_state, optim_state, sliced)
+    state = {"model": rows, "optim": optim_rows}
     try:
         with single_process_is_intended():
             dcp.load(state, checkpoint_id=path)
@@ -407,7 +411,8 @@ def load_checkpoint(
             "split had them: resume under the checkpoint's plan"
         ) from None
     state["optim"]["param_groups"] = param_groups
-    model_state, optim_state = _restored(state["model"], state["optim"], storage, viewed)
+    loaded = rejoined(state["model"], state["optim"], model_state, optim_state, sliced)
+    model_state, optim_state = _restored(*loaded, storage, viewed)
     model_state.update({name: model_state[first] for name, first in tied.items()})
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if rng_state is not None:

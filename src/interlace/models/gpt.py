@@ -6,7 +6,8 @@
 The structure is what parallel code looks for: attention holds separate `q_proj`, `k_proj`,
 `v_proj` (column-parallel) and `out_proj` (row-parallel) Linears and reshapes heads with
 `view(B, T, -1, head_dim)`, so column-sharded q/k/v work unchanged; the FFN is an `MLP` with
-`up` and `down`, or an `interlace.moe.MoELayer` whose experts are that same MLP. The LM head
+`up` and `down`, or an `interlace.moe.MoELayer` whose experts are that same feed-forward,
+stacked (`up_weight` [E, F, d], `down_weight` [E, d, F], their biases). The LM head
 shares its weight with the token embedding.
 """
 
@@ -119,8 +120,12 @@ class GPT(nn.Module):
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
         residual_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith(("out_proj.weight", "down.weight")):
+        for name, param in self.named_parameters():  # stacked experts: as their nn.Linear were
+            if name.endswith("experts.up_weight"):
+                nn.init.normal_(param, mean=0.0, std=std)
+            if name.endswith(("experts.up_bias", "experts.down_bias")):
+                nn.init.zeros_(param)
+            if name.endswith(("out_proj.weight", "down.weight", "experts.down_weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
 
     @property

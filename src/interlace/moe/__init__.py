@@ -1,6 +1,5 @@
-"""Mixture-of-Experts on one device: top-k routing (`gating`) and the MoE FFN layer (`layer`).
-
-The experts reuse the dense model's MLP (`interlace.models.mlp`).
+"""Mixture-of-Experts on one device: top-k routing (`gating`), the experts held stacked
+(`experts`) and computed in one grouped call (`grouped`), and the MoE FFN layer (`layer`).
 """
 
 from interlace.moe.gating import Routing, TopKRouter

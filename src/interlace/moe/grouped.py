@@ -15,10 +15,9 @@ only bfloat16 on CUDA (sm90+ here) and under torch.compile, needs 16-byte aligne
 no per-group bias and leaves the rows past the last group unset (forward and backward). Without a
 loop over experts, torch.compile traces one graph whatever the routing.
 
-Where the weights live stays the experts' own business: `stack_parameters` casts alike expert
-modules' parameters to the compute dtype and stacks them in every forward (the backward hands
-each expert its own gradient), so the `experts.<i>.up/down` modules that tensor and expert
-parallelism, Trans / Agg and checkpoints see are untouched.
+An MoE layer holds its experts stacked already (`interlace.moe.experts`); experts held one
+module each (expert parallelism's) are stacked in every forward by `stack_parameters`, cast to
+the compute dtype as they are copied (the backward hands each expert its own gradient).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from interlace.models.mlp import MLP
 from interlace.precision import compute_dtype
 
 
@@ -174,15 +172,16 @@ def _padded_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 
 
 def mlp_experts(
-    template: MLP,
+    template: nn.Module,
     params: Mapping[str, torch.Tensor],
     x: torch.Tensor,
     counts: torch.Tensor,
     rows: int | None = None,
 ) -> torch.Tensor:
-    """`MLP` experts, their parameters stacked in `params` ({name in `template`: [E, *shape]}),
+    """`MLP` experts, their parameters stacked in `params` ({name in an `MLP`: [E, *shape]}),
     on x [M, d] sorted by expert, `counts` [E] → [M, d], as `grouped_mlp` (`rows` too);
-    `template` gives the activation and the dropout, applied where each MLP applies them."""
+    `template` (an `MLP`, or the `GroupedExperts`) gives the activation and the dropout,
+    applied where each MLP applies them."""
     y = grouped_mlp(
         x,
         counts,

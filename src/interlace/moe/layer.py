@@ -3,23 +3,20 @@
 y_n = Σ_j keep[n, j] · gate[n, j] · expert_{e[n, j]}(x_n) for every token n, where the router
 picks e, gate and keep (see `interlace.moe.gating`). A dropped assignment adds nothing; the
 residual connection around the layer carries the token unchanged. Each expert is the dense
-model's `MLP`, so tensor-parallel code finds experts by the same structure as dense FFNs; the
-forward stacks their weights and computes every expert in one grouped call
-(`interlace.moe.grouped`), the kept assignments sorted by expert.
+model's feed-forward, the E of them held as stacked tensors (`interlace.moe.experts`) and
+computed in one grouped call (`interlace.moe.grouped`), the kept assignments sorted by expert.
 """
 
 import torch
 from torch import nn
 
-from interlace.models.mlp import MLP
+from interlace.moe.experts import GroupedExperts
 from interlace.moe.gating import TopKRouter, expert_counts
-from interlace.moe.grouped import mlp_experts, stack_parameters
 from interlace.moe.permute import from_expert_order, inverse_permutation, to_expert_order
-from interlace.precision import compute_dtype
 
 
 class MoELayer(nn.Module):
-    """Router + `experts` (nn.ModuleList of MLP), [B, T, d_model] → [B, T, d_model].
+    """Router + `experts` (`GroupedExperts`), [B, T, d_model] → [B, T, d_model].
 
     After each forward, `aux_loss` holds the router's load-balancing loss (a scalar tensor)
     and `last_tokens_per_expert` the [E] assignment counts before capacity drops.
@@ -38,7 +35,7 @@ class MoELayer(nn.Module):
     ):
         super().__init__()
         self.router = TopKRouter(d_model, n_experts, top_k, capacity_factor, dropless)
-        self.experts = nn.ModuleList(MLP(d_model, ffn_dim, bias, dropout) for _ in range(n_experts))
+        self.experts = GroupedExperts(n_experts, d_model, ffn_dim, bias, dropout)
         self.aux_loss = torch.zeros(())
         self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
 
@@ -55,9 +52,8 @@ class MoELayer(nn.Module):
         expert = torch.where(routing.keep, routing.expert_index, n_experts).flatten()
         order = torch.argsort(expert, stable=True)
         counts = expert_counts(expert, n_experts + 1)[:n_experts]
-        params = stack_parameters(self.experts, compute_dtype(tokens))
         inverse = inverse_permutation(order)
         rows = to_expert_order(tokens, order, inverse, top_k)
-        y = mlp_experts(self.experts[0], params, rows, counts, routing.capacity)
+        y = self.experts(rows, counts, routing.capacity)
         out = from_expert_order(y, order, inverse, routing.gate_weight).to(tokens.dtype)
         return out.view_as(x)

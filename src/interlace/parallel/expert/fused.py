@@ -25,6 +25,7 @@ Each expert computes down · (act(gate · x) ⊙ (up · x)), with the gate rows 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -104,13 +105,29 @@ class _GivenRouting(nn.Module):
         )
 
 
-class _Experts(nn.Module):
-    """What `ExpertParallelMoE` is built from: a `router` and a list of `experts`."""
+@dataclass
+class _FusedExperts:
+    """The fused experts as `ExpertParallelMoE` takes them: `len()` is E, `expert(e)` expert e
+    as a `FusedExpert`."""
 
-    def __init__(self, router: nn.Module, experts: list[nn.Module]):
-        super().__init__()
-        self.router = router
-        self.experts = nn.ModuleList(experts)
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    names: tuple[str, str]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    def __len__(self) -> int:
+        return self.gate_up.shape[0]
+
+    def expert(self, e: int) -> FusedExpert:
+        return FusedExpert(self.gate_up[e], self.down[e], self.names, self.act)
+
+
+@dataclass
+class _Layer:
+    """What `ExpertParallelMoE` is built from: a `router` and the `experts`."""
+
+    router: nn.Module
+    experts: _FusedExperts
 
 
 class FusedExpertParallel(ExpertParallelMoE):
@@ -135,16 +152,10 @@ class FusedExpertParallel(ExpertParallelMoE):
                 f"{where}: fused experts without an `act_fn` attribute; expert parallelism "
                 "needs the experts' activation (gate rows first in gate|up, act_fn on them)"
             )
-        local = block.n_experts // group.size  # not dividing: the layer below refuses
-        first = group.rank * local
         gate_up, down = getattr(fused, block.gate_up), getattr(fused, block.down)
-        names = (block.gate_up, block.down)
-        # only this rank's E/D experts are built; the placeholders are never kept
-        experts: list[nn.Module] = [nn.Identity()] * block.n_experts
-        for e in range(first, first + local):
-            experts[e] = FusedExpert(gate_up[e], down[e], names, act)
+        experts = _FusedExperts(gate_up, down, (block.gate_up, block.down), act)
         router = _GivenRouting(block.n_experts, block.d_model)
-        super().__init__(_Experts(router, experts), group, balance, history, overlap)
+        super().__init__(_Layer(router, experts), group, balance, history, overlap)
 
     @torch.compiler.disable  # as ExpertParallelMoE.forward, which it calls
     def forward(

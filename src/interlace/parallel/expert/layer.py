@@ -8,7 +8,8 @@ e // (E/D) (its owner). The router is replicated. Each rank routes its own token
     2. sorts its kept assignments by expert (so by owner) and all-to-alls the token rows to
        the owners, uneven splits read off the count matrix (dispatch);
     3. each owner runs its experts on what it received, all in one grouped call
-       (`interlace.moe.grouped`: the rows sorted by expert, the experts' weights stacked);
+       (`interlace.moe.grouped`: the rows sorted by expert, the experts' weights stacked in
+       each forward: the layer keeps its experts one module each, to place and move them);
     4. all-to-alls the results back (combine), weights them by the gates and adds them into
        token order: y_n = Σ_j keep[n, j] · gate[n, j] · expert_{e[n, j]}(x_n), as `MoELayer`.
 
@@ -69,7 +70,7 @@ divide by dp (`reduce_expert_gradients`), and leave expert parameters out of the
 (`expert_parameter_names`). Gradient norms must count each expert once: `grad_norm` and
 `clip_grad_norm_` sum the expert squares over the ep group. Local experts are registered under
 their global index (`experts["5"]`), so checkpoint keys name the same expert on every rank and
-every `ep`.
+every `ep`, the keys a layer of stacked experts stores them under (`moe.experts.expert_keys`).
 
 Collectives run in the same order on every rank, backward included: every rank issues the
 count all-gather, Trans (when anything is replicated), dispatch and combine in every forward,
@@ -114,12 +115,13 @@ class ExpertParallelMoE(nn.Module):
     """An `MoELayer` with its experts split over `group`: [B, T, d_model] → [B, T, d_model].
 
     Built from a full local `MoELayer` (identical on every rank of the group: same seed), whose
-    router it takes over and of whose experts it keeps this rank's E/D, registered under their
-    global index in `experts` (an nn.ModuleDict). Any module with a `router` (tokens [N, d] →
-    `Routing`; attributes `d_model`, `dropless`) and a list of `MLP` `experts` will do; other
-    experts need a subclass whose `run_experts` computes them stacked: `fused.py` builds one
-    from a block with fused experts (HF Mixtral). `balance` is a strategy name or a `Balancer`;
-    one that forces dropless routing sets the router's `dropless` flag.
+    router it takes over and of whose experts it keeps this rank's E/D, each copied out as an
+    `MLP` of its own (`GroupedExperts.expert`) registered under its global index in `experts`
+    (an nn.ModuleDict). Any module with a `router` (tokens [N, d] → `Routing`; attributes
+    `d_model`, `dropless`) and `experts` (`len()`: E; `expert(e)`: expert e, a module) will do;
+    experts other than `MLP` need a subclass whose `run_experts` computes them stacked: `fused.py`
+    builds one from a block with fused experts (HF Mixtral). `balance` is a strategy name or a
+    `Balancer`; one that forces dropless routing sets the router's `dropless` flag.
 
     After each forward: `aux_loss` (this rank's load-balancing loss) and
     `last_tokens_per_expert` ([E], this rank's routed counts) as in `MoELayer`; in training mode
@@ -162,7 +164,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_local = n_experts // group.size
         self.first_expert = group.rank * self.num_local
         local = range(self.first_expert, self.first_expert + self.num_local)
-        self.experts = nn.ModuleDict({str(e): layer.experts[e] for e in local})
+        self.experts = nn.ModuleDict({str(e): layer.experts.expert(e) for e in local})
         self.base_placement = Placement.blocked(n_experts, group.size)
         self.placement = self.base_placement
         self.routing_history: deque[torch.Tensor] = deque(maxlen=history)

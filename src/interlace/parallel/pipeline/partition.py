@@ -287,11 +287,14 @@ def _shard(
     for module_name in modules:
         module = model.get_submodule(module_name)
         weight = _expert_weight(model, module_name, experts)
-        for p in module.parameters(recurse=False):
+        own = list(module.parameters(recurse=False))
+        # a matrix is [out, in], or [E, out, in] stacked over experts, whose biases are [E, out]
+        matrix = 3 if any(p.dim() >= 3 for p in own) else 2
+        for p in own:
             if id(p) not in counted:
                 counted.add(id(p))
                 params += p.numel()
-            if isinstance(module, nn.Embedding) or p.dim() < 2:
+            if isinstance(module, nn.Embedding) or p.dim() < matrix:
                 continue
             per_slice = p.shape[-1] + p.shape[-2]
             slices = p.numel() // (p.shape[-1] * p.shape[-2])
