@@ -68,8 +68,9 @@ class GroupedExperts(nn.Module):
 
     def expert(self, e: int) -> MLP:
         """Expert `e` as an `MLP` of its own, holding copies of its slices."""
-        mlp = MLP(self.d_model, self.ffn_dim, self.bias, self.dropout.p)
-        mlp.to(device=self.up_weight.device, dtype=self.up_weight.dtype)
+        with torch.device(self.up_weight.device):
+            mlp = MLP(self.d_model, self.ffn_dim, self.bias, self.dropout.p)
+        mlp.to(dtype=self.up_weight.dtype)
         with torch.no_grad():
             for name, param in self.named_parameters():
                 mlp.get_parameter(STORED_AS[name]).copy_(param[e])
