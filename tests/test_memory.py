@@ -39,6 +39,37 @@ def test_live_bytes_counts_what_operations_allocate_and_free():
     assert view.shape == (16, 16) and c.numel() == 1000
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def test_a_compiled_module_stays_compiled_after_running_under_the_probe():
+    calls = []
+
+    def backend(graph, example_inputs):  # counts the calls of the compiled graph
+        def run(*args):
+            calls.append(1)
+            return graph.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    module = _Block()  # torch.compile leaves a torch.nn module's own forward untraced
+    module.compile(backend=backend)
+    x = torch.ones(2, 4)
+    module(x)
+    with LiveBytes() as probe:
+        module(x)  # eagerly: torch.compile does not trace under a dispatch mode
+    assert probe.peak > 0 and len(calls) == 1
+    module(x)
+    assert len(calls) == 2, "the module ran eagerly after the probe"
+
+
 def test_state_bytes_counts_shared_buffers_once():
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(model.parameters())

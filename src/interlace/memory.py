@@ -63,13 +63,23 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 class LiveBytes(TorchDispatchMode):
     """Within: the bytes of the storages created by operations and not yet freed (`current`),
-    their maximum (`peak`), per process. Storages created before entering are not counted."""
+    their maximum (`peak`), per process. Storages created before entering are not counted.
+
+    Compiled modules run eagerly within (torch.compile does not trace under a dispatch mode).
+    They are told so (`torch.compiler.set_stance("force_eager")`): a compiled block called
+    under the mode without it was skipped for good, and ran eagerly for the rest of the run
+    (under torch 2.13, a 12-layer MoE model's compiled CPU step went from ~19 to ~35 ms)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, tuple[int, int]] = {}  # data_ptr → (weak ref, bytes)
         self.current = 0
         self.peak = 0
+        self._eager = contextlib.ExitStack()
+
+    def __enter__(self) -> LiveBytes:
+        self._eager.enter_context(torch.compiler.set_stance("force_eager"))
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
@@ -109,6 +119,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._eager.close()
         self._drop_freed()
         for ref, _ in self._live.values():
             torch.UntypedStorage._free_weak_ref(ref)
