@@ -10,11 +10,10 @@ reads the loss and norm in the step's one sync at its end, once the update is qu
 them before the step instead left the device idle while the host prepared the update (with the
 experts then stacked by one copy per forward, dropping that wait took an H100's step of the
 1.7 B-parameter `moe-gpt-12l` from 102.6 to 95.7 ms). Other optimizers get the two values first
-and no
-`optimizer.step()` call on a bad step. Either way weights, AdamW moments and step counts stay
-bit for bit as they were. Under fp16 the gradient scaler makes that call itself and skips a step
-whose gradients overflowed while it lowers its scale; such a step is logged as skipped, but only
-a non-finite loss counts toward the policy there.
+and no `optimizer.step()` call on a bad step. Either way weights, AdamW moments and step counts
+stay bit for bit as they were. Under fp16 the gradient scaler makes that call itself and skips a
+step whose gradients overflowed while it lowers its scale; such a step is logged as skipped, but
+only a non-finite loss counts toward the policy there.
 """
 
 from __future__ import annotations
