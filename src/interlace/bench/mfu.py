@@ -286,16 +286,16 @@ def headline(doc: dict[str, Any]) -> str:
             continue
         ratio = row["tokens_per_s"] / _best_loop(rows, model)
         mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.1%}"
-        against = ""
-        for (other, other_mode), dense in trainer.items():
-            if other != f"{model} {DENSE_SUFFIX}":
-                continue
-            versus = f"{trainer[(model, other_mode)]['tokens_per_s'] / dense['tokens_per_s']:.2f}x"
-            if other_mode == "trainer":
-                against = f", {versus} its dense equivalent" + against
-            else:
-                k = other_mode.removeprefix(TRAINER_ACCUMULATING)
-                against += f" ({versus} at {k} micro-batches a step)"
+        versus = {  # each Trainer mode against the same mode of the dense equivalent
+            m: trainer[(model, m)]["tokens_per_s"] / dense["tokens_per_s"]
+            for (name, m), dense in trainer.items()
+            if name == f"{model} {DENSE_SUFFIX}" and (model, m) in trainer
+        }
+        against = f", {versus.pop('trainer'):.2f}x its dense equivalent" if versus else ""
+        against += "".join(
+            f" ({r:.2f}x at {m.removeprefix(TRAINER_ACCUMULATING)} micro-batches a step)"
+            for m, r in versus.items()
+        )
         parts.append(f"{model}: Trainer {ratio:.2f}x the plain loop{mfu}{against}")
     return "; ".join(parts)
 
