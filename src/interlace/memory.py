@@ -61,6 +61,11 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     }
 
 
+MEASURED_STEP = 2
+"""The step a run measures (0-based from where it starts or resumes): the third, since DDP
+rebuilds its gradient buckets in the second and compiled blocks compile in the first."""
+
+
 class LiveBytes(TorchDispatchMode):
     """Within: the bytes of the storages created by operations and not yet freed (`current`),
     their maximum (`peak`), per process. Storages created before entering are not counted.

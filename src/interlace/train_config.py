@@ -4,6 +4,7 @@ the Plan): model preset, data, batch sizes, optimizer, schedule, evaluation, che
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,9 @@ from interlace.config_args import option
 from interlace.data.tokenizer import check_tokenizer
 from interlace.errors import ConfigError
 from interlace.finite import check_finite_fields
+from interlace.memory import MEASURED_STEP
 from interlace.precision import PRECISIONS, REDUCE_DTYPES
+from interlace.profiling import profile_window
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -159,8 +162,8 @@ class TrainConfig:
         if self.profile_steps:
             if self.out is None:
                 raise ConfigError("profile_steps needs a run folder (out) to write the profile to")
-            # the first step compiles, the third measures memory, one more lets the profiler settle
-            needed = (3 if self.measure_memory else 1) + 1 + self.profile_steps
+            settle_after = MEASURED_STEP if self.measure_memory else 0
+            needed = profile_window(0, settle_after, self.profile_steps, sys.maxsize).stop
             if self.steps < needed:
                 raise ConfigError(
                     f"profile_steps={self.profile_steps} needs steps >= {needed} (the first step "

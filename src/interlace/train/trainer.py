@@ -42,7 +42,7 @@ from interlace.data import load_corpus as read_corpus
 from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
 from interlace.errors import DataError, NonFiniteError, OutputError
-from interlace.memory import measure_step
+from interlace.memory import MEASURED_STEP, measure_step
 from interlace.mesh import Mesh, default_device
 from interlace.models import hf, hf_weights
 from interlace.models.config import GPTConfig
@@ -407,8 +407,7 @@ class Trainer:
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
         traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
-        # the third step: DDP rebuilds its gradient buckets in the second
-        measured_step = min(self.step + 2, cfg.steps - 1) if cfg.measure_memory else -1
+        measured_step = min(self.step + MEASURED_STEP, cfg.steps - 1) if cfg.measure_memory else -1
         window = profile_window(
             self.step, max(measured_step, self.step), cfg.profile_steps, cfg.steps
         )
