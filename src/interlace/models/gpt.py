@@ -22,6 +22,7 @@ from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.models.mlp import MLP
 from interlace.models.presets import get_preset
+from interlace.moe.experts import GroupedExperts
 from interlace.moe.layer import MoELayer
 
 
@@ -112,6 +113,7 @@ class GPT(nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -119,13 +121,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():  # stacked experts: as their nn.Linear were
-            if name.endswith("experts.up_weight"):
-                nn.init.normal_(param, mean=0.0, std=std)
-            if name.endswith(("experts.up_bias", "experts.down_bias")):
-                nn.init.zeros_(param)
-            if name.endswith(("out_proj.weight", "down.weight", "experts.down_weight")):
+            if isinstance(module, GroupedExperts):
+                module.init_gpt2_(std, residual_std)
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "down.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
 
     @property

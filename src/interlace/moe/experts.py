@@ -63,6 +63,15 @@ class GroupedExperts(nn.Module):
             fan_in = getattr(self, name.replace("bias", "weight")).shape[-1]
             nn.init.uniform_(param, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
+    def init_gpt2_(self, std: float, residual_std: float) -> None:
+        """GPT-2's init of each expert's Linears: up N(0, std), down (a residual projection)
+        N(0, residual_std), zero biases."""
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            else:
+                nn.init.normal_(param, 0.0, std if name == "up_weight" else residual_std)
+
     def __len__(self) -> int:
         return self.up_weight.shape[0]
 
