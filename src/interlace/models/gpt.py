@@ -121,11 +121,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
+        for name, module in self.named_modules():
             if isinstance(module, GroupedExperts):
                 module.init_gpt2_(std, residual_std)
-        for name, param in self.named_parameters():
-            if name.endswith(("out_proj.weight", "down.weight")):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
+            elif name.endswith(("out_proj", "down")):
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std)
 
     @property
     def aux_loss_coef(self) -> float:
