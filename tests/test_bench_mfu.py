@@ -47,7 +47,7 @@ def test_cpu_smoke_run_measures_trainer_and_loops_for_the_moe_model_and_its_dens
     )
     assert BENCH.headline(doc).startswith(
         f"moe-tiny: Trainer {versus_loop:.2f}x the plain loop, {ratios[0]:.2f}x its dense "
-        f"equivalent ({ratios[1]:.2f}x at 2 micro-batches a step); "
+        f"equivalent ({ratios[1]:.2f}x at 2 micro-batches of 4 sequences a step); "
     )
     assert "loop_bf16" in BENCH.table(doc)
 

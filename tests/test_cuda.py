@@ -2,7 +2,8 @@
 step under bf16 autocast follows the fp32 step on the CPU; the count sketch encodes and decodes
 bit for bit as on the CPU; grouped experts follow the per-expert loop; the Trainer's CUDA
 defaults (bf16, compiled blocks) follow its fp32 CPU run and report MFU; the fused AdamW applies
-the clip in its step as torch's clipping pass does, and skips a non-finite step on the device."""
+the clip in its step as torch's clipping pass does, and skips a non-finite step on the device;
+bench mfu measures a row in a process where CUDA has not started."""
 
 import copy
 import dataclasses
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY_RUN
+from interlace.bench.mfu import _afresh
 from interlace.compress import sketch
 from interlace.mesh import DEVICE_ENV
 from interlace.models.config import GPTConfig
@@ -184,3 +186,10 @@ def test_a_nan_gradient_on_cuda_is_skipped_by_the_fused_step_on_the_device():
     _assert_bit_identical(before, _snapshot(trainer))
     assert row["skipped"] and row["grad_norm"] != row["grad_norm"]  # NaN
     assert not trainer.train_step().get("skipped")
+
+
+def test_bench_mfu_measures_a_row_in_a_process_that_has_not_started_cuda():
+    # the allocator's statistics exist only once CUDA starts: resetting them first would fail
+    assert not torch.cuda.is_initialized()
+    row = _afresh(torch.device("cuda", 0), lambda: 123.0)
+    assert row == {"tokens_per_s": 123.0, "peak_memory_gib": 0.0, "alloc_retries": 0}

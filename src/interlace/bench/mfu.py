@@ -188,6 +188,7 @@ def _afresh(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
     gc.collect()
     cuda = device.type == "cuda"
     if cuda:
+        torch.cuda.init()  # the allocator keeps no statistics to reset before CUDA starts
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     before = allocator_retries(device)
@@ -293,7 +294,8 @@ def headline(doc: dict[str, Any]) -> str:
         }
         against = f", {versus.pop('trainer'):.2f}x its dense equivalent" if versus else ""
         against += "".join(
-            f" ({r:.2f}x at {m.removeprefix(TRAINER_ACCUMULATING)} micro-batches a step)"
+            f" ({r:.2f}x at {m.removeprefix(TRAINER_ACCUMULATING)} micro-batches of "
+            f"{row['batch']} sequences a step)"
             for m, r in versus.items()
         )
         parts.append(f"{model}: Trainer {ratio:.2f}x the plain loop{mfu}{against}")
