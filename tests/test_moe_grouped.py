@@ -2,7 +2,8 @@
 `MoELayer`'s output and every gradient (input, router, each expert) against the old forward,
 one feed-forward per expert on its slices of the stacked weights, written out here, with
 capacity drops, dropless, top-1 and top-2, and an expert receiving no token; fused SwiGLU
-experts (expert parallelism's `FusedExpert`) against one call each. Each on `F.grouped_mm` and
+experts (expert parallelism's `FusedExpert`) against one call each; the stacked weights' cast
+to the compute dtype, one copy each way. Each on `F.grouped_mm` and
 on the padded `bmm` fallback (forced); fp32 on the CPU, where `F.grouped_mm` runs eagerly on
 the tests' aligned widths. A compiled layer with capacity is one graph that no new routing
 recompiles."""
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from helpers import assert_grads_close
 from interlace.moe import grouped
-from interlace.moe.grouped import grouped_mlp, stack_as, stack_parameters
+from interlace.moe.grouped import cast_weight, grouped_mlp, stack_as, stack_parameters
 from interlace.moe.layer import MoELayer
 from interlace.parallel.expert.fused import FusedExpert
 
@@ -213,3 +214,15 @@ def test_stack_as_is_a_well_formed_operator_for_the_compiler(dtype):
     schema agree with what it does (what torch.compile relies on to keep it whole)."""
     tensors = [torch.randn(3, 5, requires_grad=True) for _ in range(4)]
     torch.library.opcheck(stack_as, (tensors, dtype))
+
+
+def test_a_stacked_weight_is_cast_once_and_its_gradient_cast_back():
+    weight = torch.randn(3, 8, 4, requires_grad=True)
+    cast = cast_weight(weight, torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and cast.stride() == weight.stride()
+    assert torch.equal(cast, weight.detach().to(torch.bfloat16))
+    upstream = torch.randn(3, 8, 4, dtype=torch.bfloat16)
+    (cast * upstream).sum().backward()
+    assert weight.grad.dtype == torch.float32
+    assert torch.equal(weight.grad, upstream.float())
+    torch.library.opcheck(cast_weight, (weight, torch.bfloat16))
