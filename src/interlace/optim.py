@@ -9,22 +9,26 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from interlace.models.matrices import matrices
+
 
 def build_optimizer(
     model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
 ) -> torch.optim.AdamW:
-    """AdamW over `model`'s parameters: weight decay on tensors with >= 2 dims (weights,
-    embeddings), none on biases and norms. Tied parameters appear once. On CUDA and the CPU
-    torch's fused kernel updates every tensor in one pass (2.4x faster than its foreach default
-    over 16 M parameters on two CPU cores) and can apply the clip coefficient itself
-    (`parallel.grad_norm.GradNorm.clip_`). torch's default instead on other devices, and where
-    DTensors (FSDP's shards) sit beside plain tensors (the experts FSDP leaves to expert
-    parallelism): the fused kernel takes a group in one call, which may not mix the two, and
-    splitting the groups would change the checkpoint's keys with the plan."""
+    """AdamW over `model`'s parameters: weight decay on matrices (weights, embeddings, stacked
+    experts' weights: `models.matrices`), none on biases and norms (stacked experts' too).
+    Tied parameters appear once. On CUDA and the CPU torch's fused kernel updates every tensor
+    in one pass (2.4x faster than its foreach default over 16 M parameters on two CPU cores)
+    and can apply the clip coefficient itself (`parallel.grad_norm.GradNorm.clip_`). torch's
+    default instead on other devices, and where DTensors (FSDP's shards) sit beside plain
+    tensors (the experts FSDP leaves to expert parallelism): the fused kernel takes a group in
+    one call, which may not mix the two, and splitting the groups would change the
+    checkpoint's keys with the plan."""
+    matrix = {id(p) for module in model.modules() for p in matrices(module)}
     decay, no_decay = [], []
     for param in model.parameters():  # parameters() yields shared tensors once
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            (decay if id(param) in matrix else no_decay).append(param)
     params = decay + no_decay
     fused = all(p.device.type in ("cuda", "cpu") for p in params) and (
         len({isinstance(p, DTensor) for p in params}) == 1

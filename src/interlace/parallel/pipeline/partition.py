@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from interlace.errors import PlanError
+from interlace.models.matrices import matrices
 from interlace.parallel.detect import Structure, find_structure
 
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_top_k")
@@ -287,14 +288,12 @@ def _shard(
     for module_name in modules:
         module = model.get_submodule(module_name)
         weight = _expert_weight(model, module_name, experts)
-        own = list(module.parameters(recurse=False))
-        # a matrix is [out, in], or [E, out, in] stacked over experts, whose biases are [E, out]
-        matrix = 3 if any(p.dim() >= 3 for p in own) else 2
-        for p in own:
+        matrix = {id(p) for p in matrices(module)}
+        for p in module.parameters(recurse=False):
             if id(p) not in counted:
                 counted.add(id(p))
                 params += p.numel()
-            if isinstance(module, nn.Embedding) or p.dim() < matrix:
+            if isinstance(module, nn.Embedding) or id(p) not in matrix:
                 continue
             per_slice = p.shape[-1] + p.shape[-2]
             slices = p.numel() // (p.shape[-1] * p.shape[-2])
