@@ -86,9 +86,9 @@ def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Hand-written because torch.compile lowers a cast into every consumer that needs it in its
     own layout: a stacked expert weight read transposed by the forward's grouped GEMM and
-    saved for the backward's got two bf16 copies written in one kernel, 178 µs for each of the
-    24 expert weights of `moe-gpt-12l` on an H100 (the cast alone, one copy: ~80 µs). An
-    opaque op is one buffer, and both read views of it."""
+    saved for the backward's got two bf16 copies, written by one kernel at the device's
+    bandwidth (178 µs for each of the 24 expert weights of `moe-gpt-12l` on an H100, a third
+    of its bytes the second copy). An opaque op is one buffer, and both read views of it."""
     return weight.to(dtype)
 
 
