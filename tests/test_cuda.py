@@ -3,7 +3,8 @@ step under bf16 autocast follows the fp32 step on the CPU; the count sketch enco
 bit for bit as on the CPU; grouped experts follow the per-expert loop; the Trainer's CUDA
 defaults (bf16, compiled blocks) follow its fp32 CPU run and report MFU; the fused AdamW applies
 the clip in its step as torch's clipping pass does, and skips a non-finite step on the device;
-bench mfu measures a row in a process where CUDA has not started."""
+bench mfu measures a row in a process where CUDA has not started; a profiled run says where
+the device time went."""
 
 import copy
 import dataclasses
@@ -193,3 +194,11 @@ def test_bench_mfu_measures_a_row_in_a_process_that_has_not_started_cuda():
     assert not torch.cuda.is_initialized()
     row = _afresh(torch.device("cuda", 0), lambda: 123.0)
     assert row == {"tokens_per_s": 123.0, "peak_memory_gib": 0.0, "alloc_retries": 0}
+
+
+def test_a_profiled_cuda_run_heads_its_table_with_where_the_device_time_went(tmp_path):
+    run = dataclasses.replace(TINY_RUN, steps=5, out=str(tmp_path), profile_steps=1)
+    Trainer(prepare_run(run, Plan(), 1)).fit()
+    head = (tmp_path / "profile/rank0.txt").read_text().splitlines()
+    assert head[0].startswith("device time per step (mean of 1 profiled): span ")
+    assert head[1].startswith("busy by kind") and "matmul" in head[1]

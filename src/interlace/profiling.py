@@ -4,17 +4,22 @@ The recorded steps follow the first (compilation) step and the memory-measured t
 they show a steady step, and one more step before them lets the profiler settle (torch's own
 warm-up phase). Each rank writes `profile/rank<r>.json.gz`, a Chrome trace that Perfetto or
 chrome://tracing opens (every operator on the host, every kernel and copy on a CUDA device), and
-`profile/rank<r>.txt`, the operators that took the most device time (host time on the CPU).
+`profile/rank<r>.txt`, the operators that took the most device time (host time on the CPU),
+headed on a device by where its time went per step (`interlace.device_time`: busy, idle, by
+kind of kernel, communication left exposed).
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from interlace.device_time import describe, device_time
 from interlace.run_folder import replaced_atomically, write_atomic
 
 PROFILE_FOLDER = "profile"
@@ -85,6 +90,9 @@ class StepProfiler:
             staged = tmp.with_name(tmp.name + ".gz")  # torch compresses by the suffix
             prof.export_chrome_trace(str(staged))
             staged.replace(tmp)
+            trace = json.loads(gzip.decompress(tmp.read_bytes()))
+        spent = device_time(trace, len(self.window) - 1)
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=TOP_OPERATORS)
-        write_atomic(self.folder / f"rank{self.rank}.txt", table + "\n")
+        head = "" if spent is None else describe(spent) + "\n\n"
+        write_atomic(self.folder / f"rank{self.rank}.txt", head + table + "\n")
