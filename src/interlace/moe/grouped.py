@@ -84,11 +84,11 @@ def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight (any shape) → one copy of it in `dtype`, in the weight's own layout; backward
     casts the gradient back to the weight's dtype.
 
-    Hand-written because torch.compile lowers a cast into every consumer that needs it in its
-    own layout: a stacked expert weight read transposed by the forward's grouped GEMM and
-    saved for the backward's got two bf16 copies, written by one kernel at the device's
-    bandwidth (178 µs for each of the 24 expert weights of `moe-gpt-12l` on an H100, a third
-    of its bytes the second copy). An opaque op is one buffer, and both read views of it."""
+    Hand-written because torch.compile may give a cast one buffer per reader: a stacked
+    expert weight read (transposed) by the forward's grouped GEMM and saved for the backward's
+    got two bf16 copies of the same bytes, written by one kernel at the device's bandwidth
+    (178 µs for each of the 24 expert weights of `moe-gpt-12l` on an H100, a third of its
+    bytes the second copy). An opaque op is one buffer, and both read views of it."""
     return weight.to(dtype)
 
 
