@@ -198,7 +198,10 @@ def test_bench_mfu_measures_a_row_in_a_process_that_has_not_started_cuda():
 
 def test_a_profiled_cuda_run_heads_its_table_with_where_the_device_time_went(tmp_path):
     run = dataclasses.replace(TINY_RUN, steps=5, out=str(tmp_path), profile_steps=1)
-    Trainer(prepare_run(run, Plan(), 1)).fit()
+    report = Trainer(prepare_run(run, Plan(), 1)).fit()
+    spent = report["profile_device_time"]
+    assert spent["steps"] == 1 and 0 < spent["busy"] <= spent["span"]
+    assert spent["by_kind"]["matmul"] > 0
     head = (tmp_path / "profile/rank0.txt").read_text().splitlines()
     assert head[0].startswith("device time per step (mean of 1 profiled): span ")
     assert head[1].startswith("busy by kind") and "matmul" in head[1]

@@ -1,10 +1,14 @@
 """Where a device's time went (`interlace.device_time`), from a Chrome trace written here by
 hand: span, busy time as the union over streams, idle, time by kind of kernel, and the
-communication no computation hid; real kernel names sorted into their kinds."""
+communication no computation hid; real kernel names sorted into their kinds; the report's JSON
+form of it."""
+
+import dataclasses
+import json
 
 import pytest
 
-from interlace.device_time import describe, device_time, kind
+from interlace.device_time import DeviceTime, describe, device_time, kind
 
 
 def _event(name: str, start: float, end: float, cat: str = "kernel", stream: int = 7) -> dict:
@@ -80,3 +84,10 @@ def test_a_trace_without_device_events_has_no_device_time():
 )
 def test_kernels_are_sorted_into_kinds_by_their_names(name, expected):
     assert kind(name) == expected
+
+
+def test_the_report_keeps_it_as_json_that_gives_the_same_description_back():
+    time = device_time(TRACE, steps=2)
+    stored = json.loads(json.dumps(dataclasses.asdict(time)))  # as report.json holds it
+    assert DeviceTime(**stored) == time
+    assert describe(DeviceTime(**stored)) == describe(time)

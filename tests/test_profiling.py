@@ -41,6 +41,7 @@ def test_two_profiled_steps_are_written_flagged_and_left_out_of_the_means(tmp_pa
     )
     report = Trainer(prepare_run(config, Plan(), 1)).fit()
     assert report["profile"] == ["profile/rank0.json.gz", "profile/rank0.txt"]
+    assert report["profile_device_time"] is None  # no device: the CPU's table is host time
     trace = json.loads(gzip.decompress((tmp_path / "profile/rank0.json.gz").read_bytes()))
     assert len(_recorded_steps(trace)) == 2
     assert any(e["name"] == "aten::mm" for e in trace["traceEvents"])

@@ -251,6 +251,11 @@ def _print_summary(report: dict, out: str) -> None:
         from interlace.memory import describe_memory
 
         print(describe_memory(report["memory"]))
+    if report.get("profile_device_time"):
+        from interlace.device_time import DeviceTime, describe
+
+        print(f"profile of rank 0 (every rank's in {out}/profile/):")
+        print(describe(DeviceTime(**report["profile_device_time"])))
     for note in report.get("notes", []):
         print(f"note: {note}")
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from interlace.device_time import describe, device_time
+from interlace.device_time import DeviceTime, describe, device_time
 from interlace.run_folder import replaced_atomically, write_atomic
 
 PROFILE_FOLDER = "profile"
@@ -45,6 +45,7 @@ class StepProfiler:
         self.folder = Path(folder)
         self.rank = rank
         self.cuda = device.type == "cuda"
+        self.device_time: DeviceTime | None = None  # this rank's, once the steps are recorded
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._profiler = (
             profile(
@@ -91,8 +92,8 @@ class StepProfiler:
             prof.export_chrome_trace(str(staged))
             staged.replace(tmp)
             trace = json.loads(gzip.decompress(tmp.read_bytes()))
-        spent = device_time(trace, len(self.window) - 1)
+        self.device_time = device_time(trace, len(self.window) - 1)
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=TOP_OPERATORS)
-        head = "" if spent is None else describe(spent) + "\n\n"
+        head = "" if self.device_time is None else describe(self.device_time) + "\n\n"
         write_atomic(self.folder / f"rank{self.rank}.txt", head + table + "\n")

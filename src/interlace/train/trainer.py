@@ -41,6 +41,7 @@ from interlace.data import (
 from interlace.data import load_corpus as read_corpus
 from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
+from interlace.device_time import DeviceTime
 from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import MEASURED_STEP, measure_step
 from interlace.mesh import Mesh, default_device
@@ -260,6 +261,7 @@ class Trainer:
         self.step = 0
         self.memory: dict[str, Any] | None = None  # measured on one step by `fit`
         self.profile_files: list[str] = []  # every rank's, relative to `out`, set by `fit`
+        self.profile_device_time: DeviceTime | None = None  # this rank's, set by `fit`
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
         self.guard = NonFiniteGuard(
@@ -420,6 +422,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.profile_files = profiler.files(self.plan.world_size)
+        self.profile_device_time = profiler.device_time
         return self._finish(history, time.perf_counter() - started)
 
     def _steps(
@@ -562,6 +565,11 @@ class Trainer:
             "parallel": self.parallel.report,
             "memory": self.memory,
             "profile": self.profile_files,
+            "profile_device_time": (
+                None
+                if self.profile_device_time is None
+                else dataclasses.asdict(self.profile_device_time)
+            ),
             **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:
