@@ -11,6 +11,7 @@ kind of kernel, communication left exposed).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -45,7 +46,7 @@ class StepProfiler:
         self.folder = Path(folder)
         self.rank = rank
         self.cuda = device.type == "cuda"
-        self.device_time: DeviceTime | None = None  # this rank's, once the steps are recorded
+        self._device_time: DeviceTime | None = None  # this rank's, once the steps are recorded
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._profiler = (
             profile(
@@ -77,13 +78,16 @@ class StepProfiler:
         if self._profiler is not None:
             self._profiler.step()
 
-    def files(self, ranks: int) -> list[str]:
-        """Every rank's files (each rank profiles the same steps), relative to the run folder;
-        empty when nothing is recorded."""
-        if self._profiler is None:
-            return []
-        names = [(f"rank{r}.json.gz", f"rank{r}.txt") for r in range(ranks)]
-        return [f"{PROFILE_FOLDER}/{name}" for pair in names for name in pair]
+    def report(self, ranks: int) -> dict[str, Any]:
+        """The run report's fields: `profile`, every rank's files (each rank profiles the same
+        steps) relative to the run folder, empty when nothing is recorded; and
+        `profile_device_time`, this rank's `DeviceTime` as a dict (None off a device)."""
+        names = [f"rank{r}.{ext}" for r in range(ranks) for ext in ("json.gz", "txt")]
+        spent = self._device_time
+        return {
+            "profile": [] if self._profiler is None else [f"{PROFILE_FOLDER}/{n}" for n in names],
+            "profile_device_time": None if spent is None else dataclasses.asdict(spent),
+        }
 
     def _write(self, prof: Any) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -92,8 +96,8 @@ class StepProfiler:
             prof.export_chrome_trace(str(staged))
             staged.replace(tmp)
             trace = json.loads(gzip.decompress(tmp.read_bytes()))
-        self.device_time = device_time(trace, len(self.window) - 1)
+        self._device_time = device_time(trace, len(self.window) - 1)
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=TOP_OPERATORS)
-        head = "" if self.device_time is None else describe(self.device_time) + "\n\n"
+        head = "" if self._device_time is None else describe(self._device_time) + "\n\n"
         write_atomic(self.folder / f"rank{self.rank}.txt", head + table + "\n")

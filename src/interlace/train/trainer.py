@@ -41,7 +41,6 @@ from interlace.data import (
 from interlace.data import load_corpus as read_corpus
 from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
-from interlace.device_time import DeviceTime
 from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import MEASURED_STEP, measure_step
 from interlace.mesh import Mesh, default_device
@@ -260,8 +259,6 @@ class Trainer:
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
         self.step = 0
         self.memory: dict[str, Any] | None = None  # measured on one step by `fit`
-        self.profile_files: list[str] = []  # every rank's, relative to `out`, set by `fit`
-        self.profile_device_time: DeviceTime | None = None  # this rank's, set by `fit`
         self.out = Path(self.config.out) if self.config.out else None
         self.trace = check_trace_path(trace, self.plan.pp) if trace is not None else None
         self.guard = NonFiniteGuard(
@@ -421,9 +418,8 @@ class Trainer:
             history = self._steps(history, bar, log, traced_step, measured_step, profiler)
         if bar is not None:
             bar.close()
-        self.profile_files = profiler.files(self.plan.world_size)
-        self.profile_device_time = profiler.device_time
-        return self._finish(history, time.perf_counter() - started)
+        profile = profiler.report(self.plan.world_size)
+        return self._finish(history, time.perf_counter() - started, profile)
 
     def _steps(
         self,
@@ -538,7 +534,9 @@ class Trainer:
             return read_metrics(self.out / METRICS)
         return history
 
-    def _finish(self, history: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    def _finish(
+        self, history: list[dict[str, Any]], seconds: float, profile: dict[str, Any]
+    ) -> dict[str, Any]:
         model_config = self.setup.model_config
         report = {
             "title": f"{self.config.model} · {self.plan} · {self.setup.corpus}",
@@ -564,12 +562,7 @@ class Trainer:
             "wall_time_s": seconds,
             "parallel": self.parallel.report,
             "memory": self.memory,
-            "profile": self.profile_files,
-            "profile_device_time": (
-                None
-                if self.profile_device_time is None
-                else dataclasses.asdict(self.profile_device_time)
-            ),
+            **profile,
             **summarize(self._whole_run(history)),
         }
         if self.out and self.is_main:
