@@ -10,7 +10,11 @@ import os
 import subprocess
 import sys
 
-MACHINE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")  # None: all of them
+# The machine's own CUDA_VISIBLE_DEVICES, kept in the environment the first time this file runs:
+# pytest-xdist's workers inherit the hidden value below, and read the kept one instead.
+_KEPT_GPUS, _ALL_GPUS = "INTERLACE_TEST_MACHINE_GPUS", "<unset>"
+os.environ.setdefault(_KEPT_GPUS, os.environ.get("CUDA_VISIBLE_DEVICES", _ALL_GPUS))
+MACHINE_GPUS = None if os.environ[_KEPT_GPUS] == _ALL_GPUS else os.environ[_KEPT_GPUS]
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
