@@ -95,8 +95,9 @@ class StepProfiler:
             staged = tmp.with_name(tmp.name + ".gz")  # torch compresses by the suffix
             prof.export_chrome_trace(str(staged))
             staged.replace(tmp)
-            trace = json.loads(gzip.decompress(tmp.read_bytes()))
-        self._device_time = device_time(trace, len(self.window) - 1)
+            if self.cuda:  # a CPU trace holds no device event: not read back for nothing
+                trace = json.loads(gzip.decompress(tmp.read_bytes()))
+                self._device_time = device_time(trace, len(self.window) - 1)
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=TOP_OPERATORS)
         head = "" if self._device_time is None else describe(self._device_time) + "\n\n"
