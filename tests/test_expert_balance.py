@@ -1,6 +1,7 @@
 """MoE balancing on count matrices: placements, the performance model worked out by hand, the
 greedy searches, the strategies' replanning; and the expert-parallel layer's construction."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -91,6 +92,14 @@ def test_prophet_replicates_the_hottest_expert_and_balances_the_devices():
     assert layer_time(SKEWED, placement, COMPUTE_BOUND).total < (
         layer_time(SKEWED, base, COMPUTE_BOUND).total
     )
+
+
+def test_a_searched_placement_holds_python_ints_that_json_writes():
+    # the metrics row's balance summary lists the replicas as they are held
+    placement = prophet_search(SKEWED, Placement.blocked(4, 4), COMPUTE_BOUND)
+    devices = [d for replicas in placement.replicas for d in replicas]
+    assert devices and all(type(d) is int for d in devices)
+    assert json.loads(json.dumps(placement.replicas)) == [list(r) for r in placement.replicas]
 
 
 def test_prophet_excludes_the_devices_holding_the_fewest_tokens():

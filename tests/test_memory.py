@@ -138,3 +138,27 @@ def test_fsdp_gathered_blocks_are_counted_as_the_step_holds_them(tmp_path):
     blocks = sum(p.numel() for p in build_model(model).blocks.parameters()) * 4
     assert kept["activations"] - resharded["activations"] == pytest.approx(blocks, rel=0.05)
     assert kept["step_peak"] >= kept["activations"]
+
+
+def _losses_and_memory(config: TrainConfig, plan_text: str, world_size: int) -> dict:
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(prepare_run(config, plan, world_size), build_mesh(plan))
+    return {"final_loss": trainer.fit()["final_loss"], "memory": trainer.memory}
+
+
+@pytest.mark.parametrize("plan_text", ["dp_shard=2", "dp_shard=2,tp=2"])
+def test_the_probe_leaves_selective_recomputation_under_fsdp_as_it_computes(plan_text):
+    """The measured step (the third) of a selectively recomputed FSDP2 run computes what the
+    same step computes unmeasured, and reports what it kept: the probe's hooks,
+    which read DTensor gradients during the recomputation, dispatch nothing the selective
+    checkpoint's modes count (one more view there broke its replay)."""
+    config = dataclasses.replace(BASE, steps=3)
+    plan_text = f"{plan_text},recompute=selective"
+    world_size = Plan.parse(plan_text).world_size
+    measured = run_ranks(world_size, _losses_and_memory, config, plan_text, world_size)[0]
+    unmeasured_config = dataclasses.replace(config, measure_memory=False)
+    unmeasured = run_ranks(world_size, _losses_and_memory, unmeasured_config, plan_text, world_size)
+    assert measured["memory"]["step"] == 3
+    assert measured["final_loss"] == unmeasured[0]["final_loss"]  # the measured step's loss
+    for rank, mine in enumerate(measured["memory"]["per_rank"]):
+        assert mine["activations"] > 0 and mine["step_peak"] >= mine["activations"], rank

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -13,7 +15,7 @@ from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.plan import Plan
-from interlace.report import read_metrics
+from interlace.report import read_metrics, strict_json
 from interlace.testing import run_ranks
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
@@ -105,3 +107,15 @@ def test_plan_without_dp_fills_the_ranks():
     assert Plan.parse_for("", 3) == Plan(dp=3)
     assert Plan.parse_for("dp=2,ep=2", 4).dp == 2  # named: kept, validate then rejects it
     assert Plan.parse_for("tp=2", 4) == Plan(dp=2, tp=2)
+
+
+def test_strict_json_names_the_field_json_cannot_hold():
+    row = {"step": 1, "moe": [{"replicas": [[1, np.int64(3)]]}]}
+    with pytest.raises(TypeError, match=r"metrics row field 'moe\.0\.replicas\.0\.1' .*numpy"):
+        strict_json(row)
+    with pytest.raises(
+        TypeError, match=r"report.json field 'load' holds a key of type int .*valid: str \("
+    ):
+        strict_json({"load": {0: 1.0}}, "report.json")
+    plain = {"step": 1, "loss": np.float64(2.5), "flags": [True, None, "x"]}
+    assert strict_json(plain) == plain

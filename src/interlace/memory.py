@@ -14,12 +14,17 @@ peak (`torch.cuda.max_memory_allocated`) is reported beside it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
 from interlace.tensors import local_tensor
@@ -131,6 +136,22 @@ class LiveBytes(TorchDispatchMode):
         self._live.clear()
 
 
+def unseen(hook: Callable[..., None]) -> Callable[..., None]:
+    """`hook` run with no dispatch mode active, so that the operations it makes to read the
+    step (a DTensor gradient's `to_local`, a view) are seen by no mode of the step's own: a
+    recomputed block's selective-checkpoint modes count every operation of its forward and
+    its replay, and one more in the replay (the probe's hook there, once the later blocks'
+    gradients exist) broke the replay. `LiveBytes` does not see them either: they allocate
+    nothing."""
+
+    @functools.wraps(hook)
+    def without_modes(*args: Any) -> None:
+        with _disable_current_modes():
+            hook(*args)
+
+    return without_modes
+
+
 def measure_step(
     step: Callable[[], T], model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[T, dict[str, int]]:
@@ -162,6 +183,7 @@ def measure_step(
             if not is_traceable_wrapper_subclass(p) and p.untyped_storage().data_ptr() not in kept
         )
 
+    @unseen
     def sample(*_: Any) -> None:
         grads = [p.grad for p in params if p.grad is not None]
         if cuda:
@@ -171,6 +193,7 @@ def measure_step(
             samples.append(now - probe.tracked_bytes(grads))
             peaks.append(now)
 
+    @unseen
     def before_update(opt: torch.optim.Optimizer, *_: Any) -> None:
         held.update(state_bytes(model, opt))
 

@@ -35,10 +35,18 @@ class MetricsLog:
         append_line(self.file, json.dumps(strict_json(row), allow_nan=False))
 
 
-def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+JSON_SCALARS = (str, int, float, bool, type(None))
+"""The Python types JSON writes as they are (a subclass such as numpy.float64 included; a
+numpy.int64 or numpy.bool_ is not one of them)."""
+
+
+def strict_json(record: dict[str, Any], what: str = "metrics row") -> dict[str, Any]:
     """`record` with every NaN or infinite float, at any depth, replaced by None, and when there
     was one a `nonfinite` entry naming each by its dotted key path, e.g. {"loss": "nan"}:
-    JSON has no NaN or Infinity, and `json.dumps` would write them as bare words."""
+    JSON has no NaN or Infinity, and `json.dumps` would write them as bare words. A value of
+    any other type than JSON's (`JSON_SCALARS`, dicts with string keys, lists, tuples) raises
+    a TypeError naming its field of `what` and its type: every producer hands plain Python
+    values, and one that does not is a bug to fix where the field is made."""
     flagged: dict[str, str] = {}
 
     def clean(value: Any, path: str) -> Any:
@@ -46,13 +54,35 @@ def strict_json(record: dict[str, Any]) -> dict[str, Any]:
             flagged[path] = str(value)
             return None
         if isinstance(value, dict):
-            return {k: clean(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+            for key in value:
+                if not isinstance(key, str):
+                    raise _not_json(what, path, key, "a key")
+            return {k: clean(v, f"{path}.{k}" if path else k) for k, v in value.items()}
         if isinstance(value, list | tuple):
             return [clean(v, f"{path}.{i}") for i, v in enumerate(value)]
+        if not isinstance(value, JSON_SCALARS):
+            raise _not_json(what, path, value, "a value")
         return value
 
     cleaned = clean(record, "")
     return {**cleaned, "nonfinite": flagged} if flagged else cleaned
+
+
+def _not_json(what: str, path: str, value: Any, role: str) -> TypeError:
+    module = type(value).__module__
+    kind = (
+        type(value).__qualname__ if module == "builtins" else f"{module}.{type(value).__qualname__}"
+    )
+    valid = (
+        "str (write the key with str() where the field is made)"
+        if role == "a key"
+        else "str, int, float, bool, None, lists and dicts of them (convert it with int(), "
+        "float() or .tolist() where the field is made)"
+    )
+    return TypeError(
+        f"{what} field {path or '(top level)'!r} holds {role} of type {kind} ({value!r}), "
+        f"which JSON cannot hold; valid: {valid}"
+    )
 
 
 def read_metrics(file: Path) -> list[dict[str, Any]]:
@@ -115,7 +145,7 @@ def write_report(out: Path, report: dict[str, Any]) -> list[str]:
             report = {**report, "moe_load": {**load, "plot": LOAD_PLOT}}
     except ImportError:
         notes.append("plots skipped: matplotlib is not installed (pip install 'interlace[bench]')")
-    report = strict_json({**report, "notes": notes})
+    report = strict_json({**report, "notes": notes}, "report.json")
     write_atomic(out / REPORT, json.dumps(report, indent=1, sort_keys=True, allow_nan=False))
     return notes
 

@@ -30,6 +30,7 @@ from interlace.bench.cluster import Cluster
 from interlace.bench.cpu_quota import CpuQuota
 from interlace.errors import ConfigError
 from interlace.rates import parse_rate
+from interlace.report import strict_json
 
 
 class BenchFailed(RuntimeError):
@@ -159,22 +160,25 @@ def run_benchmark(
         "repeats": results,
         "spread": spread(results, bench),
     }
-    _write(document, bench, out)
     print(f"{name} on {environment['network']}, {environment['ranks']} rank(s)")
     print(bench.table(document))
     if document["spread"]:
         worst = max(document["spread"].items(), key=lambda kv: kv[1])
         print(f"spread over {repeat} runs: largest {worst[1]:.1%} ({worst[0]})")
+    _write(document, bench, out)  # after the table: a field JSON cannot hold loses no figures
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return document
 
 
 def _write(document: dict[str, Any], bench: Benchmark, out: Path) -> None:
-    """JSON and PNG, each written to a temporary name and renamed when complete."""
+    """JSON (strict: `report.strict_json`) and PNG, each written to a temporary name and renamed
+    when complete."""
     out.mkdir(parents=True, exist_ok=True)
     name = document["benchmark"]
     tmp_json, tmp_png = out / f".{name}.json.tmp", out / f".{name}.tmp.png"
-    tmp_json.write_text(json.dumps(document, indent=1))
+    tmp_json.write_text(
+        json.dumps(strict_json(document, f"benchmark {name}"), indent=1, allow_nan=False)
+    )
     bench.plot(document, tmp_png)
     os.replace(tmp_json, out / f"{name}.json")
     os.replace(tmp_png, out / f"{name}.png")

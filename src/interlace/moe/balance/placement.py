@@ -15,6 +15,7 @@ which the performance model (`cost`) and the balance metric below read.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,9 +60,10 @@ class Placement:
         """The same owners, no replicas."""
         return Placement(self.num_devices, self.owner, ((),) * self.num_experts)
 
-    def with_replicas(self, expert: int, devices: tuple[int, ...] | list[int]) -> Placement:
-        """A copy in which `expert` is replicated on `devices` (its owner is dropped from them)."""
-        chosen = tuple(sorted(set(devices) - {self.owner[expert]}))
+    def with_replicas(self, expert: int, devices: Iterable[int]) -> Placement:
+        """A copy in which `expert` is replicated on `devices` (its owner is dropped from them;
+        NumPy integers become Python ints, so that a placement always reads as plain data)."""
+        chosen = tuple(sorted({int(d) for d in devices} - {self.owner[expert]}))
         replicas = list(self.replicas)
         replicas[expert] = chosen
         return Placement(self.num_devices, self.owner, tuple(replicas))
