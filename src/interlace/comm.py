@@ -3,7 +3,8 @@
 Each call records the op name, the mesh group's name, the payload bytes (the tensor handed to the
 collective) and the ring-model bytes one rank puts on the wire, plus wall time for blocking calls
 when the meter is `timed`. Op names are the ones the planner's cost model uses: `all_reduce`,
-`all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`.
+`all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, and `ring_pass` (one tensor handed to
+the next rank of a ring while one arrives from the previous).
 
 The collectives themselves are torch.distributed's (c10d for eager/async calls, functional
 collectives for lazily-waited tensors); this module only adds the accounting, which torch lacks.
@@ -34,7 +35,7 @@ def wire_bytes(op: str, payload: int, group_size: int) -> float:
     """Bytes one rank sends under the ring algorithm for `op` on `payload` input bytes.
 
     all_reduce 2(p-1)/p·n; all_gather (p-1)·n (n = this rank's shard); reduce_scatter and
-    all_to_all (p-1)/p·n; broadcast n (the root's view).
+    all_to_all (p-1)/p·n; broadcast n (the root's view); ring_pass n.
     """
     p = group_size
     if p <= 1:
@@ -45,6 +46,7 @@ def wire_bytes(op: str, payload: int, group_size: int) -> float:
         "reduce_scatter": (p - 1) / p,
         "all_to_all": (p - 1) / p,
         "broadcast": 1.0,
+        "ring_pass": 1.0,
     }
     return factors[op] * payload
 
@@ -206,6 +208,25 @@ def ring_reduce_scatter(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch
             work.wait()
         running = received.add_(chunks[(rank - step - 2) % n])
     return running
+
+
+def ring_pass(
+    tensor: torch.Tensor, group: Group, tag: int = 0, meter: CommMeter | None = None
+) -> tuple[torch.Tensor, list[dist.Work]]:
+    """Send `tensor` to the next rank of `group` (index + 1, cyclic) and receive the previous
+    rank's tensor of the same shape and dtype; returns (the receive buffer, the works to wait on
+    before reading it or changing `tensor`). `tag` keeps two passes in flight at once apart."""
+    received = torch.empty_like(tensor)
+    after = dist.get_global_rank(group.pg, (group.rank + 1) % group.size)
+    before = dist.get_global_rank(group.pg, (group.rank - 1) % group.size)
+    ops = [
+        dist.P2POp(dist.isend, tensor, after, group.pg, tag),
+        dist.P2POp(dist.irecv, received, before, group.pg, tag),
+    ]
+    works = _run(
+        "ring_pass", group, tensor.nbytes, lambda: dist.batch_isend_irecv(ops), True, meter
+    )
+    return received, works
 
 
 def all_to_all(

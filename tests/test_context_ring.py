@@ -1,0 +1,109 @@
+"""Context parallelism's pieces: the zig-zag split of a sequence and ring attention, against
+plain causal attention over the whole sequence (outputs and the gradients of q, k and v, fp32,
+at 2 and 4 ranks, with and without grouped-query attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from interlace.comm import CommMeter, Group
+from interlace.parallel.context import ring as ring_module
+from interlace.parallel.context.ring import merge, pair_forward, ring_attention, visibility
+from interlace.parallel.context.zigzag import (
+    shard_sequence,
+    unshard_sequence,
+    zigzag_chunks,
+    zigzag_positions,
+)
+from interlace.testing import run_ranks
+
+
+def test_shards_put_back_together_give_the_sequence_and_its_positions():
+    x = torch.arange(2 * 16).view(2, 16)
+    shards = [shard_sequence(x, 4, r) for r in range(4)]
+    assert shards[0].tolist()[0] == [0, 1, 14, 15]  # chunks 0 and 7 of 8
+    assert shards[3].tolist()[0] == [6, 7, 8, 9]  # chunks 3 and 4
+    assert torch.equal(unshard_sequence(shards), x)
+    for r in range(4):
+        assert torch.equal(zigzag_positions(16, 4, r), shards[r][0])
+
+
+def test_every_rank_attends_to_the_same_number_of_keys():
+    cp, chunk = 4, 8
+    work = []
+    for rank in range(cp):
+        queries = zigzag_positions(2 * cp * chunk, cp, rank)
+        work.append(int((queries + 1).sum()))  # query at position p sees p + 1 keys
+    assert max(work) == min(work)
+    contiguous = [sum(p + 1 for p in range(r * 2 * chunk, (r + 1) * 2 * chunk)) for r in range(cp)]
+    assert max(contiguous) > 3 * min(contiguous)  # what the zig-zag order avoids
+
+
+def test_a_sequence_two_cp_chunks_cannot_split_is_refused():
+    with pytest.raises(ValueError, match=r"seq_len=12 .* divisible by 8"):
+        zigzag_positions(12, 4, 0)
+
+
+def test_chunk_pairs_are_seen_whole_or_causally():
+    assert [visibility(2, b) for b in (1, 2, 3)] == ["full", "causal", "none"]
+    assert zigzag_chunks(3, 1) == (1, 4)
+
+
+def test_merging_two_key_blocks_by_log_sum_exp_is_attention_over_both():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    k2, v2 = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    out, lse = merge(*pair_forward(q, k, v, "full", 0.5), *pair_forward(q, k2, v2, "full", 0.5))
+    expected, expected_lse = pair_forward(
+        q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), "full", 0.5
+    )
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, expected_lse)
+
+
+def _ring_against_serial(heads: int, kv_heads: int) -> dict:
+    """This rank's ring attention output and q/k/v gradients against those of causal SDPA over
+    the whole sequence (same seed everywhere), each taken at this rank's zig-zag share."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    group = Group("cp", dist.group.WORLD, cp, rank)
+    torch.manual_seed(0)
+    T = 8 * cp
+    q = torch.randn(2, heads, T, 16, requires_grad=True)
+    k = torch.randn(2, kv_heads, T, 16, requires_grad=True)
+    v = torch.randn(2, kv_heads, T, 16, requires_grad=True)
+    dout = torch.randn(2, heads, T, 16)
+    repeat = heads // kv_heads
+    serial = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), is_causal=True
+    )
+    serial.backward(dout)
+    shard = lambda t: shard_sequence(t.detach(), cp, rank, dim=2)  # noqa: E731
+    mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    meter = CommMeter()
+    original = ring_module.comm.meter
+    ring_module.comm.meter = meter
+    try:
+        out = ring_attention(*mine, group)
+        out.backward(shard(dout))
+    finally:
+        ring_module.comm.meter = original
+    return {
+        "out": (out.detach(), shard(serial)),
+        "grads": [(m.grad, shard(t.grad)) for m, t in zip(mine, (q, k, v), strict=True)],
+        "passes": meter.snapshot()["cp"]["ring_pass"]["calls"],
+    }
+
+
+@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 4, 4), (4, 4, 4), (2, 4, 2), (4, 4, 1)])
+def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp, heads, kv_heads):
+    for rank, result in enumerate(run_ranks(cp, _ring_against_serial, heads, kv_heads)):
+        torch.testing.assert_close(*result["out"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        for name, (got, expected) in zip("qkv", result["grads"], strict=True):
+            torch.testing.assert_close(
+                got, expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: grad of {name}"
+            )
+        # forward: cp − 1 key/value passes; backward: cp − 1 more and cp of the gradients
+        assert result["passes"] == 3 * cp - 2
