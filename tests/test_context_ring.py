@@ -1,6 +1,6 @@
-"""Context parallelism's pieces: the zig-zag split of a sequence and ring attention, against
-plain causal attention over the whole sequence (outputs and the gradients of q, k and v, fp32,
-at 2 and 4 ranks, with and without grouped-query attention)."""
+"""Context parallelism's pieces: the zig-zag split of a sequence, ring attention and all-to-all
+attention, against plain causal attention over the whole sequence (outputs and the gradients
+of q, k and v, fp32, at 2 and 4 ranks, with and without grouped-query attention)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from interlace.comm import CommMeter, Group
 from interlace.parallel.context import ring as ring_module
+from interlace.parallel.context.alltoall import alltoall_attention
 from interlace.parallel.context.ring import merge, pair_forward, ring_attention, visibility
 from interlace.parallel.context.zigzag import (
     shard_sequence,
@@ -64,9 +65,12 @@ def test_merging_two_key_blocks_by_log_sum_exp_is_attention_over_both():
     torch.testing.assert_close(lse, expected_lse)
 
 
-def _ring_against_serial(heads: int, kv_heads: int) -> dict:
-    """This rank's ring attention output and q/k/v gradients against those of causal SDPA over
-    the whole sequence (same seed everywhere), each taken at this rank's zig-zag share."""
+ATTENTIONS = {"ring": ring_attention, "alltoall": alltoall_attention}
+
+
+def _against_serial(mode: str, heads: int, kv_heads: int) -> dict:
+    """This rank's `mode` attention output and q/k/v gradients against those of causal SDPA
+    over the whole sequence (same seed everywhere), each taken at this rank's zig-zag share."""
     rank, cp = dist.get_rank(), dist.get_world_size()
     group = Group("cp", dist.group.WORLD, cp, rank)
     torch.manual_seed(0)
@@ -86,24 +90,44 @@ def _ring_against_serial(heads: int, kv_heads: int) -> dict:
     original = ring_module.comm.meter
     ring_module.comm.meter = meter
     try:
-        out = ring_attention(*mine, group)
+        out = ATTENTIONS[mode](*mine, group)
         out.backward(shard(dout))
     finally:
         ring_module.comm.meter = original
     return {
         "out": (out.detach(), shard(serial)),
         "grads": [(m.grad, shard(t.grad)) for m, t in zip(mine, (q, k, v), strict=True)],
-        "passes": meter.snapshot()["cp"]["ring_pass"]["calls"],
+        "calls": {op: entry["calls"] for op, entry in meter.snapshot()["cp"].items()},
     }
 
 
-@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 4, 4), (4, 4, 4), (2, 4, 2), (4, 4, 1)])
-def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp, heads, kv_heads):
-    for rank, result in enumerate(run_ranks(cp, _ring_against_serial, heads, kv_heads)):
+def _assert_equal_to_serial(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
         torch.testing.assert_close(*result["out"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         for name, (got, expected) in zip("qkv", result["grads"], strict=True):
             torch.testing.assert_close(
                 got, expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: grad of {name}"
             )
-        # forward: cp − 1 key/value passes; backward: cp − 1 more and cp of the gradients
-        assert result["passes"] == 3 * cp - 2
+
+
+@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 4, 4), (4, 4, 4), (2, 4, 2), (4, 4, 1)])
+def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp, heads, kv_heads):
+    results = run_ranks(cp, _against_serial, "ring", heads, kv_heads)
+    _assert_equal_to_serial(results)
+    # forward: cp − 1 key/value passes; backward: cp − 1 more and cp of the gradients
+    assert all(result["calls"] == {"ring_pass": 3 * cp - 2} for result in results)
+
+
+@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 4, 4), (4, 4, 4), (2, 4, 2)])
+def test_alltoall_attention_equals_causal_attention_over_the_whole_sequence(cp, heads, kv_heads):
+    results = run_ranks(cp, _against_serial, "alltoall", heads, kv_heads)
+    _assert_equal_to_serial(results)
+    # q, k, v and the output exchanged once each way, and their gradients back
+    assert all(result["calls"] == {"all_to_all": 8} for result in results)
+
+
+def test_alltoall_needs_cp_to_divide_the_heads():
+    group = Group("cp", None, 4, 0)
+    q = torch.zeros(1, 4, 8, 2)
+    with pytest.raises(ValueError, match=r"the 2 key/value heads over cp=4 .* cp_mode=ring"):
+        alltoall_attention(q, torch.zeros(1, 2, 8, 2), torch.zeros(1, 2, 8, 2), group)

@@ -109,3 +109,7 @@ def test_pieces_no_other_split_can_read_are_refused_naming_the_plan(tmp_path):
 def test_a_pipeline_of_tensor_parallel_stages_resumes_elsewhere(tmp_path):
     # the last stage's piece of the tied head is stored as the embedding's, like stage 0's
     _check_matrix(tmp_path, BASE, ["pp=2,tp=2,micro_batches=2"], ["dp=1", "tp=2"])
+
+
+def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path):
+    _check_matrix(tmp_path, BASE, ["cp=2", "dp=2"], ["cp=2", "dp=1", "cp=2,tp=2"])

@@ -40,6 +40,8 @@ def uncompilable(plan: Plan) -> str | None:
         return f"tp_subbatches={plan.overlap.tp_subbatches} (threads hand over inside a block)"
     if plan.tensor3d_parallel:
         return "tp3d (the weight prefetcher records gathers at run time)"
+    if plan.context_parallel:
+        return f"cp={plan.cp} (ring attention's transfers run inside each block's attention)"
     if plan.tensor_parallel and plan.recompute != "none" and not plan.pipelined:
         return (
             f"tp={plan.tp} and recompute={plan.recompute} (the replay of tensor-parallel "

@@ -1,12 +1,15 @@
 """Mesh: named process groups for every parallel dimension, on torch's DeviceMesh.
 
-Rank order, outermost to innermost: `pp`, `dp`, then tensor parallel — `tp` for 1D, or
-`tp_z`, `tp_y`, `tp_x` for 3D (x varies fastest). `dp` holds every data-parallel rank
-(dp · dp_shard); with sharded data parallelism it is also split into `dp_replicate` (outer) ×
-`dp_shard` (inner), the mesh FSDP2 shards over (`Mesh.data_mesh`). The innermost dimensions
-hold the chattiest groups, so consecutive ranks (one node) share a tensor parallel group.
-Global rank (dp_i over all dp · dp_shard data-parallel ranks)
-    r = ((pp_i · dp + dp_i) · tp_size) + tp_i           (1D)
+Rank order, outermost to innermost: `pp`, `dp`, `cp` (with context parallelism only), then
+tensor parallel — `tp` for 1D, or `tp_z`, `tp_y`, `tp_x` for 3D (x varies fastest). `dp` holds
+every data-parallel rank (dp · dp_shard); with sharded data parallelism it is also split into
+`dp_replicate` (outer) × `dp_shard` (inner), the mesh FSDP2 shards over (`Mesh.data_mesh`).
+The innermost dimensions hold the chattiest groups, so consecutive ranks (one node) share a
+tensor parallel group.
+With cp > 1, `dp_cp` flattens `dp` × `cp`: the ranks that hold the same parameters and see
+different tokens, over which gradients and losses are averaged.
+Global rank (dp_i over all dp · dp_shard data-parallel ranks; cp = 1 and cp_i = 0 without cp)
+    r = (((pp_i · dp + dp_i) · cp + cp_i) · tp_size) + tp_i           (1D)
     r = (((pp_i · dp + dp_i) · z + z_i) · y + y_i) · x + x_i   (3D)
 Expert parallel groups (`ep`, and `ep_dp` for the replicas of the same experts) are carved
 from `dp` with ep innermost by `interlace.parallel.expert.groups.build_expert_groups`.
@@ -17,7 +20,7 @@ The backend follows the device: gloo on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,10 +53,22 @@ def backend_for(device: torch.device) -> str:
 
 def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(names, sizes) of the mesh dimensions for `plan`, outermost first."""
+    context = (("cp",), (plan.cp,)) if plan.context_parallel else ((), ())
     if plan.tp3d is not None:
         x, y, z = plan.tp3d
-        return ("pp", "dp", "tp_z", "tp_y", "tp_x"), (plan.pp, plan.dp_size, z, y, x)
-    return ("pp", "dp", "tp"), (plan.pp, plan.dp_size, plan.tp)
+        tensor = (("tp_z", "tp_y", "tp_x"), (z, y, x))
+    else:
+        tensor = (("tp",), (plan.tp,))
+    return (
+        ("pp", "dp", *context[0], *tensor[0]),
+        (plan.pp, plan.dp_size, *context[1], *tensor[1]),
+    )
+
+
+def data_group_name(plan: Plan) -> str:
+    """The mesh group gradients and losses are averaged over: "dp", or "dp_cp" (dp × cp)
+    under context parallelism."""
+    return "dp_cp" if plan.context_parallel else "dp"
 
 
 SHARDED_DIMS = ("dp_replicate", "dp_shard")
@@ -64,12 +79,14 @@ SHARDED_DIMS = ("dp_replicate", "dp_shard")
 class Mesh:
     """The DeviceMesh of a plan plus its named groups. `group('dp')` etc. give `comm.Group`s.
     `data_mesh`: with sharded data parallelism, `dp` split into `dp_replicate` × `dp_shard`
-    (only `dp_shard` when dp = 1), the mesh FSDP2 shards over; else None."""
+    (only `dp_shard` when dp = 1), the mesh FSDP2 shards over; else None. `flattened`: meshes of
+    several dimensions as one, by name (`dp_cp` under context parallelism)."""
 
     plan: Plan
     device_mesh: DeviceMesh
     device: torch.device
     data_mesh: DeviceMesh | None = None
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -85,6 +102,8 @@ class Mesh:
             sub = self.device_mesh[name]
         elif self.data_mesh is not None and name in (self.data_mesh.mesh_dim_names or ()):
             sub = self.data_mesh[name]
+        elif name in self.flattened:
+            sub = self.flattened[name]
         else:
             raise KeyError(f"mesh has no dimension '{name}'; it has {', '.join(self.dims)}")
         return Group(name=name, pg=sub.get_group(), size=sub.size(), rank=sub.get_local_rank())
@@ -128,4 +147,7 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
         # by index: torch 2.11's check of a named dimension is inverted and refuses "dp"
         split = device_mesh._unflatten(names.index("dp"), (plan.dp, plan.dp_shard), SHARDED_DIMS)
         data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
-    return Mesh(plan=plan, device_mesh=device_mesh, device=device, data_mesh=data_mesh)
+    flattened = {}
+    if plan.context_parallel:  # torch asks that a flattened mesh be kept, not sliced again
+        flattened["dp_cp"] = device_mesh["dp", "cp"]._flatten("dp_cp")
+    return Mesh(plan, device_mesh, device, data_mesh, flattened)

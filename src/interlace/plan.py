@@ -1,8 +1,9 @@
 """The Plan: every parallel choice of a training run in one frozen, validated, serialisable value.
 
-A Plan says how `world_size = dp · dp_shard · pp · tp_size` ranks cooperate: data parallel
+A Plan says how `world_size = dp · dp_shard · pp · cp · tp_size` ranks cooperate: data parallel
 replicas `dp`, each sharded over `dp_shard` ranks (FSDP; `dp_shard > 1` with `dp > 1` is HSDP),
-pipeline stages `pp`, tensor parallel degree (`tp` for Megatron-style 1D, or `tp3d = (x, y, z)`
+pipeline stages `pp`, context parallel degree `cp` (each sequence split over cp ranks),
+tensor parallel degree (`tp` for Megatron-style 1D, or `tp3d = (x, y, z)`
 for AxoNN-style 3D, with `sequence_parallel` for 1D), expert parallel degree `ep` (carved out of
 the dp · dp_shard data-parallel ranks), pipeline `micro_batches`,
 `schedule`, `recompute`, the `overlap` options, `grad_compression` and `moe_balance`.
@@ -35,6 +36,7 @@ RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
 PIPELINE_ONLY_RECOMPUTE = ("stage-aware",)
 GRAD_COMPRESSIONS = ("none", "sketch", "powersgd", "topk")
 MOE_BALANCES = ("none", "dropless", "shadow", "prophet")
+CP_MODES = ("ring", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class Plan:
     optimizer states are sharded over (torch's FSDP2); reshard_after_forward: with dp_shard > 1,
     free the gathered parameters after each block's forward and gather them again for its
     backward (False: keep them until backward, one all-gather less per block, more memory).
+    cp: context parallel ranks each sequence is split over (zig-zag; `interlace.parallel.context`),
+    attending by `cp_mode`: "ring" (key/value blocks around the ring) or "alltoall" (heads ↔
+    sequence, cp dividing the heads).
     """
 
     dp: int = 1
@@ -75,6 +80,8 @@ class Plan:
     tp: int = 1
     tp3d: tuple[int, int, int] | None = None
     ep: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
     micro_batches: int = 1
     schedule: str = "1f1b"
     recompute: str = "none"
@@ -96,9 +103,9 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan needs: dp · dp_shard · pp · tp_size (ep lives inside the data-parallel
-        ranks)."""
-        return self.dp_size * self.pp * self.tp_size
+        """Ranks the plan needs: dp · dp_shard · pp · cp · tp_size (ep lives inside the
+        data-parallel ranks)."""
+        return self.dp_size * self.pp * self.cp * self.tp_size
 
     # ----------------------------------------------------------------- predicates
     @property
@@ -115,6 +122,11 @@ class Plan:
     def expert_parallel(self) -> bool:
         """Experts placed by an expert-parallel layer: ep > 1, or a balancing strategy."""
         return self.ep > 1 or self.moe_balance != "none"
+
+    @property
+    def context_parallel(self) -> bool:
+        """Context parallelism: each sequence split over cp > 1 ranks."""
+        return self.cp > 1
 
     @property
     def pipelined(self) -> bool:
@@ -205,7 +217,7 @@ class Plan:
         return self
 
     def _check_values(self) -> None:
-        for name in ("dp", "dp_shard", "pp", "tp", "ep", "micro_batches"):
+        for name in ("dp", "dp_shard", "pp", "tp", "ep", "cp", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")
@@ -256,6 +268,9 @@ class Plan:
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
         _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
+        _check_choice("cp_mode", self.cp_mode, CP_MODES)
+        if self.cp_mode != "ring" and not self.context_parallel:
+            raise PlanError(f"cp_mode={self.cp_mode} applies to context parallelism; use cp > 1")
         if self.grad_compression != "none" and self.dp_size == 1:
             raise PlanError(
                 f"grad_compression={self.grad_compression} compresses the data-parallel "
@@ -357,13 +372,44 @@ class Plan:
                 f"{tp3d} with sequence_parallel=true",
                 "sequence_parallel=false",
             ),
+            *self._context_pending(tp3d),
         ]
         for active, what, fix in pending:
             if active:
                 raise PlanError(f"{what} is not implemented yet; use {fix}")
 
+    def _context_pending(self, tp3d: str) -> list[tuple[bool, str, str]]:
+        """The rows of `_check_implemented`'s table for context parallelism."""
+        cp = f"cp={self.cp}"
+        if not self.context_parallel:
+            return []
+        return [
+            (self.pipelined, f"{cp} with pp={self.pp}", "pp=1 or cp=1"),
+            (bool(tp3d), f"{cp} with {tp3d}", "1D tensor parallelism (tp=N)"),
+            (
+                self.expert_parallel,
+                f"{cp} with expert parallelism (ep={self.ep}, moe_balance={self.moe_balance})",
+                "ep=1 and moe_balance=none, or cp=1",
+            ),
+            (
+                self.sharded_data_parallel,
+                f"{cp} with dp_shard={self.dp_shard}",
+                "replicated data parallelism (dp=N)",
+            ),
+            (
+                self.overlap.tp_subbatches > 1,
+                f"{cp} with tp_subbatches={self.overlap.tp_subbatches}",
+                "tp_subbatches=1",
+            ),
+            (
+                self.recompute == "selective",
+                f"{cp} with recompute=selective",
+                "recompute=full",
+            ),
+        ]
+
     def _world_size_fix(self, world_size: int) -> str:
-        others = self.pp * self.tp_size * self.dp_shard
+        others = self.pp * self.cp * self.tp_size * self.dp_shard
         if world_size % others == 0:
             return f"use dp={world_size // others} for {world_size} ranks"
         return f"launch {self.world_size} ranks (--nproc {self.world_size})"
@@ -401,6 +447,8 @@ class Plan:
             )
         if self.pp > 1:
             self._check_pipeline(spec)
+        if self.context_parallel:
+            self._check_context(spec)
         if self.overlap.tp_subbatches > 1 and spec.n_experts:
             raise PlanError(
                 f"tp_subbatches={self.overlap.tp_subbatches} with a Mixture-of-Experts model "
@@ -415,6 +463,32 @@ class Plan:
             raise PlanError(
                 f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
                 f"use ep in {divisors(spec.n_experts)}"
+            )
+
+    def _check_context(self, spec: Any) -> None:
+        """cp can split this model's sequences: 2·cp equal chunks, no attention dropout (ring
+        attention has none), no experts (their capacity would count one rank's tokens)."""
+        if spec.seq_len % (2 * self.cp):
+            raise PlanError(
+                f"seq_len={spec.seq_len} cannot be split into 2·cp = {2 * self.cp} equal chunks "
+                f"(cp={self.cp}); use a sequence length divisible by {2 * self.cp}"
+            )
+        if getattr(spec, "dropout", 0.0):
+            raise PlanError(
+                f"cp={self.cp} with dropout={spec.dropout}: ring attention has no attention "
+                "dropout; use a model with dropout=0, or cp=1"
+            )
+        heads = spec.n_heads // self.tp
+        if self.cp_mode == "alltoall" and heads % self.cp:
+            raise PlanError(
+                f"cp_mode=alltoall splits a rank's {heads} attention heads (n_heads="
+                f"{spec.n_heads} / tp={self.tp}) over cp={self.cp}; use cp dividing {heads}, "
+                "or cp_mode=ring"
+            )
+        if spec.n_experts:
+            raise PlanError(
+                f"cp={self.cp} with a Mixture-of-Experts model is not implemented yet (each "
+                "rank's expert capacity would count its share of the tokens); use cp=1"
             )
 
     def _check_tp3d(self, spec: Any) -> None:
@@ -480,7 +554,7 @@ class Plan:
         world size, dp stays 1 and `validate` names the fix."""
         plan = cls.parse(text)
         named = any(item.split("=", 1)[0].strip() == "dp" for item in text.split(","))
-        others = plan.pp * plan.tp_size * plan.dp_shard
+        others = plan.pp * plan.cp * plan.tp_size * plan.dp_shard
         if named or world_size % others:
             return plan
         return dataclasses.replace(plan, dp=world_size // others)

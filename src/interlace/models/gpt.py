@@ -26,8 +26,23 @@ from interlace.moe.experts import GroupedExperts
 from interlace.moe.layer import MoELayer
 
 
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Causal attention of q [B, H, T, hd] to k, v [B, H, T, hd] → [B, H, T, hd] (SDPA)."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+def positions_in_order(length: int, device: torch.device) -> torch.Tensor:
+    """The positions [length] of a sequence's tokens held in order: 0 .. length − 1."""
+    return torch.arange(length, device=device)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention, [B, T, d_model] → [B, T, d_model]."""
+    """Multi-head causal self-attention, [B, T, d_model] → [B, T, d_model].
+
+    `attend` (default `causal_attention`) is the attention seam: context parallelism puts its
+    ring attention there, for this module only."""
 
     def __init__(self, d_model: int, n_heads: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
@@ -38,6 +53,7 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.attn_dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d_model] → [B, T, d_model]; the head count follows from the q/k/v widths."""
@@ -46,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         dropout_p = self.attn_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = self.attend(q, k, v, dropout_p)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.out_proj(y))
 
@@ -87,6 +103,10 @@ class GPT(nn.Module):
     `aux_loss` holds the last forward's summed MoE load-balancing loss (0 for a dense model):
     every block FFN that sets an `aux_loss` attribute in its forward contributes to it, and the
     loss adds `config.aux_loss_coef` times it.
+
+    `positions(length, device)` (default `positions_in_order`) gives the positions of the tokens
+    `forward` is handed: context parallelism, which hands each rank its zig-zag share of every
+    sequence, sets it to that share's global positions.
     """
 
     def __init__(self, config: GPTConfig):
@@ -101,6 +121,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.aux_loss = torch.zeros(())
+        self.positions = positions_in_order
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -141,7 +162,7 @@ class GPT(nn.Module):
                 f"crop the input to at most {self.config.seq_len} tokens or build the model "
                 f"with seq_len>={length}"
             )
-        positions = torch.arange(length, device=idx.device)
+        positions = self.positions(length, idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)

@@ -5,6 +5,7 @@ Every plan goes through the same steps in the same order, each one `apply_*` of 
 
     1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/
                 or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/
+       context  (`cp`: ring attention, zig-zag positions)      parallel/context/
     2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/
     3. recompute (`recompute`: every block, when no pipeline)     interlace/recompute.py
     4. precision (`precision`: bf16, fp16 or fp32)                interlace/precision.py
@@ -46,7 +47,9 @@ from interlace.comm import Group
 from interlace.compile import compile_blocks, compile_loss, uncompilable
 from interlace.errors import PlanError
 from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
-from interlace.mesh import Mesh
+from interlace.mesh import Mesh, data_group_name
+from interlace.parallel.context.apply import apply_context
+from interlace.parallel.context.zigzag import shard_sequence
 from interlace.parallel.data.apply import DataParallel, apply_data_parallel, check_reduce_dtype
 from interlace.parallel.data.fsdp import (
     ShardedDataParallel,
@@ -122,6 +125,7 @@ class Parallelized:
         self.pipeline: PipelineRunner | None = None
         self.data: DataParallel | ShardedDataParallel | None = None
         self.z: Group | None = None
+        self.context: Group | None = None
         self.layers: str | None = None
         self.blocks: list[nn.Module] = []
         self._grad_norm: GradNorm | None = None
@@ -129,8 +133,13 @@ class Parallelized:
 
     # ------------------------------------------------------------------ one step
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a batch-major tensor [B, ...] (tp3d: its slice over z)."""
-        return batch if self.z is None else z_rows(batch, self.z)
+        """This rank's part of a batch-major tensor [B, T, ...]: its rows (tp3d: its slice
+        over z) and its tokens (cp: its zig-zag share of T)."""
+        if self.z is not None:
+            batch = z_rows(batch, self.z)
+        if self.context is not None:
+            batch = shard_sequence(batch, self.context.size, self.context.rank, dim=1)
+        return batch
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's logits against its targets [b, T]: mean cross-entropy (over
@@ -264,6 +273,9 @@ def parallelize(
         return result
     _check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
+    if plan.context_parallel:
+        result.context = mesh.group("cp")
+        result.report += apply_context(model, result.context, plan.cp_mode)
     apply_expert(result, mesh)
     apply_recompute(result)
     apply_precision(result, precision, mesh.device.type)
@@ -445,7 +457,7 @@ def apply_data(
     _load(result, mesh, weights)
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(
-        result.model, result.plan, mesh.group("dp"), skip, reduce_dtype
+        result.model, result.plan, mesh.group(data_group_name(result.plan)), skip, reduce_dtype
     )
     result.module = result.data.module
 
@@ -510,7 +522,7 @@ def _structure(model: nn.Module, what: str) -> Structure:
 
 def _check_mesh(plan: Plan, mesh: Mesh) -> None:
     """The mesh must be the plan's (`build_mesh(plan)`)."""
-    sizes = {"pp": plan.pp, "dp": plan.dp_size}
+    sizes = {"pp": plan.pp, "dp": plan.dp_size, "cp": plan.cp}
     if plan.tp3d is not None:
         sizes |= dict(zip(("tp_x", "tp_y", "tp_z"), plan.tp3d, strict=True))
     else:

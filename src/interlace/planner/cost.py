@@ -147,10 +147,11 @@ def plan_memory(
 ) -> dict[str, float]:
     """Bytes per device of `config` under `plan` (its largest stage) for micro-batches of
     `micro_batch_rows` sequences with activations in `dtype`: the memory part of `estimate`,
-    with no hardware (`profile.stage_memory`'s parts and their `total`)."""
+    with no hardware (`profile.stage_memory`'s parts and their `total`). Under context
+    parallelism a rank holds 1/cp of each sequence's tokens."""
     profile = model_profile(config)
     stages = pipeline_stages(profile, plan)
-    tokens = micro_batch_rows * config.seq_len
+    tokens = micro_batch_rows * config.seq_len // plan.cp
     return _largest_stage_memory(stages, plan, tokens, dtype, config)
 
 

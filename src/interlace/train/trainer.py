@@ -43,7 +43,7 @@ from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
 from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import MEASURED_STEP, measure_step
-from interlace.mesh import Mesh, default_device
+from interlace.mesh import Mesh, data_group_name, default_device
 from interlace.models import hf, hf_weights
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
@@ -236,6 +236,8 @@ class Trainer:
         self.mesh = mesh
         self.device = mesh.device if mesh is not None else default_device()
         self.dp = mesh.group("dp") if mesh is not None else None
+        # the ranks whose losses make the step's loss: dp, and cp's shares of each sequence
+        self.replicas = mesh.group(data_group_name(self.plan)) if mesh is not None else None
         self.dp_size = self.dp.size if self.dp is not None else 1
         self.dp_rank = self.dp.rank if self.dp is not None else 0
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
@@ -359,10 +361,12 @@ class Trainer:
         return row
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.dp is not None and self.dp.size > 1:
+        """The mean of `value` over the data-parallel ranks (and context-parallel ones, whose
+        losses are each over an equal share of every sequence's tokens)."""
+        if self.replicas is not None and self.replicas.size > 1:
             value = value.clone()
-            comm.all_reduce(value, self.dp)
-            value /= self.dp.size
+            comm.all_reduce(value, self.replicas)
+            value /= self.replicas.size
         return value
 
     # ------------------------------------------------------------------ evaluation
