@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from helpers import TINY_RUN, assert_grads_close
+from hf_models import needs_hf, saved_tiny_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
@@ -100,3 +101,24 @@ def test_cp_counts_in_the_world_size_and_the_plan_text():
     plan = Plan.parse_for("cp=2", 4)
     assert (plan.dp, plan.cp, plan.world_size) == (2, 2, 4)
     assert Plan.parse(str(plan)) == plan
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    ("kind", "plan_text"), [("llama", "cp=2"), ("llama", "cp=2,cp_mode=alltoall"), ("gpt2", "cp=2")]
+)
+def test_hugging_face_decoders_train_under_cp_as_in_one_process(tmp_path, kind, plan_text):
+    # Llama: rotary positions, 2 key/value heads for 4 query heads; GPT-2: learned positions
+    model = saved_tiny_model(kind, tmp_path / kind, vocab=320)
+    serial = _hf_losses(model, "dp=1", 1)
+    for rank, losses in enumerate(run_ranks(2, _hf_losses, model, plan_text, 2, timeout=120)):
+        assert losses == pytest.approx(serial, abs=2e-5), rank
+
+
+def _hf_losses(model: str, plan_text: str, world_size: int) -> list[float]:
+    plan = Plan.parse(plan_text)
+    config = dataclasses.replace(TINY_RUN, model=model)
+    trainer = Trainer(
+        prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
+    )
+    return [trainer.train_step()["loss"] for _ in range(STEPS)]

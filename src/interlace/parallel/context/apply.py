@@ -1,9 +1,11 @@
 """`apply_context`: the step of `parallelize` that splits a model's sequences over "cp".
 
-It finds the model's seams by structure: every module with an `attend` attribute (the built-in
-GPT's `CausalSelfAttention`) gets the plan's attention over the cp group in its place (`ring`,
-or `alltoall`: heads ↔ sequence), and the model's
-`positions` gives each rank its zig-zag share's global positions. The batch itself is cut by
+It finds the model's seams: every module with an `attend` attribute (the built-in GPT's
+`CausalSelfAttention`) gets the plan's attention over the cp group in its place (`ring`, or
+`alltoall`: heads ↔ sequence), and the model's `positions` gives each rank its zig-zag share's
+global positions; a Hugging Face decoder's attention modules, found by structure, attend the
+same way through transformers' attention interface, and its position ids are the share's
+(`hf.py`). The batch itself is cut by
 `Parallelized.rows` (`zigzag.shard_sequence`), inputs and targets alike.
 """
 
@@ -17,8 +19,10 @@ from torch import nn
 from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.parallel.context.alltoall import alltoall_attention
+from interlace.parallel.context.hf import apply_context_hf, is_hf_model
 from interlace.parallel.context.ring import ring_attention
 from interlace.parallel.context.zigzag import zigzag_positions
+from interlace.parallel.detect import find_structure
 
 ATTENTIONS = {"ring": ring_attention, "alltoall": alltoall_attention}
 """Context-parallel attention by `cp_mode`: (q, k, v, group) → this rank's output."""
@@ -47,17 +51,29 @@ def share_positions(length: int, device: torch.device, group: Group) -> torch.Te
 def apply_context(model: nn.Module, cp: Group, mode: str = "ring") -> list[str]:
     """Make `model` attend (`mode`: "ring" or "alltoall") and place its tokens as one rank of
     the context parallel group `cp`, in place; returns the report lines. PlanError, before
-    changing anything, when the model has no attention seam (`attend`) or no `positions`."""
+    changing anything, when the model has neither the built-in seams (`attend`, `positions`)
+    nor is a Hugging Face decoder whose attention modules are found by structure."""
+    positions = functools.partial(share_positions, group=cp)
     attentions = [m for m in model.modules() if hasattr(m, "attend")]
-    if not attentions or not hasattr(model, "positions"):
+    if attentions and hasattr(model, "positions"):
+        for attention in attentions:
+            attention.attend = functools.partial(context_attend, group=cp, mode=mode)
+        model.positions = positions
+    elif is_hf_model(model):
+        try:
+            found = find_structure(model).attentions
+        except ValueError as exc:
+            raise PlanError(f"cp={cp.size}: {exc}") from None
+        attentions = [model.get_submodule(a.name) for a in found]
+        if not attentions:
+            raise PlanError(f"cp={cp.size}: no attention module found in this model; use cp=1")
+        attend = functools.partial(context_attend, dropout_p=0.0, group=cp, mode=mode)
+        apply_context_hf(model, attentions, attend, positions)
+    else:
         raise PlanError(
-            f"cp={cp.size}: context parallelism splits models with the built-in GPT's attention "
-            "seam (`attend`, `positions`); this model has none (Hugging Face models are not "
-            "split over cp yet): use cp=1"
+            f"cp={cp.size}: context parallelism splits the built-in GPT (its `attend` and "
+            "`positions` seams) and Hugging Face decoders; this model is neither: use cp=1"
         )
-    for attention in attentions:
-        attention.attend = functools.partial(context_attend, group=cp, mode=mode)
-    model.positions = functools.partial(share_positions, group=cp)
     how = "by ring" if mode == "ring" else "by heads-sequence all-to-all"
     return [
         f"context: {len(attentions)} attention modules attend {how} over cp={cp.size}, "
