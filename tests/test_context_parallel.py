@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch.distributed.tensor import DTensor
 
 from helpers import TINY_RUN, assert_grads_close
 from hf_models import needs_hf, saved_tiny_model
@@ -35,10 +37,15 @@ def _steps(plan_text: str, world_size: int) -> dict:
     return {
         "losses": [row["loss"] for row in rows],
         "norms": [row["grad_norm"] for row in rows],
-        "grads": {name: p.grad.clone() for name, p in trainer.model.named_parameters()},
+        "grads": {name: _full(p.grad) for name, p in trainer.model.named_parameters()},
         "comm": rows[-1]["comm_bytes"],
         "report": trainer.parallel.report,
     }
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient whole (an FSDP2 shard gathered), a plain tensor that can leave the rank."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,6 @@ def test_context_parallel_with_tensor_parallel_equals_serial(serial, plan_text):
     ("plan_text", "needle"),
     [
         ("cp=2,pp=2", "cp=2 with pp=2 is not implemented yet; use pp=1 or cp=1"),
-        ("cp=2,dp_shard=2", "use replicated data parallelism"),
         ("cp=2,recompute=selective", "use recompute=full"),
         ("cp=2,tp3d=2x1x1", "use 1D tensor parallelism"),
         ("cp_mode=alltoall", "applies to context parallelism; use cp > 1"),
@@ -122,3 +128,27 @@ def _hf_losses(model: str, plan_text: str, world_size: int) -> list[float]:
         prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
     )
     return [trainer.train_step()["loss"] for _ in range(STEPS)]
+
+
+def _sharded_rows_and_steps(plan_text: str, world_size: int) -> dict:
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan)
+    return {"rows": mesh.rows("dp_cp"), **_steps(plan_text, world_size)}
+
+
+@pytest.mark.parametrize("plan_text", ["cp=2,dp_shard=2", "cp=2,dp_shard=2,dp=2"])
+def test_fsdp_over_dp_shard_and_cp_equals_serial(serial, plan_text):
+    world_size = Plan.parse(plan_text).world_size
+    results = run_ranks(world_size, _sharded_rows_and_steps, plan_text, world_size, timeout=120)
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        assert_grads_close(
+            {
+                k: g.full_tensor() if hasattr(g, "full_tensor") else g
+                for k, g in result["grads"].items()
+            },
+            serial["grads"],
+            what=f"{plan_text}, rank {rank}",
+        )
+    assert results[0]["rows"] == [list(range(world_size))]

@@ -112,4 +112,6 @@ def test_a_pipeline_of_tensor_parallel_stages_resumes_elsewhere(tmp_path):
 
 
 def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path):
-    _check_matrix(tmp_path, BASE, ["cp=2", "dp=2"], ["cp=2", "dp=1", "cp=2,tp=2"])
+    _check_matrix(
+        tmp_path, BASE, ["cp=2", "dp=2"], ["cp=2", "dp=1", "cp=2,tp=2", "cp=2,dp_shard=2"]
+    )

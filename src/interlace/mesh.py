@@ -19,6 +19,7 @@ The backend follows the device: gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -71,6 +72,9 @@ def data_group_name(plan: Plan) -> str:
     return "dp_cp" if plan.context_parallel else "dp"
 
 
+FLATTENED = {"dp_cp": ("dp", "cp")}
+"""Groups made of several mesh dimensions as one, by name: their dimensions, outermost first."""
+
 SHARDED_DIMS = ("dp_replicate", "dp_shard")
 """The two dimensions sharded data parallelism splits `dp` into, outermost first."""
 
@@ -79,7 +83,8 @@ SHARDED_DIMS = ("dp_replicate", "dp_shard")
 class Mesh:
     """The DeviceMesh of a plan plus its named groups. `group('dp')` etc. give `comm.Group`s.
     `data_mesh`: with sharded data parallelism, `dp` split into `dp_replicate` × `dp_shard`
-    (only `dp_shard` when dp = 1), the mesh FSDP2 shards over; else None. `flattened`: meshes of
+    (only `dp_shard` when dp = 1), the mesh FSDP2 shards over (under cp its `dp_shard` spans
+    dp_shard × cp ranks); else None. `flattened`: meshes of
     several dimensions as one, by name (`dp_cp` under context parallelism)."""
 
     plan: Plan
@@ -109,10 +114,14 @@ class Mesh:
         return Group(name=name, pg=sub.get_group(), size=sub.size(), rank=sub.get_local_rank())
 
     def rows(self, name: str) -> list[list[int]]:
-        """The global ranks of every group of mesh dimension `name`, one list per group in
-        mesh order: the same on every rank (to make groups of the same ranks collectively)."""
-        ranks = self.device_mesh.mesh.movedim(self.dims.index(name), -1)
-        return ranks.reshape(-1, ranks.shape[-1]).tolist()
+        """The global ranks of every group of mesh dimension `name` (or of `FLATTENED` ones),
+        one list per group in mesh order: the same on every rank (to make groups of the same
+        ranks collectively)."""
+        parts = FLATTENED[name] if name in self.flattened else (name,)
+        where = [self.dims.index(part) for part in parts]
+        ranks = self.device_mesh.mesh.movedim(where, list(range(-len(parts), 0)))
+        width = math.prod(ranks.shape[-len(parts) :])
+        return ranks.reshape(-1, width).tolist()
 
     def size(self, name: str) -> int:
         """Ranks in dimension `name`."""
@@ -142,12 +151,15 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
     device = device or default_device()
     names, sizes = mesh_dims(plan)
     device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
-    data_mesh = None
-    if plan.sharded_data_parallel:  # torch has no public way to split a mesh dimension
-        # by index: torch 2.11's check of a named dimension is inverted and refuses "dp"
-        split = device_mesh._unflatten(names.index("dp"), (plan.dp, plan.dp_shard), SHARDED_DIMS)
-        data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
     flattened = {}
     if plan.context_parallel:  # torch asks that a flattened mesh be kept, not sliced again
-        flattened["dp_cp"] = device_mesh["dp", "cp"]._flatten("dp_cp")
+        flattened["dp_cp"] = device_mesh[FLATTENED["dp_cp"]]._flatten("dp_cp")
+    data_mesh = None
+    if plan.sharded_data_parallel:  # torch has no public way to split a mesh dimension
+        # by index: torch 2.11's check of a named dimension is inverted and refuses "dp".
+        # Under cp, FSDP2 shards over dp_shard × cp, ranks that hold the same parameters.
+        source = flattened.get("dp_cp", device_mesh)
+        dim = 0 if plan.context_parallel else names.index("dp")
+        split = source._unflatten(dim, (plan.dp, plan.dp_shard * plan.cp), SHARDED_DIMS)
+        data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
     return Mesh(plan, device_mesh, device, data_mesh, flattened)

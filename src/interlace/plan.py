@@ -392,11 +392,6 @@ class Plan:
                 "ep=1 and moe_balance=none, or cp=1",
             ),
             (
-                self.sharded_data_parallel,
-                f"{cp} with dp_shard={self.dp_shard}",
-                "replicated data parallelism (dp=N)",
-            ),
-            (
                 self.overlap.tp_subbatches > 1,
                 f"{cp} with tp_subbatches={self.overlap.tp_subbatches}",
                 "tp_subbatches=1",

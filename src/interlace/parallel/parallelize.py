@@ -429,6 +429,7 @@ def apply_data(
         _layers(result, f"dp_shard={result.plan.dp_shard}")  # FSDP shards block by block
         pipeline = result.pipeline
         overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
+        replicas = mesh.group(data_group_name(result.plan))  # every rank of the sharding
         result.data = apply_fully_shard(
             result.model,
             pipeline.stages if pipeline is not None else [result.model],
@@ -438,19 +439,18 @@ def apply_data(
             reduce_dtype,
             result.plan.reshard_after_forward,
             ignored=set(expert_parameters(result.model)),
-            ring=ring_group(mesh.rows("dp")) if overlap else None,
+            ring=ring_group(mesh.rows(replicas.name)) if overlap else None,
         )
         result.module = result.data.module
         _load(result, mesh, weights)
         if pipeline is not None:
             pipeline.rebind_parameters()
         plan = result.plan
-        result.norm_shares.append(
-            sharded_norm_share(mesh.group("dp"), plan.dp, plan.dp_size // plan.ep)
-        )
+        result.norm_shares.append(sharded_norm_share(replicas, plan.dp, plan.dp_size // plan.ep))
+        over = f" × cp={plan.cp}" if plan.context_parallel else ""
         result.report.append(
             f"data: parameters, gradients and optimizer states sharded over dp_shard="
-            f"{result.plan.dp_shard} (FSDP2"
+            f"{result.plan.dp_shard}{over} (FSDP2"
             + (f", replicated over dp={result.plan.dp})" if result.plan.dp > 1 else ")")
         )
         return
