@@ -136,12 +136,15 @@ def test_warm_start_and_shared_factorisation():
         admm.solve(X, y, replace(settings, rho1=1.0), gram=gram)
 
 
+ADMM_MCP = SVMSettings(penalty="mcp", solver="admm")
+
+
 def test_regularization_path_shapes_sparsity_and_first_point():
     problem = make_sparse_problem(n=200, d=100, k=5, seed=2)
     labels = np.where(problem.y > 0, "yes", "no")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        path = regularization_path(problem.X, labels, n_lams=8, settings=SVMSettings(penalty="mcp"))
+        path = regularization_path(problem.X, labels, n_lams=8, settings=ADMM_MCP)
     assert path.coefs.shape == (8, 100) and np.all(np.diff(path.lams) < 0)
     nnz = path.n_nonzero()
     assert nnz[0] <= 2 and nnz[-1] >= 5
@@ -149,7 +152,7 @@ def test_regularization_path_shapes_sparsity_and_first_point():
     assert path.predict(problem.X[:3]).shape == (3, 8)
     # The first point is a cold start: identical to a plain fit at that λ.
     y_pm = np.where(labels == "yes", 1.0, -1.0)
-    cold = admm.solve(problem.X, y_pm, SVMSettings(penalty="mcp", lam=path.lams[0]))
+    cold = admm.solve(problem.X, y_pm, replace(ADMM_MCP, lam=path.lams[0]))
     np.testing.assert_array_equal(path.coefs[0], cold.coef)
 
 
@@ -157,7 +160,10 @@ def test_regularization_path_warns_once_with_a_count():
     problem = make_sparse_problem(n=100, d=30, k=3, seed=4)
     with pytest.warns(ConvergenceWarning, match=r"of 3 path points stopped at max_iter=2") as seen:
         regularization_path(
-            problem.X, problem.y, lams=[0.1, 0.01, 0.05], settings=SVMSettings(max_iter=2)
+            problem.X,
+            problem.y,
+            lams=[0.1, 0.01, 0.05],
+            settings=SVMSettings(max_iter=2, solver="admm"),
         )
     assert len(seen) == 1
 

@@ -43,7 +43,10 @@ def test_run_svm_reports_accuracy_sparsity_iterations_time(heart, capsys):
 
 def test_run_svm_without_test_file_and_at_max_iter(heart, capsys):
     train, _ = heart
-    assert run_svm(_args(train, "--max-iter", "4", "--tol", "0", "--no-intercept")) == 0
+    assert (
+        run_svm(_args(train, "--solver", "admm", "--max-iter", "4", "--tol", "0", "--no-intercept"))
+        == 0
+    )
     out = capsys.readouterr().out
     assert "test accuracy" not in out
     assert "iterations      4 (hit --max-iter before --tol)" in out
@@ -118,5 +121,6 @@ def test_help_lists_every_option():
     parser = argparse.ArgumentParser(prog="interlace svm")
     add_svm_args(parser)
     text = parser.format_help()
-    for option in ("--test", "--penalty", "--lam", "--theta", "--rho1", "--rho2", "--max-iter"):
+    options = ("--test", "--path", "--lams", "--folds", "--rule", "--penalty", "--lam", "--theta")
+    for option in (*options, "--solver", "--rho1", "--rho2", "--max-iter"):
         assert option in text

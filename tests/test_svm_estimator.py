@@ -100,7 +100,7 @@ def test_sparse_input_gives_the_dense_result():
 def test_warns_when_max_iter_is_reached():
     X, y = _data()
     with pytest.warns(ConvergenceWarning, match="max_iter=3"):
-        model = NonconvexSVC(max_iter=3, tol=0.0).fit(X, y)
+        model = NonconvexSVC(solver="admm", max_iter=3, tol=0.0).fit(X, y)
     assert model.n_iter_ == 3
 
 

@@ -22,6 +22,7 @@ from interlace.svm.cli import add_svm_args
         ({"max_iter": 2.5}, "max_iter=2.5 must be an integer >= 1"),
         ({"max_iter": True}, "max_iter=True must be an integer >= 1"),
         ({"tol": -1e-3}, "tol=-0.001 must be a finite number >= 0"),
+        ({"solver": "cd"}, "solver='cd' is unknown; choose one of lla, admm"),
     ],
 )
 def test_bad_settings_are_refused_on_construction(changes, message):

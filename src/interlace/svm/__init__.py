@@ -1,9 +1,11 @@
-"""Sparse linear SVMs with nonconvex penalties (SCAD, MCP, LSP, capped-ℓ1), fitted by ADMM.
+"""Sparse linear SVMs with nonconvex penalties (SCAD, MCP, LSP, capped-ℓ1).
 
-`NonconvexSVC` is the scikit-learn estimator; `regularization_path` fits a decreasing λ sequence
-with warm starts; `interlace.svm.consensus.fit_consensus` splits the rows across torch.distributed
-ranks; `SVMSettings` holds the settings that the last two and `admm.solve` take. Needs the `svm`
-extra (scikit-learn, scipy).
+They are fitted by one LLA step from the exact ℓ1-SVM (`interlace.svm.lla`, the default) or by
+ADMM (`interlace.svm.admm`). `NonconvexSVC` is the scikit-learn estimator; `regularization_path`
+fits a decreasing λ sequence; `interlace.svm.select` picks λ by cross-validation;
+`interlace.svm.consensus.fit_consensus` splits the rows across torch.distributed ranks;
+`SVMSettings` holds the settings that all of them take. Needs the `svm` extra (scikit-learn,
+scipy).
 """
 
 try:

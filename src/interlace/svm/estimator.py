@@ -1,8 +1,8 @@
-"""`NonconvexSVC`: the ADMM solver as a scikit-learn classifier.
+"""`NonconvexSVC`: the LLA and ADMM solvers as a scikit-learn classifier.
 
 It is a plain `BaseEstimator` + `ClassifierMixin`, so cloning, `get_params`/`set_params`,
 `score`, pipelines and `GridSearchCV` come from scikit-learn; this module adds only the label
-mapping (any two classes ↔ −1/+1) and the calls into `interlace.svm.admm`.
+mapping (any two classes ↔ −1/+1) and the calls into `interlace.svm.lla` or `.admm`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from interlace.svm import admm
+from interlace.svm import admm, lla
 from interlace.svm.settings import DEFAULTS, SVMSettings
 
 
@@ -40,19 +40,30 @@ def _show(classes: np.ndarray, limit: int = 10) -> str:
     return shown + (", ..." if len(classes) > limit else "")
 
 
+def fit_settings(X, y_pm: np.ndarray, settings: SVMSettings) -> admm.ADMMResult | lla.LLAResult:
+    """Fit X [n, d], labels y_pm [n] in {−1, +1} with `settings.solver`; the result has `coef` [d],
+    `intercept`, `n_iter` and `objective_history` [n_iter]."""
+    if settings.solver == "lla":
+        return lla.solve(X, y_pm, settings)
+    return admm.solve(X, y_pm, settings)
+
+
 class NonconvexSVC(ClassifierMixin, BaseEstimator):
-    """Linear SVM with hinge loss and a nonconvex sparsity penalty, fitted by ADMM.
+    """Linear SVM with hinge loss and a nonconvex sparsity penalty (one-step LLA or ADMM).
 
     Minimises (1/n) Σ max(0, 1 − y_i(x_iᵀw + b)) + Σ_j p(w_j) with p one of "scad", "mcp",
     "lsp", "capped_l1" (see `interlace.svm.penalties`); the weights come out exactly sparse.
 
     Parameters: the fields of `interlace.svm.settings.SVMSettings`, with their defaults and
-    meanings (`penalty`, `lam`, `theta`, `rho1`, `rho2`, `max_iter`, `tol`, `fit_intercept`);
-    as scikit-learn asks, they are kept as given and checked when `fit` runs.
+    meanings (`penalty`, `lam`, `theta`, `solver`, `rho1`, `rho2`, `max_iter`, `tol`,
+    `fit_intercept`); as scikit-learn asks, they are kept as given and checked when `fit` runs.
+    The default `solver="lla"` fits the ℓ1-SVM and then one reweighted ℓ1 step
+    (`interlace.svm.lla`); `solver="admm"` runs ADMM from w = 0. Both give exact zeros.
 
     Fitted attributes: `coef_` [1, n_features], `intercept_` [1], `classes_` [2] (the class
-    mapped to the positive side is `classes_[1]`), `n_iter_`, `objective_history_` [n_iter_],
-    `n_features_in_`. Dense arrays and scipy.sparse matrices are accepted.
+    mapped to the positive side is `classes_[1]`), `n_iter_` (ADMM iterations, or the 2 linear
+    programs of "lla"), `objective_history_` [n_iter_], `n_features_in_`. Dense arrays and
+    scipy.sparse matrices are accepted.
     """
 
     def __init__(
@@ -60,6 +71,7 @@ class NonconvexSVC(ClassifierMixin, BaseEstimator):
         penalty: str = DEFAULTS.penalty,
         lam: float = DEFAULTS.lam,
         theta: float | None = DEFAULTS.theta,
+        solver: str = DEFAULTS.solver,
         rho1: float = DEFAULTS.rho1,
         rho2: float | None = DEFAULTS.rho2,
         max_iter: int = DEFAULTS.max_iter,
@@ -69,6 +81,7 @@ class NonconvexSVC(ClassifierMixin, BaseEstimator):
         self.penalty = penalty
         self.lam = lam
         self.theta = theta
+        self.solver = solver
         self.rho1 = rho1
         self.rho2 = rho2
         self.max_iter = max_iter
@@ -87,7 +100,7 @@ class NonconvexSVC(ClassifierMixin, BaseEstimator):
         X, y = validate_data(self, X, y, accept_sparse="csr", dtype=np.float64)
         check_classification_targets(y)
         self.classes_, y_pm = binary_labels(y)
-        result = admm.solve(X, y_pm, settings)
+        result = fit_settings(X, y_pm, settings)
         self.coef_ = result.coef[None, :]
         self.intercept_ = np.array([result.intercept])
         self.n_iter_ = result.n_iter

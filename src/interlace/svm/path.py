@@ -1,8 +1,10 @@
-"""Regularisation path: fit a decreasing sequence of λ, each warm-started from the previous fit.
+"""Regularisation path: fit a decreasing sequence of λ with `settings.solver`.
 
-All points share one factorisation of HᵀH + ρI (it does not depend on λ), and each ADMM run starts
-from the previous point's full state (primal, slack and dual variables), so a whole path costs
-little more than one cold fit. Use it to pick λ by validation, or to draw accuracy against sparsity.
+With "lla" every point is exactly the estimator's fit at that λ, and all points share one linear
+program (the slopes change, not its matrix). With "admm" all points share one factorisation of
+HᵀH + ρI (it does not depend on λ), and each ADMM run starts from the previous point's full state
+(primal, slack and dual variables), so a whole path costs little more than one cold fit. Use it
+to pick λ by validation (`interlace.svm.select`), or to draw accuracy against sparsity.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils.validation import check_X_y
 
 from interlace.errors import ConfigError
-from interlace.svm import admm
+from interlace.svm import admm, lla
 from interlace.svm.estimator import binary_labels
 from interlace.svm.linsolve import GramSolver
 from interlace.svm.settings import DEFAULTS, SVMSettings
@@ -76,7 +78,7 @@ def regularization_path(
 
     `lams` is sorted decreasing; without it, `default_lams(n_lams, lam_ratio)` is used. Every
     point uses `settings` with its own λ in place of `settings.lam`. Warns once, with the count,
-    if some points hit `max_iter`.
+    if some ADMM points hit `max_iter`.
     """
     X, y = check_X_y(X, y, accept_sparse="csr", dtype=np.float64)
     classes, y_pm = binary_labels(y)
@@ -85,16 +87,10 @@ def regularization_path(
     lams = np.sort(np.asarray(lams, dtype=float).ravel())[::-1]
     if lams.size == 0 or not np.all(np.isfinite(lams)) or lams[-1] < 0:
         raise ConfigError(f"lams={lams!r} must be a non-empty list of finite numbers >= 0")
-    rho = settings.rho1 / settings.rho2_for(X.shape[0])
-    gram = GramSolver(admm.signed_rows(X, y_pm), rho)
-    results, state = [], None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        for lam in lams:
-            point = replace(settings, lam=float(lam))
-            result = admm.solve(X, y_pm, point, state=state, gram=gram)
-            results.append(result)
-            state = result.state
+    if settings.solver == "lla":
+        results = _lla_points(X, y_pm, lams, settings)
+    else:
+        results = _admm_points(X, y_pm, lams, settings)
     converged = np.array([r.converged for r in results])
     if not converged.all():
         warnings.warn(
@@ -111,3 +107,23 @@ def regularization_path(
         converged=converged,
         classes=classes,
     )
+
+
+def _lla_points(X, y_pm: np.ndarray, lams: np.ndarray, settings: SVMSettings) -> list:
+    """One LLA fit per λ [k], all on one linear program (its slopes change, not its matrix)."""
+    program = lla.WeightedL1SVM(admm.signed_rows(X, y_pm), y_pm, settings.fit_intercept)
+    return [lla.solve(X, y_pm, replace(settings, lam=float(lam)), program=program) for lam in lams]
+
+
+def _admm_points(X, y_pm: np.ndarray, lams: np.ndarray, settings: SVMSettings) -> list:
+    """One ADMM fit per λ [k], each warm-started from the previous one, on one factorisation."""
+    rho = settings.rho1 / settings.rho2_for(X.shape[0])
+    gram = GramSolver(admm.signed_rows(X, y_pm), rho)
+    results, state = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for lam in lams:
+            result = admm.solve(X, y_pm, replace(settings, lam=float(lam)), state=state, gram=gram)
+            results.append(result)
+            state = result.state
+    return results

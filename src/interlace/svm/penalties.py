@@ -73,6 +73,25 @@ def penalty_value(w: np.ndarray, penalty: str, lam: float, theta: float) -> np.n
     raise ConfigError(f"penalty={penalty!r} is unknown; choose one of {', '.join(PENALTIES)}")
 
 
+def penalty_slope(w: np.ndarray, penalty: str, lam: float, theta: float) -> np.ndarray:
+    """Elementwise slope p'(t) at t = |w_j| ≥ 0 (right derivative: λ at 0, λ/θ for LSP); same shape.
+
+    p is concave on t ≥ 0, so p(t) ≤ p(t0) + p'(t0)(t − t0): the weighted ℓ1 term with these
+    slopes majorises the penalty at t0, which is what the one-step LLA fit minimises.
+    """
+    t = np.abs(np.asarray(w, dtype=float))
+    if penalty == "scad":
+        a = theta
+        return np.where(t <= lam, lam, np.maximum(a * lam - t, 0.0) / (a - 1))
+    if penalty == "mcp":
+        return np.maximum(lam - t / theta, 0.0)
+    if penalty == "lsp":
+        return lam / (theta + t)
+    if penalty == "capped_l1":
+        return np.where(t < theta, lam, 0.0)
+    raise ConfigError(f"penalty={penalty!r} is unknown; choose one of {', '.join(PENALTIES)}")
+
+
 def prox(v: np.ndarray, penalty: str, lam: float, theta: float, rho: float) -> np.ndarray:
     """Exact argmin_t p(t) + (rho/2)(t − v)², elementwise over `v` [d]; returns [d]."""
     v = np.asarray(v, dtype=float)

@@ -1,7 +1,9 @@
-"""`SVMSettings`: the penalty and the ADMM solver's settings, checked in one place.
+"""`SVMSettings`: the penalty, the solver and the ADMM settings, checked in one place.
 
-`NonconvexSVC`, `admm.solve`, `consensus.fit_consensus`, `regularization_path` and `interlace svm`
-all take them; each field's help says what it means and is also the `interlace svm` option's.
+`NonconvexSVC`, `admm.solve`, `lla.solve`, `consensus.fit_consensus`, `regularization_path` and
+`interlace svm` all take them; each field's help says what it means and is also the `interlace
+svm` option's. `solver` picks what the estimator, the path and the command run; `admm.solve` and
+`fit_consensus` always run ADMM, and `lla.solve` uses only the penalty fields and the intercept.
 
 Why ρ2 = 1/n by default, not the paper's: λ = 2⁻⁶ and SCAD a = 3.7 follow the paper's
 heart_scale run, but its ρ1 = 1.5, ρ2 = 10 do not suit the relative-change stopping rule. The
@@ -24,6 +26,10 @@ from interlace.config_args import option
 from interlace.errors import ConfigError
 from interlace.svm.penalties import DEFAULT_THETA, PENALTIES, check_number, check_penalty
 
+SOLVERS = ("lla", "admm")
+"""`lla`: the ℓ1-SVM, then one reweighted ℓ1 step (`interlace.svm.lla`); `admm`: ADMM on the
+nonconvex problem from w = 0 (`interlace.svm.admm`)."""
+
 _THETAS = ", ".join(f"{name} {theta}" for name, theta in DEFAULT_THETA.items())
 
 
@@ -39,6 +45,12 @@ class SVMSettings:
         "penalty shape: SCAD a (> 2), MCP γ, LSP θ, capped-ℓ1 θ; None: the penalty's own "
         f"({_THETAS})",
     )
+    solver: str = option(
+        "lla",
+        "lla: the l1-SVM, then one reweighted l1 step (both exact linear programs); admm: ADMM "
+        "from w = 0 (rho1, rho2, max_iter and tol apply to it only)",
+        choices=SOLVERS,
+    )
     rho1: float = option(0.5, "ADMM penalty of the constraint x = z")
     rho2: float | None = option(None, "ADMM penalty of the margin constraint; None: 1/n_samples")
     max_iter: int = option(1000, "iteration limit; reaching it warns with ConvergenceWarning")
@@ -47,6 +59,10 @@ class SVMSettings:
 
     def __post_init__(self) -> None:
         check_penalty(self.penalty, self.lam, self.theta)
+        if self.solver not in SOLVERS:
+            raise ConfigError(
+                f"solver={self.solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
+            )
         check_number("rho1", self.rho1, positive=True)
         if self.rho2 is not None:
             check_number("rho2", self.rho2, positive=True)
