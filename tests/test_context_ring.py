@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from interlace.comm import CommMeter, Group
 from interlace.parallel.context import ring as ring_module
 from interlace.parallel.context.alltoall import alltoall_attention
-from interlace.parallel.context.ring import merge, pair_forward, ring_attention, visibility
+from interlace.parallel.context.ring import (
+    merge,
+    pair_backward,
+    pair_forward,
+    pair_kernels,
+    ring_attention,
+    visibility,
+)
 from interlace.parallel.context.zigzag import (
     shard_sequence,
     unshard_sequence,
@@ -131,3 +138,16 @@ def test_alltoall_needs_cp_to_divide_the_heads():
     q = torch.zeros(1, 4, 8, 2)
     with pytest.raises(ValueError, match=r"the 2 key/value heads over cp=4 .* cp_mode=ring"):
         alltoall_attention(q, torch.zeros(1, 2, 8, 2), torch.zeros(1, 2, 8, 2), group)
+
+
+@pytest.mark.parametrize("how", ["causal", "full"])
+def test_the_plain_softmax_pair_equals_the_fused_cpu_kernel(how):
+    # the fused kernel runs on the CPU, the plain softmax elsewhere: both must agree
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 4, 32, 8) for _ in range(4))
+    (forward, backward), math_forward = pair_kernels(torch.device("cpu")), pair_forward
+    out, lse = forward(q, k, v, how, 0.3)
+    torch.testing.assert_close((out, lse), math_forward(q, k, v, how, 0.3))
+    delta = (dout * out).sum(-1)
+    fused = backward(q, k, v, how, 0.3, lse, dout, delta, out)
+    torch.testing.assert_close(fused, pair_backward(q, k, v, how, 0.3, lse, dout, delta))

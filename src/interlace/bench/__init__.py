@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "mfu": "interlace.bench.mfu",
     "memory": "interlace.bench.memory",
     "restart": "interlace.bench.restart",
+    "cp": "interlace.bench.cp",
 }
 
 

@@ -15,8 +15,12 @@ Backward runs the ring again with the final (out, lse): for each block the proba
 exp(s − lse), so dq accumulates locally, and each block's dk, dv accumulate into a buffer that
 travels with the block and reaches its owner after the last step. Written here because torch
 has no ring attention for gloo and the CPU (`torch.distributed.tensor.experimental.
-context_parallel` needs CUDA's SDPA kernels and DTensor-sharded buffers); the block math is the
-plain softmax in float32, so the suite tests every step on the CPU.
+context_parallel` needs CUDA's SDPA kernels and DTensor-sharded buffers).
+
+Each chunk pair runs in float32: on the CPU through torch's fused flash-attention kernel, which
+returns the log-sum-exp and takes the final (out, lse) in its backward, so no [L, L] score
+matrix is ever held; elsewhere through the plain softmax (`pair_forward`, `pair_backward`),
+which holds one pair's scores at a time.
 """
 
 from __future__ import annotations
@@ -88,6 +92,31 @@ def pair_backward(
     return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, dv
 
 
+def _cpu_pair_forward(q, k, v, how: str, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float(), k.float(), v.float(), 0.0, how == "causal", scale=scale
+    )
+
+
+def _cpu_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q.float(), k.float(), v.float(), out, lse, 0.0, how == "causal", scale=scale
+    )
+
+
+def _math_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
+    return pair_backward(q, k, v, how, scale, lse, dout, delta)
+
+
+def pair_kernels(device: torch.device) -> tuple:
+    """(forward, backward) of one chunk pair on `device`: torch's fused CPU flash kernels on the
+    CPU, `pair_forward` and `pair_backward` elsewhere. The backward also takes the query
+    chunk's final output."""
+    if device.type == "cpu":
+        return _cpu_pair_forward, _cpu_pair_backward
+    return pair_forward, _math_pair_backward
+
+
 def merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor, part_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +157,7 @@ class RingAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, group: Group):
         scale = 1.0 / math.sqrt(q.shape[-1])
         heads = q.shape[1]
+        forward, _ = pair_kernels(q.device)
         q_halves = q.chunk(2, dim=2)
         outs: list[torch.Tensor | None] = [None, None]
         lses: list[torch.Tensor | None] = [None, None]
@@ -139,7 +169,7 @@ class RingAttention(torch.autograd.Function):
             k_halves = _expand(block[0], heads).chunk(2, dim=2)
             v_halves = _expand(block[1], heads).chunk(2, dim=2)
             for qi, ki, how in _pairs(group, step):
-                part, part_lse = pair_forward(q_halves[qi], k_halves[ki], v_halves[ki], how, scale)
+                part, part_lse = forward(q_halves[qi], k_halves[ki], v_halves[ki], how, scale)
                 outs[qi], lses[qi] = merge(outs[qi], lses[qi], part, part_lse)
             if incoming is not None:
                 for work in works:
@@ -160,9 +190,10 @@ class RingAttention(torch.autograd.Function):
     def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, heads = ctx.group, ctx.scale, q.shape[1]
+        _, backward = pair_kernels(q.device)
         dout = dout.float()
         delta = (dout * out).sum(-1)
-        q_halves, dout_halves = q.chunk(2, dim=2), dout.chunk(2, dim=2)
+        q_halves, dout_halves, out_halves = q.chunk(2, dim=2), dout.chunk(2, dim=2), out.chunk(2, 2)
         lse_halves, delta_halves = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dq_halves = dq.chunk(2, dim=2)
@@ -179,7 +210,7 @@ class RingAttention(torch.autograd.Function):
             k_halves, v_halves = k_full.chunk(2, dim=2), v_full.chunk(2, dim=2)
             dk_halves, dv_halves = dk_full.chunk(2, dim=2), dv_full.chunk(2, dim=2)
             for qi, ki, how in _pairs(group, step):
-                dq_part, dk_part, dv_part = pair_backward(
+                dq_part, dk_part, dv_part = backward(
                     q_halves[qi],
                     k_halves[ki],
                     v_halves[ki],
@@ -188,6 +219,7 @@ class RingAttention(torch.autograd.Function):
                     lse_halves[qi],
                     dout_halves[qi],
                     delta_halves[qi],
+                    out_halves[qi],
                 )
                 dq_halves[qi].add_(dq_part)
                 dk_halves[ki].add_(dk_part)
