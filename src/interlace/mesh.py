@@ -160,6 +160,6 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
         # Under cp, FSDP2 shards over dp_shard × cp, ranks that hold the same parameters.
         source = flattened.get("dp_cp", device_mesh)
         dim = 0 if plan.context_parallel else names.index("dp")
-        split = source._unflatten(dim, (plan.dp, plan.dp_shard * plan.cp), SHARDED_DIMS)
+        split = source._unflatten(dim, (plan.dp, plan.shard_ranks), SHARDED_DIMS)
         data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
     return Mesh(plan, device_mesh, device, data_mesh, flattened)

@@ -145,6 +145,13 @@ class Plan:
         return self.dp_shard > 1
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks each replica's parameters, gradients and optimizer states are sharded over
+        (FSDP2): dp_shard, times cp under context parallelism (its ranks hold the same
+        parameters); 1 without sharded data parallelism."""
+        return self.dp_shard * self.cp if self.sharded_data_parallel else 1
+
+    @property
     def dp_overlapped(self) -> bool:
         """Gradients reduced during backward (DDP buckets): `dp_overlap`, and a model whose
         backward can carry it — no pipeline (several backward passes per step) and no 3D tensor

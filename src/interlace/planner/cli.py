@@ -24,6 +24,7 @@ from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner.calibrate import local_hardware
+from interlace.planner.context_choice import context_choice
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
@@ -49,6 +50,8 @@ SPEC_KEYS = {
 REQUIRED_SPEC_KEYS = ("layers", "hidden", "heads", "vocab")
 DEFAULT_SEQ = 2048
 """Sequence length of a spec-string model that gives no `seq`."""
+DEFAULT_GLOBAL_BATCH = 512
+"""Sequences per step without --global-batch, at the model's own sequence length."""
 
 
 def parse_model_spec(text: str, seq_len: int | None = None) -> GPTConfig:
@@ -86,6 +89,14 @@ def parse_model_spec(text: str, seq_len: int | None = None) -> GPTConfig:
     config = GPTConfig(**fields)
     config.validate()
     return config
+
+
+def default_global_batch(model_seq_len: int, seq_len: int | None) -> int:
+    """Sequences per step without --global-batch: `DEFAULT_GLOBAL_BATCH` of the model's
+    `model_seq_len` tokens, or as many tokens per step in sequences of `seq_len` (at least one
+    sequence): 4 for a model of 1024 tokens at 131072."""
+    tokens = DEFAULT_GLOBAL_BATCH * model_seq_len
+    return max(1, tokens // (seq_len or model_seq_len))
 
 
 def resolve_model(text: str, seq_len: int | None = None) -> GPTConfig:
@@ -133,7 +144,13 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         "beside it",
     )
     p.add_argument("--gpus", type=int, default=None, help="devices to plan for (default: --nproc)")
-    p.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help=f"sequences per optimizer step; unset: {DEFAULT_GLOBAL_BATCH} at the model's "
+        "sequence length, or as many tokens per step at another --seq",
+    )
     p.add_argument(
         "--seq", type=int, default=None, help="tokens per sequence (default: the model's)"
     )
@@ -177,10 +194,13 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_planner(args: argparse.Namespace) -> int:
-    """Rank plans (`--search`) or price `--plan`; print a table (or JSON); with `--trace` also
-    write the simulated step of the first plan. Returns 0."""
+    """Rank plans (`--search`) or price `--plan`; print a table (or JSON) and, when the fastest
+    plan found splits its sequences, why (`context_choice`); with `--trace` also write the
+    simulated step of the first plan. Returns 0."""
     model = resolve_model(args.model, args.seq)
     spec = pad_vocab(model, args.vocab_multiple)
+    if args.global_batch is None:
+        args.global_batch = default_global_batch(model.seq_len, args.seq)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1")
     check_expert_skew(args.expert_skew)
@@ -199,7 +219,7 @@ def run_planner(args: argparse.Namespace) -> int:
         measured = replace(spec, seq_len=args.seq) if args.seq else spec
         hardware = calibrated_for_model(hardware, measured, args, n)
     if plan is None:
-        costs = search(
+        ranked = search(
             spec,
             hardware,
             n,
@@ -208,7 +228,9 @@ def run_planner(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             runnable_only=args.runnable_only,
             expert_skew=args.expert_skew,
-        )[: args.top]
+        )
+        costs = ranked[: args.top]
+        why = context_choice(ranked)
     else:
         if args.seq and args.seq != spec.seq_len:
             spec = replace(spec, seq_len=args.seq)
@@ -223,6 +245,7 @@ def run_planner(args: argparse.Namespace) -> int:
                 expert_skew=args.expert_skew,
             )
         ]
+        why = None
     if args.trace:
         _write_trace(costs[0], spec, hardware, args)
     if args.json:
@@ -255,6 +278,8 @@ def run_planner(args: argparse.Namespace) -> int:
             print("   does not fit in device memory")
         if args.explain:
             print("   " + explain(cost).replace("\n", "\n   "))
+    if why:
+        print(why)
     return 0
 
 

@@ -1,8 +1,8 @@
 """The time of one collective on a hardware description, which groups stay inside a node, and
 `CommTerms`, what one parallel dimension's collectives add to a micro-batch: the ring
 algorithm's α·steps + wire bytes / bandwidth that every cost module of the planner
-(`cost_tensor`, `cost3d`, `cost_moe`, `cost_pipeline`, `cost_data`) prices its collectives
-with."""
+(`cost_tensor`, `cost3d`, `cost_context`, `cost_moe`, `cost_pipeline`, `cost_data`) prices
+its collectives with."""
 
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ class CommTerms:
 
 
 def ring_steps(op: str, group_size: int) -> int:
-    """Messages one rank sends, in sequence, for `op` under the ring algorithm."""
+    """Messages one rank sends, in sequence, for `op` under the ring algorithm (`ring_pass`,
+    one send to the next rank, is a single one)."""
     if group_size <= 1:
         return 0
+    if op == "ring_pass":
+        return 1
     return 2 * (group_size - 1) if op == "all_reduce" else group_size - 1
 
 

@@ -11,10 +11,12 @@ module:
 - work: `cost_work` (FLOPs of the partitioner's shards at the rows each matmul sees);
 - tp (1D, Megatron, sequence parallel, sub-batches): `cost_tensor`;
 - tp_x / tp_y / tp_z (3D, AxoNN, weight prefetch): `cost3d`;
+- cp (the ring's K/V passes hidden under per-block attention, or the all-to-all's exchanges):
+  `cost_context`; a rank computes and keeps T/cp tokens of each sequence;
 - ep (dispatch/combine, load imbalance under `expert_skew`, `moe_balance` replicas):
   `cost_moe`;
 - pp (stages, bubble, schedules, recomputation, boundary transfers): `cost_pipeline`;
-- dp and ep_dp (gradient all-reduces, DDP's overlap): `cost_data`;
+- dp (dp_cp under cp) and ep_dp (gradient all-reduces, DDP's overlap): `cost_data`;
 - the optimizer step: `cost_optimizer`.
 
 **Collectives** (ring algorithm, `interlace.comm.wire_bytes` factors, `collective_cost`): a
@@ -23,17 +25,18 @@ all_reduce and p−1 for the others (one α per ring step). A group is inside a 
 ranks share one: in the mesh order (outermost first) pp, dp, tp, a group of `size` ranks whose
 consecutive members are `stride` ranks apart spans size·stride consecutive ranks, inside a node
 iff that is at most devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep;
-pp: stride tp·dp).
+pp: stride tp·dp; cp, between dp and tp, and dp_cp: stride tp).
 
 **Memory** per device, the largest stage (`profile.stage_memory`): parameters × 16 bytes
 (fp32 weight, gradient, two AdamW moments), non-expert parameters divided by tp, expert
 parameters by tp·ep; activations: the layers' saved elements per token (from the shards: under
 1D TP the norms' inputs and each block's shared producer input stay whole, the rest is divided
 by tp; all of it with sequence parallel; a checkpointed layer keeps its d-wide input, divided
-by tp only with sequence parallel) × tokens per micro-batch × micro-batches in flight
-(`micro_batches_in_flight`: all m under GPipe, ≤ p − s under 1F1B) in the compute dtype, plus
-one layer's full activations as the working set of a recomputation. Under 3D tensor
-parallelism the layers are split x·y·z (tokens over z), the embedding and head only by z.
+by tp only with sequence parallel) × tokens per micro-batch (T/cp of each sequence under
+context parallelism) × micro-batches in flight (`micro_batches_in_flight`: all m under GPipe,
+≤ p − s under 1F1B) in the compute dtype, plus one layer's full activations as the working set
+of a recomputation. Under 3D tensor parallelism the layers are split x·y·z (tokens over z), the
+embedding and head only by z.
 
 Not modelled yet: gradient compression (priced as dense), routing that differs between
 devices or drifts between iterations (the skew is one fixed popularity), kernel efficiency
@@ -53,14 +56,16 @@ from interlace.planner.bytes import activation_bytes
 from interlace.planner.cost_pipeline import pipeline_stages
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage, model_profile, stage_memory
-from interlace.planner.step import step_terms
+from interlace.planner.step import StepTerms, step_terms
 
 
 @dataclass(frozen=True)
 class PlanCost:
     """The estimate for one plan: seconds per term (`breakdown`, summing to `step_seconds`),
     seconds hidden under compute per term (`hidden`), throughput and memory per device, and
-    the expert-parallel details (`moe`, see `step.StepTerms`)."""
+    the expert-parallel details (`moe`, see `step.StepTerms`); under context parallelism
+    `context`: `cp`, `tokens_per_sequence` (T/cp, what a device holds of each sequence) and
+    `memory_without_cp` (bytes a device of the same layout would hold with whole sequences)."""
 
     plan: Plan
     hardware: str
@@ -76,6 +81,7 @@ class PlanCost:
     memory: dict[str, float] = field(default_factory=dict)
     memory_limit_bytes: float = 0.0
     moe: dict[str, float] = field(default_factory=dict)
+    context: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -99,6 +105,7 @@ class PlanCost:
             "hidden": dict(self.hidden),
             "memory": dict(self.memory),
             "moe": dict(self.moe),
+            "context": dict(self.context),
         }
 
 
@@ -139,6 +146,7 @@ def estimate(
         memory=memory,
         memory_limit_bytes=hardware.memory_bytes,
         moe=dict(terms.moe),
+        context=_context_summary(terms, dtype),
     )
 
 
@@ -153,6 +161,20 @@ def plan_memory(
     stages = pipeline_stages(profile, plan)
     tokens = micro_batch_rows * config.seq_len // plan.cp
     return _largest_stage_memory(stages, plan, tokens, dtype, config)
+
+
+def _context_summary(terms: StepTerms, dtype: str) -> dict[str, float]:
+    """What context parallelism buys: the tokens a device keeps of each sequence and the
+    memory the same layout would need at cp = 1 (its `PlanCost.context`); empty without cp."""
+    plan, config = terms.plan, terms.profile.config
+    if not plan.context_parallel:
+        return {}
+    whole = _largest_stage_memory(terms.stages, plan, terms.tokens * plan.cp, dtype, config)
+    return {
+        "cp": float(plan.cp),
+        "tokens_per_sequence": float(config.seq_len // plan.cp),
+        "memory_without_cp": whole["total"],
+    }
 
 
 def _largest_stage_memory(

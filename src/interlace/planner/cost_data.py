@@ -2,13 +2,14 @@
 
 Replicated (`dp_shard = 1`): one all_reduce of the largest stage's non-expert fp32 gradients
 per step over the dp group (ranks tp apart; under 3D tensor parallelism the replicated
-embedding and head in full), and of its expert gradients over the `ep_dp` = dp / ep ranks
-holding the same experts (ranks tp · ep apart). DDP (pp = 1, 1D or no tensor parallelism,
-`dp_overlap`) runs buckets during the backward: exposed = max(all_reduce − backward, last
-bucket), everything but the last bucket can hide behind the backward and the last cannot; of
-the hideable part only `hardware.overlap_efficiency` hides. With pp > 1, 3D tensor parallelism
-or dp_overlap=false, and for expert gradients, the all-reduce follows the backward and is fully
-exposed.
+embedding and head in full; under context parallelism over the dp · cp ranks of `dp_cp`, which
+hold the same parameters, as `mesh.data_group_name` names it), and of its expert gradients
+over the `ep_dp` = dp / ep ranks holding the same experts (ranks tp · ep apart). DDP (pp = 1,
+1D or no tensor parallelism, `dp_overlap`) runs buckets during the backward: exposed =
+max(all_reduce − backward, last bucket), everything but the last bucket can hide behind the
+backward and the last cannot; of the hideable part only `hardware.overlap_efficiency` hides.
+With pp > 1, 3D tensor parallelism or dp_overlap=false, and for expert gradients, the
+all-reduce follows the backward and is fully exposed.
 
 Sharded (`dp_shard > 1`, FSDP2; ranks tp apart): per step, every parameter all-gathered in the
 compute dtype before the forward (`dp_shard.all_gather`), again before the backward with
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from interlace.mesh import data_group_name
 from interlace.plan import Plan
 from interlace.planner.bytes import GRAD_BYTES
 from interlace.planner.collective_cost import (
@@ -38,8 +40,8 @@ from interlace.planner.profile import Stage
 
 @dataclass(frozen=True)
 class DataTerms:
-    """Seconds of a step's data-parallel collectives per term (`dp.all_reduce`,
-    `ep_dp.all_reduce`, `dp_shard.all_gather`, `dp_shard.reduce_scatter`,
+    """Seconds of a step's data-parallel collectives per term (`dp.all_reduce` or
+    `dp_cp.all_reduce`, `ep_dp.all_reduce`, `dp_shard.all_gather`, `dp_shard.reduce_scatter`,
     `dp_replicate.all_reduce`): on the critical path (`exposed`) and hidden under compute
     (`hidden`)."""
 
@@ -60,7 +62,7 @@ def data_terms(
         dense_params = max(st.layer_params / tp + st.params - st.layer_params for st in stages)
     if plan.sharded_data_parallel:
         _sharded_terms(terms, plan, stages, dense_params, compute, hardware, param_bytes)
-    elif plan.data_parallel:
+    elif plan.dp_size * plan.cp > 1:
         _replicated_terms(terms, plan, dense_params * GRAD_BYTES, compute, hardware)
     ep_dp = plan.dp_size // plan.ep
     expert_params = max(st.expert_params for st in stages) / (tp * plan.ep)
@@ -75,17 +77,19 @@ def data_terms(
 def _replicated_terms(
     terms: DataTerms, plan: Plan, grad: float, compute: float, hardware: Hardware
 ) -> None:
-    inside = group_inside_node(plan.dp, plan.tp_size, hardware.devices_per_node)
-    full = collective_seconds("all_reduce", grad, plan.dp, inside, hardware)
+    ranks = plan.dp * plan.cp
+    inside = group_inside_node(ranks, plan.tp_size, hardware.devices_per_node)
+    full = collective_seconds("all_reduce", grad, ranks, inside, hardware)
     exposed = full
     if plan.dp_overlapped:
         bucket = min(grad, plan.overlap.dp_bucket_mb * 2**20)
-        last = collective_seconds("all_reduce", bucket, plan.dp, inside, hardware)
+        last = collective_seconds("all_reduce", bucket, ranks, inside, hardware)
         backward = 2 / 3 * plan.micro_batches * compute
         exposed = exposed_after_overlap(full, max(full - backward, last), hardware)
-    terms.exposed["dp.all_reduce"] = exposed
+    name = f"{data_group_name(plan)}.all_reduce"
+    terms.exposed[name] = exposed
     if full > exposed:
-        terms.hidden["dp.all_reduce"] = full - exposed
+        terms.hidden[name] = full - exposed
 
 
 def _sharded_terms(
@@ -97,7 +101,7 @@ def _sharded_terms(
     hardware: Hardware,
     param_bytes: int,
 ) -> None:
-    shard, dpn = plan.dp_shard, hardware.devices_per_node
+    shard, dpn = plan.shard_ranks, hardware.devices_per_node  # dp_shard, × cp under cp
     inside = group_inside_node(shard, plan.tp_size, dpn)
     layer = max(s.params for st in stages for s in st.shards if s.kind == "layer") / plan.tp_size
     root = max(st.params - st.layer_params for st in stages) / plan.tp_size  # kept gathered

@@ -198,13 +198,14 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
 def device_params(stage: Stage, plan: Plan) -> float:
     """Parameters one device of `stage` keeps between steps: non-expert parameters split by tp,
     expert parameters by tp·ep; under 3D tensor parallelism the layers' split by x·y·z and the
-    embedding and head replicated; all of it split again by dp_shard (FSDP)."""
+    embedding and head replicated; all of it split again over FSDP's `plan.shard_ranks`
+    (dp_shard, × cp under context parallelism)."""
     tp = plan.tp_size
     if plan.tp3d is not None:
         held = stage.layer_params / tp + (stage.params - stage.layer_params)
     else:
         held = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
-    return held / plan.dp_shard
+    return held / plan.shard_ranks
 
 
 def gathered_bytes(stage: Stage, plan: Plan, param_bytes: int) -> float:

@@ -7,15 +7,19 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     n_experts (MoE models); without a pipeline: recompute none, selective or full; with pp > 1:
     micro_batches a power of two (or the whole per-rank batch) dividing global_batch / dp,
     schedule gpipe, 1f1b, interleaved or shifted, recompute none or full; with tp > 1:
-    tp_subbatches 1 or 2 (overlapped tensor parallelism); and, for
-    dense models, 3D tensor parallelism tp3d = (x, y, z) × dp (powers of two, the batch split
-    over dp and then z), priced by `interlace.planner.cost3d`.
+    tp_subbatches 1 or 2 (overlapped tensor parallelism); for dense models, 3D tensor
+    parallelism tp3d = (x, y, z) × dp (powers of two, the batch split over dp and then z),
+    priced by `interlace.planner.cost3d`; and, for dense models, context parallelism
+    cp × tp × dp (cp > 1 any divisor of N / tp, both cp modes, recompute none or full: what the
+    runtime composes cp with), priced by `interlace.planner.cost_context`.
 
 Each candidate passes the Plan's own checks (values, world size, divisibility by the model's
 heads/widths/vocabulary, what the pipeline schedule can run). The runtime does not yet combine
 pipeline or tensor parallelism with expert parallelism; `Plan.validate` rejects that as "not
 implemented yet". By default the search prices them anyway (they are the layouts
-large models need); `runnable_only=True` keeps to what `Plan.validate` accepts today.
+large models need); `runnable_only=True` keeps to what `Plan.validate` accepts today. Context
+parallel plans always pass `Plan.validate` itself: the cost model prices cp only as the runtime
+composes it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.parallel.pipeline.schedule_rules import check_schedule, virtual_stages_for
-from interlace.plan import Overlap, Plan
+from interlace.plan import CP_MODES, Overlap, Plan
+from interlace.planner.context_choice import explain_context
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, Hardware
@@ -39,6 +44,8 @@ SEARCH_RECOMPUTE = ("none", "full")
 """Recompute modes the search tries with pp > 1."""
 SEARCH_BLOCK_RECOMPUTE = ("none", "selective", "full")
 """Recompute modes the search tries without a pipeline."""
+SEARCH_CONTEXT_RECOMPUTE = ("none", "full")
+"""Recompute modes the search tries with context parallelism (the runtime refuses selective)."""
 NOT_IMPLEMENTED = "not implemented yet"
 """The phrase by which `Plan.validate` marks a valid but not yet runnable plan."""
 
@@ -59,13 +66,14 @@ def power_of_two_divisors(n: int, limit: int) -> list[int]:
 
 def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool = False) -> None:
     """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
-    `runnable_only` this is `Plan.validate`; otherwise plans the runtime cannot run yet but
-    the Plan can describe (pp with tp/ep, pp with MoE) pass."""
+    `runnable_only`, and for every context parallel plan, this is `Plan.validate`; otherwise
+    plans the runtime cannot run yet but the Plan can describe (pp with tp/ep, pp with MoE)
+    pass."""
     try:
         plan.validate(n_devices, spec)
         return
     except PlanError as exc:
-        if runnable_only or NOT_IMPLEMENTED not in str(exc):
+        if runnable_only or plan.context_parallel or NOT_IMPLEMENTED not in str(exc):
             raise
     # `validate` stops at its "not implemented" check: run the checks that follow it.
     if plan.world_size != n_devices:
@@ -92,10 +100,7 @@ def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool 
 def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
     """Every plan of the search space (see the module docstring) whose batch splits evenly;
     not yet checked against the model."""
-    widths = (spec.n_heads, spec.d_model, spec.ffn_dim, spec.vocab_size)
-    for tp in powers_of_two(n_devices):
-        if any(w % tp for w in widths):
-            continue  # Plan.validate would refuse it: skip the (slow) refusal
+    for tp in _tensor_degrees(n_devices, spec):
         for pp in powers_of_two(min(n_devices // tp, spec.n_layers)):
             if n_devices % (tp * pp):
                 continue
@@ -120,6 +125,31 @@ def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Itera
                             **pipeline,
                         )
     yield from _tp3d_plans(n_devices, spec, global_batch)
+    yield from _context_plans(n_devices, spec, global_batch)
+
+
+def _tensor_degrees(n_devices: int, spec: GPTConfig) -> Iterator[int]:
+    """The 1D tensor parallel degrees to try: powers of two up to `n_devices` dividing the
+    model's heads, width, ffn width and vocabulary (`Plan.validate` would refuse the others:
+    skip the slow refusal)."""
+    widths = (spec.n_heads, spec.d_model, spec.ffn_dim, spec.vocab_size)
+    return (tp for tp in powers_of_two(n_devices) if not any(w % tp for w in widths))
+
+
+def _context_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
+    """Context parallel plans (cp × 1D tp × replicated dp, what the runtime composes cp with),
+    for dense models: every cp > 1 dividing the devices left by tp, each cp_mode, recompute
+    none or full. `check_plan` refuses what the model cannot split (seq_len into 2·cp chunks,
+    its heads over cp for the all-to-all)."""
+    if spec.is_moe:
+        return
+    for tp in _tensor_degrees(n_devices, spec):
+        for cp in divisors(n_devices // tp)[1:]:
+            dp = n_devices // (tp * cp)
+            if global_batch % dp:
+                continue
+            for mode, recompute in itertools.product(CP_MODES, SEARCH_CONTEXT_RECOMPUTE):
+                yield Plan(dp=dp, tp=tp, cp=cp, cp_mode=mode, recompute=recompute)
 
 
 def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
@@ -242,6 +272,8 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
         )
     if cost.moe:
         lines.append(explain_moe(cost))
+    if cost.context:
+        lines.append(explain_context(cost))
     for name, seconds in sorted(cost.hidden.items()):
         if seconds > 0:
             lines.append(f"{name}: {seconds:.3g} s hidden under computation.")

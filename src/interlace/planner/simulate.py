@@ -13,11 +13,11 @@ pieces are put together. The simulator replays the pipeline schedule op by op:
   not blocking its compute);
 - a checkpointed stage recomputes its forward right before each B; under `shifted` the
   recomputation does not wait for the incoming gradient, so it fills the bubble;
-- tp and ep collectives extend the F and B spans by their exposed time (a "comm" span after
-  the compute span); the part hidden under compute is drawn on the comm lane beside it;
-- the dp gradient all-reduce follows the last backward, its hidden part (DDP buckets) drawn
-  under the backward; the expert gradient all-reduce (`ep_dp`) follows it, then the optimizer
-  step.
+- tp, cp and ep collectives extend the F and B spans by their exposed time (a "comm" span
+  after the compute span); the part hidden under compute is drawn on the comm lane beside it;
+- the dp gradient all-reduce (dp_cp under cp) follows the last backward, its hidden part (DDP
+  buckets) drawn under the backward; the expert gradient all-reduce (`ep_dp`) follows it, then
+  the optimizer step.
 
 Every stage is given the slowest stage's durations, as the cost model assumes. Under that
 assumption GPipe, 1F1B and interleaved (m a multiple of p) reproduce `estimate`'s
@@ -143,11 +143,11 @@ def _pipeline_spans(t: StepTerms) -> list[Span]:
             spans.append(_span(rank, f"{kind}{mb}.{chunk}", category, start, compute))
             if comm_hidden:
                 spans.append(
-                    _span(rank, f"{kind}{mb} tp/ep (hidden)", "comm", start, comm_hidden, "comm")
+                    _span(rank, f"{kind}{mb} tp/cp/ep (hidden)", "comm", start, comm_hidden, "comm")
                 )
             end = start + compute
             if comm:
-                spans.append(_span(rank, f"{kind}{mb} tp/ep", "comm", end, comm, "comm"))
+                spans.append(_span(rank, f"{kind}{mb} tp/cp/ep", "comm", end, comm, "comm"))
                 end += comm
             done[(kind, mb, vs)] = end
             sends = (kind == "F" and vs < n_virtual - 1) or (kind == "B" and vs > 0)

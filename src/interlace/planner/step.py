@@ -3,11 +3,13 @@ parallel dimension in its own module and assembles them into `StepTerms`, which
 `planner.cost.estimate` sums and `planner.simulate` lays out on a timeline (one source for
 both).
 
-In order, on the pipeline's slowest stage per micro-batch: the compute (`cost_work`), the 1D
-and 3D tensor parallel collectives (`cost_tensor`, `cost3d`, hidden under that compute), the
-expert parallel collectives and load imbalance (`cost_moe`, whose extra expert compute joins
-the stage's); then per step the pipeline (`cost_pipeline`), the gradient all-reduces
-(`cost_data`, hidden under the backward) and the optimizer step (`cost_optimizer`).
+In order, on the pipeline's slowest stage per micro-batch (under context parallelism, of this
+rank's T/cp tokens of each sequence): the compute (`cost_work`), the 1D and 3D tensor parallel
+collectives (`cost_tensor`, `cost3d`, hidden under that compute), the context parallel ring or
+all-to-all (`cost_context`, the ring hidden under attention), the expert parallel
+collectives and load imbalance (`cost_moe`, whose extra expert compute joins the stage's);
+then per step the pipeline (`cost_pipeline`), the gradient all-reduces (`cost_data`, hidden
+under the backward) and the optimizer step (`cost_optimizer`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
 from interlace.planner.cost3d import tensor3d_terms
+from interlace.planner.cost_context import context_terms
 from interlace.planner.cost_data import data_terms
 from interlace.planner.cost_moe import check_expert_skew, expert_terms
 from interlace.planner.cost_optimizer import optimizer_seconds
@@ -39,15 +42,16 @@ class StepTerms:
     """The cost model's terms of one step, before they are summed (see the module docstring).
 
     Per micro-batch on the slowest stage (seconds): `forward` and `backward` compute (1/3 and
-    2/3 of 3F), `recompute` (the checkpointed forward); `comm` the exposed tp/ep collectives per
-    term, `comm_hidden` the part hidden under compute, and `comm_forward_share` the fraction of
-    each term's calls issued in the forward (the rest in backward and recomputation).
-    Per step: `moe` what the expert-parallel terms assumed and found (`cost_moe`): the skew,
-    the hottest device's load over the balanced one, experts replicated per layer, seconds of
-    dispatch/combine, exposed Trans and Agg (all three in `ep.all_to_all`) and of expert
-    compute beyond the balanced load (in `compute` and `recompute`); `send_recv_one` one
-    boundary transfer; `data`/`data_hidden` the data-parallel collectives per term, exposed
-    and hidden (`cost_data`: `dp.all_reduce`, `ep_dp.all_reduce`, FSDP's `dp_shard.*` and
+    2/3 of 3F), `recompute` (the checkpointed forward); `comm` the exposed tp/cp/ep collectives
+    per term, `comm_hidden` the part hidden under compute, and `comm_forward_share` the
+    fraction of each term's calls issued in the forward (the rest in backward and
+    recomputation). Per step: `moe` what the expert-parallel terms assumed and found
+    (`cost_moe`): the skew, the hottest device's load over the balanced one, experts replicated
+    per layer, seconds of dispatch/combine, exposed Trans and Agg (all three in
+    `ep.all_to_all`) and of expert compute beyond the balanced load (in `compute` and
+    `recompute`); `send_recv_one` one boundary transfer; `data`/`data_hidden` the
+    data-parallel collectives per term, exposed and hidden (`cost_data`: `dp.all_reduce`, or
+    `dp_cp.all_reduce` under context parallelism, `ep_dp.all_reduce`, FSDP's `dp_shard.*` and
     `dp_replicate.all_reduce`); `optimizer` the optimizer step (with gradient clipping) of the
     device's parameters.
     """
@@ -116,7 +120,7 @@ def step_terms(
     profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
     config = profile.config
     act_bytes = activation_bytes(dtype)
-    tokens = micro_batch_rows(plan, global_batch) * seq
+    tokens = micro_batch_rows(plan, global_batch) * seq // plan.cp
     stages = pipeline_stages(profile, plan)
     slowest = max(stages, key=lambda st: 3 * st.flops + st.recompute_flops)
     work = stage_work(plan, config, slowest, tokens, hardware, dtype)
@@ -124,6 +128,7 @@ def step_terms(
     comms = (
         tensor_terms(plan, slowest, tokens, act_bytes, d, work, hardware),
         tensor3d_terms(plan, slowest, config, tokens, act_bytes, work.rate, hardware),
+        context_terms(plan, slowest, config, tokens, act_bytes, work.rate, hardware),
     )
     expert = expert_terms(plan, config, slowest, tokens, act_bytes, work, hardware, expert_skew)
     comms += (expert.comm,)
