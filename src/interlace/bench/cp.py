@@ -1,12 +1,14 @@
 """`cp`: what context parallelism buys and costs, cp = 1, 2, 4 (the divisors of the ranks up to
 4) side by side.
 
-- **Activations.** One sequence of `seq_len` tokens per cp group (`dp = ranks / cp`) trained
+- **Activations.** `sequences` sequences of `seq_len` tokens per cp group (`dp = ranks / cp`)
+  trained
   through the Trainer; the activations per rank it measures at its measured step (the heaviest
   rank), against cp = 1's.
 - **Longest sequence under a cap.** The memory cap is cp = 1's measured step peak (everything
   a step allocates at once, state included) at `seq_len`; for each cp the sequence doubles from
-  `seq_len` while the measured step peak stays within the cap: the longest that fitted.
+  `seq_len` while the measured step peak stays within the cap, then the gap to the first length
+  that did not fit is halved twice: the longest that fitted, to a quarter of the last step.
 - **Ring transfer hidden.** Ring attention alone (forward and backward) on each rank's share of
   a sequence of `tokens_per_rank` · cp tokens, timed three ways: as it runs (transfers under
   the blocks' math), its math alone (the same pairs, every transfer replaced by a local copy)
@@ -45,11 +47,11 @@ def degrees(ranks: int) -> list[int]:
     return [cp for cp in (1, 2, 4) if ranks % cp == 0]
 
 
-def _config(options: dict[str, Any], seq_len: int, sequences: int) -> TrainConfig:
+def _config(options: dict[str, Any], seq_len: int, groups: int) -> TrainConfig:
     return TrainConfig(
         model=options["model"],
         seq_len=seq_len,
-        global_batch=sequences,
+        global_batch=groups * options["sequences"],
         steps=3,  # warm-up, DDP's bucket rebuild, the measured step
         measure_memory=True,
         out=None,
@@ -60,8 +62,8 @@ def _config(options: dict[str, Any], seq_len: int, sequences: int) -> TrainConfi
 
 
 def _measured(ctx: RankContext, cp: int, seq_len: int) -> dict[str, Any]:
-    """One sequence per cp group at `seq_len` trained 3 steps; the heaviest rank's measured
-    memory (collective)."""
+    """`sequences` sequences per cp group at `seq_len` trained 3 steps; the heaviest rank's
+    measured memory (collective)."""
     ranks = ctx.group.size
     plan = Plan(dp=ranks // cp, cp=cp)
     setup = prepare_run(_config(ctx.options, seq_len, ranks // cp), plan, ranks)
@@ -79,17 +81,29 @@ def heaviest_rank_with_peak(memory: dict[str, Any]) -> dict[str, Any]:
 
 
 def _longest(ctx: RankContext, cp: int, cap: float, start: dict[str, Any]) -> dict[str, Any]:
-    """The longest sequence, doubling from `seq_len` (whose run is `start`), whose measured step
-    peak at `cp` stays within `cap` bytes; every length that fitted, with its peak."""
-    length, peak = ctx.options["seq_len"], start["step_peak"]
-    fitted: list[dict[str, int]] = []
-    while peak <= cap:
-        fitted.append({"seq_len": length, "step_peak": peak})
-        length *= 2
-        if length > ctx.options["max_seq_len"]:
-            break
-        peak = _measured(ctx, cp, length)["step_peak"]
-    return {"longest": fitted[-1]["seq_len"] if fitted else 0, "fitted": fitted}
+    """The longest sequence whose measured step peak at `cp` stays within `cap` bytes: doubling
+    from `seq_len` (whose run is `start`), then two halvings of the gap to the first length
+    that did not fit (lengths multiples of 8, at most `max_seq_len`); every length tried."""
+    tried = [{"seq_len": ctx.options["seq_len"], "step_peak": start["step_peak"]}]
+
+    def fits(length: int) -> bool:
+        if all(t["seq_len"] != length for t in tried):
+            tried.append({"seq_len": length, **_peak(ctx, cp, length)})
+        return next(t for t in tried if t["seq_len"] == length)["step_peak"] <= cap
+
+    good, bad = ctx.options["seq_len"], None
+    if not fits(good):
+        return {"longest": 0, "tried": tried}
+    while bad is None and 2 * good <= ctx.options["max_seq_len"]:
+        good, bad = (2 * good, None) if fits(2 * good) else (good, 2 * good)
+    for _ in range(2 if bad is not None else 0):
+        middle = (good + bad) // 2 // 8 * 8
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return {"longest": good, "tried": sorted(tried, key=lambda t: t["seq_len"])}
+
+
+def _peak(ctx: RankContext, cp: int, seq_len: int) -> dict[str, int]:
+    return {"step_peak": _measured(ctx, cp, seq_len)["step_peak"]}
 
 
 def _qkv(ctx: RankContext, cp: int) -> tuple[torch.Tensor, ...]:
@@ -194,8 +208,11 @@ def check(options: dict[str, Any]) -> None:
         raise ConfigError(
             f"max_seq_len={options['max_seq_len']} must be at least seq_len={options['seq_len']}"
         )
-    if options["heads"] < 1 or options["head_dim"] < 1:
-        raise ConfigError(f"heads={options['heads']}, head_dim={options['head_dim']}: use >= 1")
+    if min(options["heads"], options["head_dim"], options["sequences"]) < 1:
+        raise ConfigError(
+            f"heads={options['heads']}, head_dim={options['head_dim']}, sequences="
+            f"{options['sequences']}: use >= 1"
+        )
     dataclasses.replace(model, seq_len=options["max_seq_len"]).validate()
 
 
@@ -225,6 +242,7 @@ BENCHMARK = Benchmark(
         "model": "tiny",
         "seq_len": 2048,
         "max_seq_len": 16384,
+        "sequences": 4,
         "tokens_per_rank": 4096,
         "heads": 4,
         "head_dim": 16,
