@@ -53,9 +53,18 @@ def serial() -> dict:
     return _steps("dp=1", 1)
 
 
+SLOW = pytest.mark.slow  # 4 and 8 ranks; `make test` keeps one case of each kind
+
+
 @pytest.mark.parametrize(
     "plan_text",
-    ["cp=2", "cp=4", "dp=2,cp=2", "cp=2,recompute=full", "cp=4,cp_mode=alltoall"],
+    [
+        "cp=2",
+        "cp=2,recompute=full",
+        pytest.param("cp=4", marks=SLOW),
+        pytest.param("dp=2,cp=2", marks=SLOW),
+        pytest.param("cp=4,cp_mode=alltoall", marks=SLOW),
+    ],
 )
 def test_context_parallel_training_equals_serial(serial, plan_text):
     world_size = Plan.parse(plan_text).world_size
@@ -69,7 +78,11 @@ def test_context_parallel_training_equals_serial(serial, plan_text):
 
 @pytest.mark.parametrize(
     "plan_text",
-    ["cp=2,tp=2", "cp=2,tp=2,sequence_parallel=true", "cp=2,tp=2,cp_mode=alltoall"],
+    [
+        "cp=2,tp=2,sequence_parallel=true",
+        pytest.param("cp=2,tp=2", marks=SLOW),
+        pytest.param("cp=2,tp=2,cp_mode=alltoall", marks=SLOW),
+    ],
 )
 def test_context_parallel_with_tensor_parallel_equals_serial(serial, plan_text):
     results = run_ranks(4, _steps, plan_text, 4)
@@ -111,7 +124,12 @@ def test_cp_counts_in_the_world_size_and_the_plan_text():
 
 @needs_hf
 @pytest.mark.parametrize(
-    ("kind", "plan_text"), [("llama", "cp=2"), ("llama", "cp=2,cp_mode=alltoall"), ("gpt2", "cp=2")]
+    ("kind", "plan_text"),
+    [
+        ("llama", "cp=2"),
+        pytest.param("llama", "cp=2,cp_mode=alltoall", marks=SLOW),
+        pytest.param("gpt2", "cp=2", marks=SLOW),
+    ],
 )
 def test_hugging_face_decoders_train_under_cp_as_in_one_process(tmp_path, kind, plan_text):
     # Llama: rotary positions, 2 key/value heads for 4 query heads; GPT-2: learned positions
@@ -136,7 +154,9 @@ def _sharded_rows_and_steps(plan_text: str, world_size: int) -> dict:
     return {"rows": mesh.rows("dp_cp"), **_steps(plan_text, world_size)}
 
 
-@pytest.mark.parametrize("plan_text", ["cp=2,dp_shard=2", "cp=2,dp_shard=2,dp=2"])
+@pytest.mark.parametrize(
+    "plan_text", ["cp=2,dp_shard=2", pytest.param("cp=2,dp_shard=2,dp=2", marks=SLOW)]
+)
 def test_fsdp_over_dp_shard_and_cp_equals_serial(serial, plan_text):
     world_size = Plan.parse(plan_text).world_size
     results = run_ranks(world_size, _sharded_rows_and_steps, plan_text, world_size, timeout=120)

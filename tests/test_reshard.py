@@ -111,6 +111,7 @@ def test_a_pipeline_of_tensor_parallel_stages_resumes_elsewhere(tmp_path):
     _check_matrix(tmp_path, BASE, ["pp=2,tp=2,micro_batches=2"], ["dp=1", "tp=2"])
 
 
+@pytest.mark.slow  # 10 runs
 def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path):
     _check_matrix(
         tmp_path, BASE, ["cp=2", "dp=2"], ["cp=2", "dp=1", "cp=2,tp=2", "cp=2,dp_shard=2"]
