@@ -221,11 +221,13 @@ BENCHMARK = Benchmark(
     summary="context parallelism: activations, longest sequence under a cap, ring hidden",
     describe=(
         "Context parallelism at cp = 1, 2, 4 (the divisors of the ranks up to 4; the other "
-        "ranks data-parallel). Activations per rank: one sequence of `seq_len` tokens per cp "
-        "group trained through the Trainer, its own measurement of the third step (the "
+        "ranks data-parallel). Activations per rank: `sequences` sequences of `seq_len` tokens "
+        "per cp group trained through the Trainer, its own measurement of the third step (the "
         "heaviest rank); the limit is 1/cp of cp = 1's. Longest sequence: the cap is cp = 1's "
         "measured step peak at `seq_len`; for each cp the sequence doubles while the measured "
-        "step peak stays within it; the limit is cp times cp = 1's. Ring transfer hidden: ring "
+        "step peak stays within it, then the gap to the first length that did not fit is "
+        "halved twice; the limit is cp times cp = 1's (less what grows with the length beside "
+        "the activations: the position table and its optimizer state). Ring transfer hidden: ring "
         "attention (forward and backward) on `tokens_per_rank` tokens per rank, as run, its "
         "math alone (transfers replaced by local copies) and its transfers alone; hidden share "
         "= (math + transfers - as run) / transfers, 1 when every transfer is under the math. "
