@@ -25,6 +25,8 @@ from typing import Any
 from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
 from interlace.finite import check_finite_fields
+from interlace.parallel.context import rules as context_rules
+from interlace.parallel.context.rules import CP_MODES
 from interlace.parallel.pipeline.schedule_rules import (
     PIPELINE_SCHEDULES,
     check_schedule,
@@ -36,7 +38,6 @@ RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
 PIPELINE_ONLY_RECOMPUTE = ("stage-aware",)
 GRAD_COMPRESSIONS = ("none", "sketch", "powersgd", "topk")
 MOE_BALANCES = ("none", "dropless", "shadow", "prophet")
-CP_MODES = ("ring", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -379,36 +380,11 @@ class Plan:
                 f"{tp3d} with sequence_parallel=true",
                 "sequence_parallel=false",
             ),
-            *self._context_pending(tp3d),
+            *context_rules.pending_with(self, tp3d),
         ]
         for active, what, fix in pending:
             if active:
                 raise PlanError(f"{what} is not implemented yet; use {fix}")
-
-    def _context_pending(self, tp3d: str) -> list[tuple[bool, str, str]]:
-        """The rows of `_check_implemented`'s table for context parallelism."""
-        cp = f"cp={self.cp}"
-        if not self.context_parallel:
-            return []
-        return [
-            (self.pipelined, f"{cp} with pp={self.pp}", "pp=1 or cp=1"),
-            (bool(tp3d), f"{cp} with {tp3d}", "1D tensor parallelism (tp=N)"),
-            (
-                self.expert_parallel,
-                f"{cp} with expert parallelism (ep={self.ep}, moe_balance={self.moe_balance})",
-                "ep=1 and moe_balance=none, or cp=1",
-            ),
-            (
-                self.overlap.tp_subbatches > 1,
-                f"{cp} with tp_subbatches={self.overlap.tp_subbatches}",
-                "tp_subbatches=1",
-            ),
-            (
-                self.recompute == "selective",
-                f"{cp} with recompute=selective",
-                "recompute=full",
-            ),
-        ]
 
     def _world_size_fix(self, world_size: int) -> str:
         others = self.pp * self.cp * self.tp_size * self.dp_shard
@@ -450,7 +426,7 @@ class Plan:
         if self.pp > 1:
             self._check_pipeline(spec)
         if self.context_parallel:
-            self._check_context(spec)
+            context_rules.check_model(self, spec)
         if self.overlap.tp_subbatches > 1 and spec.n_experts:
             raise PlanError(
                 f"tp_subbatches={self.overlap.tp_subbatches} with a Mixture-of-Experts model "
@@ -465,32 +441,6 @@ class Plan:
             raise PlanError(
                 f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
                 f"use ep in {divisors(spec.n_experts)}"
-            )
-
-    def _check_context(self, spec: Any) -> None:
-        """cp can split this model's sequences: 2·cp equal chunks, no attention dropout (ring
-        attention has none), no experts (their capacity would count one rank's tokens)."""
-        if spec.seq_len % (2 * self.cp):
-            raise PlanError(
-                f"seq_len={spec.seq_len} cannot be split into 2·cp = {2 * self.cp} equal chunks "
-                f"(cp={self.cp}); use a sequence length divisible by {2 * self.cp}"
-            )
-        if getattr(spec, "dropout", 0.0):
-            raise PlanError(
-                f"cp={self.cp} with dropout={spec.dropout}: ring attention has no attention "
-                "dropout; use a model with dropout=0, or cp=1"
-            )
-        heads = spec.n_heads // self.tp
-        if self.cp_mode == "alltoall" and heads % self.cp:
-            raise PlanError(
-                f"cp_mode=alltoall splits a rank's {heads} attention heads (n_heads="
-                f"{spec.n_heads} / tp={self.tp}) over cp={self.cp}; use cp dividing {heads}, "
-                "or cp_mode=ring"
-            )
-        if spec.n_experts:
-            raise PlanError(
-                f"cp={self.cp} with a Mixture-of-Experts model is not implemented yet (each "
-                "rank's expert capacity would count its share of the tokens); use cp=1"
             )
 
     def _check_tp3d(self, spec: Any) -> None:

@@ -30,7 +30,7 @@ from interlace import comm
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.cp_report import headline, key_numbers, plot, table
 from interlace.bench.memory_report import heaviest_rank
-from interlace.bench.timing import sample, slowest
+from interlace.bench.timing import median, sample, slowest
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
@@ -139,12 +139,12 @@ def _ring_times(ctx: RankContext, cp: int) -> dict[str, float]:
     def local(tensor: torch.Tensor, group: comm.Group, tag: int = 0, meter=None):
         return tensor.clone(), []
 
-    as_run = _median(sample(attention, ctx.group))
-    transfer = _median(sample(transfers, ctx.group))
+    as_run = median(sample(attention, ctx.group))
+    transfer = median(sample(transfers, ctx.group))
     real_pass = ring_module.comm.ring_pass
     ring_module.comm.ring_pass = local
     try:
-        math = _median(sample(attention, ctx.group))
+        math = median(sample(attention, ctx.group))
     finally:
         ring_module.comm.ring_pass = real_pass
     hidden = (math + transfer - as_run) / transfer if transfer > 0 else 1.0
@@ -154,11 +154,6 @@ def _ring_times(ctx: RankContext, cp: int) -> dict[str, float]:
         "transfer_s": transfer,
         "hidden": min(1.0, max(0.0, hidden)),
     }
-
-
-def _median(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[len(ordered) // 2]
 
 
 def work_balance(seq_len: int, cp: int) -> float:

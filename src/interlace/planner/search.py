@@ -31,8 +31,9 @@ from dataclasses import replace
 from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
+from interlace.parallel.context.rules import CP_MODES
 from interlace.parallel.pipeline.schedule_rules import check_schedule, virtual_stages_for
-from interlace.plan import CP_MODES, Overlap, Plan
+from interlace.plan import Overlap, Plan
 from interlace.planner.context_choice import explain_context
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew

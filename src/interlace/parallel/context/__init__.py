@@ -1,7 +1,4 @@
-"""Context parallelism: each sequence split over the cp ranks of a group, zig-zag (`zigzag`), with
-causal attention computed exactly by a ring of key/value blocks (`ring`)."""
-
-from interlace.parallel.context.ring import ring_attention
-from interlace.parallel.context.zigzag import shard_sequence, unshard_sequence, zigzag_positions
-
-__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "zigzag_positions"]
+"""Context parallelism (`plan.cp`, mesh groups "cp" and "dp_cp"): each sequence split over the cp
+ranks of a group, zig-zag (`zigzag`), attention exact by a ring of key/value blocks (`ring`) or
+by heads ↔ sequence exchanges (`alltoall`), the model's seams (`apply`, and `hf` for Hugging
+Face decoders), and the plan's rules (`rules`, torch-free)."""

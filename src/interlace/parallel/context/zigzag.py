@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from interlace.errors import PlanError
+from interlace.parallel.context.rules import check_divisible
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     """The two chunk indices (of 2·cp) rank `rank` holds: (rank, 2·cp − 1 − rank)."""
     return rank, 2 * cp - 1 - rank
-
-
-def check_divisible(seq_len: int, cp: int) -> None:
-    """Refuse a sequence length that 2·cp chunks cannot split evenly."""
-    if seq_len % (2 * cp):
-        raise PlanError(
-            f"seq_len={seq_len} cannot be split into 2·cp = {2 * cp} equal chunks (cp={cp}); "
-            f"use a sequence length divisible by {2 * cp}"
-        )
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -41,15 +32,3 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     check_divisible(x.shape[dim], cp)
     chunks = x.chunk(2 * cp, dim=dim)
     return torch.cat([chunks[c] for c in zigzag_chunks(cp, rank)], dim=dim)
-
-
-def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's share (`shards[r]` is rank r's, [..., T / cp, ...]),
-    in global order: the inverse of `shard_sequence`."""
-    cp = len(shards)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for rank, shard in enumerate(shards):
-        first, second = shard.chunk(2, dim=dim)
-        low, high = zigzag_chunks(cp, rank)
-        chunks[low], chunks[high] = first, second
-    return torch.cat(chunks, dim=dim)

@@ -1,0 +1,68 @@
+"""The rules of context parallelism that a Plan checks before anything starts (no torch here, so
+that `interlace.plan` can import them): its modes, the sequence split, the models it can split
+and the combinations it does not run yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from interlace.errors import PlanError
+
+CP_MODES = ("ring", "alltoall")
+"""How context-parallel ranks attend: key/value blocks around a ring, or heads ↔ sequence."""
+
+
+def check_divisible(seq_len: int, cp: int) -> None:
+    """Refuse a sequence length that 2·cp zig-zag chunks cannot split evenly."""
+    if seq_len % (2 * cp):
+        raise PlanError(
+            f"seq_len={seq_len} cannot be split into 2·cp = {2 * cp} equal chunks (cp={cp}); "
+            f"use a sequence length divisible by {2 * cp}"
+        )
+
+
+def pending_with(plan: Any, tp3d: str) -> list[tuple[bool, str, str]]:
+    """`plan`'s rows of the table of combinations not implemented yet (active, what, fix);
+    `tp3d` names its 3D grid ("" without one)."""
+    if not plan.context_parallel:
+        return []
+    cp = f"cp={plan.cp}"
+    return [
+        (plan.pipelined, f"{cp} with pp={plan.pp}", "pp=1 or cp=1"),
+        (bool(tp3d), f"{cp} with {tp3d}", "1D tensor parallelism (tp=N)"),
+        (
+            plan.expert_parallel,
+            f"{cp} with expert parallelism (ep={plan.ep}, moe_balance={plan.moe_balance})",
+            "ep=1 and moe_balance=none, or cp=1",
+        ),
+        (
+            plan.overlap.tp_subbatches > 1,
+            f"{cp} with tp_subbatches={plan.overlap.tp_subbatches}",
+            "tp_subbatches=1",
+        ),
+        (plan.recompute == "selective", f"{cp} with recompute=selective", "recompute=full"),
+    ]
+
+
+def check_model(plan: Any, spec: Any) -> None:
+    """PlanError unless `plan`'s cp can split model `spec` (GPTConfig-like): 2·cp equal chunks,
+    no attention dropout (neither mode has any), cp dividing a rank's heads under `alltoall`,
+    no experts (their capacity would count one rank's share of the tokens)."""
+    check_divisible(spec.seq_len, plan.cp)
+    if getattr(spec, "dropout", 0.0):
+        raise PlanError(
+            f"cp={plan.cp} with dropout={spec.dropout}: ring attention has no attention "
+            "dropout; use a model with dropout=0, or cp=1"
+        )
+    heads = spec.n_heads // plan.tp
+    if plan.cp_mode == "alltoall" and heads % plan.cp:
+        raise PlanError(
+            f"cp_mode=alltoall splits a rank's {heads} attention heads (n_heads="
+            f"{spec.n_heads} / tp={plan.tp}) over cp={plan.cp}; use cp dividing {heads}, "
+            "or cp_mode=ring"
+        )
+    if spec.n_experts:
+        raise PlanError(
+            f"cp={plan.cp} with a Mixture-of-Experts model is not implemented yet (each "
+            "rank's expert capacity would count its share of the tokens); use cp=1"
+        )
