@@ -5,10 +5,11 @@ ADMM (`interlace.svm.admm`). `NonconvexSVC` is the scikit-learn estimator; `regu
 fits a decreasing λ sequence; `interlace.svm.select` picks λ by cross-validation;
 `interlace.svm.consensus.fit_consensus` splits the rows across torch.distributed ranks;
 `SVMSettings` holds the settings that all of them take. Needs the `svm` extra (scikit-learn,
-scipy).
+scipy, highspy).
 """
 
 try:
+    import highspy  # noqa: F401
     import scipy  # noqa: F401
     import sklearn  # noqa: F401
 except ModuleNotFoundError as missing:  # pragma: no cover - depends on the environment
