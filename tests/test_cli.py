@@ -253,6 +253,14 @@ def test_plan_describes_gpt3_on_eight_data_parallel_ranks(capsys):
     assert re.search(r"^plan\s+dp=8", out, re.M)
     # fp32 weights + grads + AdamW state = 16 bytes per parameter, unsharded under dp alone.
     assert f"{params * 16 / 2**30:.2f} GiB" in out
+    assert re.search(r"^fits\s+no: more than one device", out, re.M)
+    assert (
+        main(["plan", "--model", "gpt3-175b", "--plan", "pp=8,micro_batches=8", "--nproc", "8"])
+        == 0
+    )
+    assert "fits        no" in capsys.readouterr().out  # 325 GiB a rank: still no device
+    assert main(["plan", "--model", "gpt2-124m", "--plan", "dp=8", "--nproc", "8"]) == 0
+    assert "fits" not in capsys.readouterr().out
 
 
 def test_plan_list_names_every_preset(capsys):

@@ -22,6 +22,7 @@ from interlace.bench.compress_workloads import (
 )
 from interlace.compress import make_comm_hook
 from interlace.errors import ConfigError
+from interlace.report import summarize, write_report
 from interlace.testing import run_ranks
 
 _KEEP_ALIVE: list = []
@@ -266,3 +267,22 @@ def test_density_probe_reports_each_bucket():
     )
     assert len(densities) > 1 and all(0 < d < 0.2 for d in densities.values())  # tables dominate
     assert r0["params"]["tables.0.weight"] < 0.1 and r0["params"]["mlp.0.weight"] > 0.9
+
+
+@pytest.mark.parametrize(("ratios", "noted"), [([1.03, 1.02], True), ([1.03, 0.81], False)])
+def test_a_run_whose_compression_sends_the_dense_bytes_says_so(tmp_path, ratios, noted):
+    steps = enumerate(ratios)
+    rows = [
+        {
+            "step": i + 1,
+            "loss": 1.0,
+            "step_time_s": 1.0,
+            "tokens_per_s": 1.0,
+            "compression_ratio": r,
+        }
+        for i, r in steps
+    ]
+    report = summarize(rows)
+    assert report["compression_ratio"] == ratios[-1]
+    notes = write_report(tmp_path, {**report, "title": "t"})
+    assert any("compression sent" in note for note in notes) == noted

@@ -209,7 +209,7 @@ def test_json_lines_are_a_document_each_whatever_the_work_units(
     _write_jsonl(tmp_path / "in.jsonl", texts, field="body")
     with (tmp_path / "in.jsonl").open("a") as f:
         f.write("\n")  # a blank line is no document either
-    monkeypatch.setattr(prepare_module, "JSONL_CHUNK_BYTES", 300)  # about 6 lines a unit
+    monkeypatch.setattr(prepare_module, "UNIT_BYTES", 300)  # about 6 lines a unit
     assert len(list(prepare_module.work_units([tmp_path / "in.jsonl"]))) > 5
     out = tmp_path / "shards"
     index = prepare_shards(

@@ -296,6 +296,15 @@ def test_gpt3_on_1024_a100_keeps_tensor_parallelism_inside_a_node():
     assert pad_vocab(spec, 1).vocab_size == 50257 and pad_vocab(spec, 128).vocab_size == 50304
 
 
+def test_explain_on_local_hardware_names_its_measured_peak_and_small_rates():
+    cpu = local(80e9, 1e9, devices_per_node=2)  # 0.08 TFLOP/s: a CPU's measured matmul rate
+    best = search(get_preset("demo"), cpu, 2, global_batch=32, dtype="fp32")[0]
+    text = explain(best).splitlines()[0]
+    assert f"{best.tflops_per_device:.3g} TFLOP/s" in text and " 0 TFLOP/s" not in text
+    assert "of the measured matmul rate" in text and "MFU" not in text
+    assert "MFU" in explain(search(get_preset("gpt2-124m"), get_hardware("dgx-a100"), 8, 64)[0])
+
+
 # ----------------------------------------------------------------- hardware and model input
 def test_hardware_presets_and_errors():
     assert {"dgx-a100", "perlmutter", "dgx-h100", "frontier", "rtx3090-ib"} <= set(PRESETS)

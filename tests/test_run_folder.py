@@ -17,9 +17,13 @@ import pytest
 
 from interlace.checkpoint import _os_error_of, checkpoint_name, verify_checkpoint
 from interlace.cli import main
+from interlace.errors import ConfigError
 from interlace.models.presets import get_preset
+from interlace.plan import Plan
 from interlace.report import MetricsLog, read_metrics
 from interlace.run_folder import append_line, checkpoint_bytes
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
 from test_cli import checkpoint_dir, corrupt_a_shard, expect_usage_error, run_files, train_args
 
 
@@ -85,6 +89,38 @@ def test_disk_filling_during_the_run_stops_it_with_one_line_and_exit_3(capsys, m
     assert checkpoint_dir(out).name == checkpoint_name(2)
     verify_checkpoint(checkpoint_dir(out), {})
     assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_offers_overwrite_not_resume(
+    capsys, tmp_path, monkeypatch
+):
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path))
+
+    monkeypatch.setattr("interlace.train.trainer.save_checkpoint", disk_full)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(train_args(out, 4, "--ckpt-every", "2", "--eval-every", "0")) == 3
+    (stopped,) = stderr_lines(capsys)
+    assert "no checkpoint was finished yet" in stopped and "--overwrite" in stopped, stopped
+    assert "--resume" not in stopped
+    rerun = expect_usage_error(capsys, train_args(out, 4), "stopped before its first checkpoint")
+    assert "--resume" not in rerun and "--overwrite" in rerun
+    resumed = expect_usage_error(capsys, [*train_args(out, 4), "--resume"], "nothing to resume")
+    assert "--overwrite" in resumed
+
+
+def test_trainer_fit_refuses_an_earlier_run_as_the_cli_does(tmp_path):
+    out = tmp_path / "run"
+    config = TrainConfig(model="tiny", steps=1, eval_every=0, out=str(out), measure_memory=False)
+    setup = prepare_run(config.validate(), Plan(), 1)
+    Trainer(setup).fit()
+    first = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"already holds a run .*--resume.*--overwrite"):
+        Trainer(setup).fit()
+    assert (out / "metrics.jsonl").read_text() == first  # nothing touched
+    Trainer(setup).fit(earlier_run="overwrite")
+    assert len(read_metrics(out / "metrics.jsonl")) == 1
 
 
 def test_temporaries_of_an_interrupted_run_are_removed_at_start(tmp_path):

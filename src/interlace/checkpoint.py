@@ -278,6 +278,11 @@ def resolve_checkpoint(path: Path) -> Path:
             return _newest_valid(candidate, candidate / latest.read_text().strip())
     if not path.exists():
         raise CheckpointError(f"checkpoint path '{path}' does not exist")
+    if (path / "metrics.jsonl").exists():
+        raise CheckpointError(
+            f"'{path}' holds a run that stopped before its first checkpoint, so there is "
+            "nothing to resume: start it again with --overwrite instead of --resume"
+        )
     raise CheckpointError(f"'{path}' holds no checkpoint (no {_META}, no checkpoints/{_LATEST})")
 
 
@@ -395,11 +400,12 @@ def load_checkpoint(
     model_state, optim_state, viewed = _stored(model_state, optim_state, storage)
     sliced = sliced_names(model)
     # DCP keeps one copy of non-tensor values, so ranks holding different parameters (pipeline
-    # stages) would get another rank's param_groups: keep this rank's own (hyper-parameters
-    # come from the run's config, the per-parameter state from the checkpoint)
+    # stages) would get another rank's param_groups: keep this rank's own, unread (hyper-
+    # parameters come from the run's config, the per-parameter state from the checkpoint;
+    # the groups of AdamW with other --optimizer-state name other settings)
     param_groups = copy.deepcopy(optim_state["param_groups"])
     rows, optim_rows = one_key_per_row(model_state, optim_state, sliced)
-    state = {"model": rows, "optim": optim_rows}
+    state = {"model": rows, "optim": {"state": optim_rows["state"]}}
     try:
         with single_process_is_intended():
             dcp.load(state, checkpoint_id=path)

@@ -11,7 +11,6 @@ import argparse
 import math
 import os
 import shlex
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,22 +18,36 @@ from typing import TYPE_CHECKING
 
 from interlace import __version__
 from interlace.config_args import add_dataclass_args, dataclass_from_args
+from interlace.config_file import (
+    CONFIG_FILE,
+    apply_settings,
+    describe_changes,
+    given_options,
+    read_config,
+    resolved_settings,
+    write_config,
+)
+from interlace.earlier_run import clear_earlier_run, refuse_earlier_run
 from interlace.errors import ConfigError, InterlaceError, NonFiniteError, OutputError, RunStopped
 from interlace.models.config import GPTConfig
 from interlace.models.presets import PRESETS, get_preset
 from interlace.plan import Plan
-from interlace.report import LOAD_PLOT, LOSS_PLOT, METRICS, REPORT
 from interlace.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from interlace.train import RunSetup
 
-_RUN_FILES = (METRICS, REPORT, LOSS_PLOT, LOAD_PLOT, "checkpoints")
-
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     """The `train` options: every TrainConfig field, then the run's own (ranks, plan, resume)."""
     add_dataclass_args(p, TrainConfig)
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="read the run's settings from a TOML file: TrainConfig fields, plan, nproc, "
+        "max_restarts (a run folder's config.toml repeats that run); options given here win",
+    )
     p.add_argument(
         "--nproc",
         type=int,
@@ -113,24 +126,15 @@ def _check_out_dir(args: argparse.Namespace, setup: RunSetup) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out '{out}' exists and is not a folder")
     check_writable(out, checkpoint_bytes(setup.model_config.num_params()))
-    earlier = [name for name in _RUN_FILES if (out / name).exists()]
-    if earlier and args.resume is None and not args.overwrite:
-        raise ConfigError(
-            f"--out '{out}' already holds a run ({', '.join(earlier)}); pass "
-            "--resume to continue it, --overwrite to replace it, or another --out"
-        )
+    if args.resume is None and not args.overwrite:
+        refuse_earlier_run(out)
 
 
 def _clear_out_dir(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.overwrite and args.resume is None:
-        for name in _RUN_FILES:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
+        clear_earlier_run(out)
 
 
 def _resolve_auto_resume(args: argparse.Namespace) -> None:
@@ -143,21 +147,51 @@ def _resolve_auto_resume(args: argparse.Namespace) -> None:
         args.resume = "auto"
     if args.resume != "auto":
         return
-    checkpoints = Path(args.out) / "checkpoints"
-    saved = any(not p.name.endswith(".tmp") for p in checkpoints.glob("step-*"))
+    from interlace.run_folder import holds_checkpoint
+
+    saved = holds_checkpoint(Path(args.out))
     args.resume, args.overwrite = ("", False) if saved else (None, True)
 
 
-def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from interlace.launch import in_launched_rank, launch_local
+def _layer_settings(args: argparse.Namespace, argv: list[str]) -> dict | None:
+    """Fill `args` from the settings beneath the options `argv` gives: the --config file, then,
+    when resuming, the run's own config.toml in --out (its `out` aside); resolves --resume auto.
+    Returns the run's saved settings (None unless resuming from some)."""
+    keep = given_options(_add_train_args, argv)
+    if args.config is not None:
+        settings = read_config(args.config)
+        apply_settings(args, settings, keep)
+        keep |= settings.keys()
+    _resolve_auto_resume(args)
+    saved_file = Path(args.out) / CONFIG_FILE
+    if args.resume is None or not saved_file.is_file():
+        return None
+    saved = read_config(saved_file)
+    apply_settings(args, saved, keep | {"out"})
+    return saved
 
+
+def _record_settings(args: argparse.Namespace, setup: RunSetup, saved: dict | None) -> None:
+    """Keep the run's resolved settings as config.toml in --out, first saying what changed
+    against the `saved` ones of a resumed run (by the one process, or rank 0)."""
+    settings = resolved_settings(setup.config, setup.plan, args.max_restarts)
+    file = Path(args.out) / CONFIG_FILE
+    if saved is not None:
+        print(f"interlace: {describe_changes(saved, settings, file)}", file=sys.stderr)
+    write_config(file, settings)
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from interlace.launch import in_launched_rank, launch_local, quiet_when_a_peer_is_lost
+
+    saved = _layer_settings(args, argv)
     if in_launched_rank():
-        return _train_rank(args)
+        with quiet_when_a_peer_is_lost():
+            return _train_rank(args, saved)
     if args.nproc < 1:
         raise ConfigError(f"--nproc={args.nproc} must be >= 1")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0 (0: no restart)")
-    _resolve_auto_resume(args)
     config = dataclass_from_args(TrainConfig, args).validate()
     if args.plan == "auto":
         argv = _choose_plan(args, argv, config)
@@ -172,22 +206,24 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc > 1 or args.max_restarts:
         launch_local(args.nproc, ["interlace.train", *argv], args.max_restarts)
         return 0
+    _record_settings(args, setup, saved)
     trainer = Trainer(setup)
     if checkpoint is not None:
         trainer.resume(checkpoint)
-    _print_summary(trainer.fit(), args.out)
+    _print_summary(trainer.fit(earlier_run="keep"), args.out)
     return 0
 
 
 def _choose_plan(args: argparse.Namespace, argv: list[str], config: TrainConfig) -> list[str]:
     """`--plan auto`: print the planner's choice for this machine and --nproc, set it as
-    args.plan and return `argv` with it in place of "auto" (for the launched ranks)."""
+    args.plan and return `argv` with it in place of "auto", or added last where "auto" came
+    from a --config file (for the launched ranks)."""
     from interlace.planner.auto import choose_plan, describe_choice
 
     chosen, ranked = choose_plan(config, args.nproc)
     print(describe_choice(chosen, ranked))
     args.plan = str(chosen.plan)
-    return [
+    ranks_argv = [
         f"--plan={args.plan}"
         if a == "--plan=auto"
         else args.plan
@@ -195,10 +231,12 @@ def _choose_plan(args: argparse.Namespace, argv: list[str], config: TrainConfig)
         else a
         for i, a in enumerate(argv)
     ]
+    return ranks_argv if ranks_argv != argv else [*argv, f"--plan={args.plan}"]
 
 
-def _train_rank(args: argparse.Namespace) -> int:
-    """One rank under torchrun or `interlace train --nproc N`."""
+def _train_rank(args: argparse.Namespace, saved: dict | None) -> int:
+    """One rank under torchrun or `interlace train --nproc N`; `saved`: the settings of the
+    resumed run (`_layer_settings`)."""
     import torch.distributed as dist
 
     from interlace.launch import die_with_launcher, init_from_env
@@ -206,7 +244,6 @@ def _train_rank(args: argparse.Namespace) -> int:
     from interlace.train import Trainer, prepare_run
 
     die_with_launcher()
-    _resolve_auto_resume(args)
     device = init_from_env()
     try:
         plan = Plan.parse_for(args.plan or "", dist.get_world_size())
@@ -216,11 +253,13 @@ def _train_rank(args: argparse.Namespace) -> int:
             _report_restart(checkpoint)
             _check_out_dir(args, setup)
             _clear_out_dir(args)
-        dist.barrier()
+        dist.barrier()  # every rank has read the settings that rank 0 now replaces
+        if dist.get_rank() == 0:
+            _record_settings(args, setup, saved)
         trainer = Trainer(setup, build_mesh(plan, device), trace=args.trace)
         if checkpoint is not None:
             trainer.resume(checkpoint)
-        report = trainer.fit()
+        report = trainer.fit(earlier_run="keep")  # checked and cleared above
         if dist.get_rank() == 0:
             _print_summary(report, args.out)
     finally:
@@ -283,6 +322,14 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="world size to check the plan against")
     p.add_argument("--list", action="store_true", help="list the model presets and exit")
     p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="take --model, --plan, --nproc, --seq, --global-batch and --optimizer-state from a "
+        "train settings file (model, plan, nproc, seq_len, global_batch, optimizer_state); "
+        "options given here win",
+    )
+    p.add_argument(
         "--show-stages",
         action="store_true",
         help="with pp > 1: the pipeline split, each stage's layers, cost and memory",
@@ -298,9 +345,25 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     add_planner_args(p)
 
 
+_PLAN_SETTINGS = {
+    "model": "model",
+    "plan": "plan",
+    "nproc": "nproc",
+    "seq_len": "seq",
+    "global_batch": "global_batch",
+    "optimizer_state": "optimizer_state",
+}
+"""The `interlace plan` options (values) a train settings file gives (keys)."""
+
+
 def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     from interlace.mesh import mesh_dims
+    from interlace.planner.bytes import state_bytes_per_param
 
+    if args.config is not None:
+        settings = read_config(args.config)
+        picked = {dest: settings[key] for key, dest in _PLAN_SETTINGS.items() if key in settings}
+        apply_settings(args, picked, given_options(_add_plan_args, argv))
     if args.list:
         for name, cfg in PRESETS.items():
             kind = f"MoE {cfg.n_experts} experts top-{cfg.top_k}" if cfg.is_moe else "dense"
@@ -325,13 +388,29 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         "(outermost first)"
     )
     print(f"model       {args.model}: {params:,} parameters")
+    state = state_bytes_per_param(args.optimizer_state) * params / shard
     print(
-        f"memory/rank {params * 16 / shard / 2**30:.2f} GiB for fp32 weights + grads + AdamW "
-        "state (activations not included)"
+        f"memory/rank {state / 2**30:.2f} GiB for fp32 weights + grads + "
+        f"{args.optimizer_state} AdamW moments (activations not included)"
     )
+    _say_if_no_device_holds(state)
     if args.show_stages:
         _show_stages(model, plan, args.micro_batch_rows)
     return 0
+
+
+def _say_if_no_device_holds(state_bytes: float) -> None:
+    """One line when a rank's weights, gradients and optimizer state alone exceed the memory of
+    every device the hardware presets know."""
+    from interlace.planner.hardware import PRESETS as HARDWARE
+
+    largest = max(HARDWARE.values(), key=lambda hardware: hardware.memory_bytes)
+    if state_bytes > largest.memory_bytes:
+        print(
+            f"fits        no: more than one device of any hardware preset holds (at most "
+            f"{largest.memory_bytes / 2**30:.0f} GiB, {largest.name}); split the model over "
+            "more ranks (dp_shard, tp, pp) or let `interlace plan --search` choose"
+        )
 
 
 def _show_stages(model_config: GPTConfig, plan: Plan, rows: int) -> None:
@@ -483,7 +562,7 @@ _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _add_export_args,
         _export,
     ),
-    "svm": ("fit a sparse SVM with a nonconvex penalty by ADMM", _add_svm_args, _svm),
+    "svm": ("fit a sparse linear SVM with a nonconvex penalty", _add_svm_args, _svm),
     "bench": (
         "measure side by side on an emulated, bandwidth-shaped cluster",
         _add_bench_args,
@@ -492,8 +571,10 @@ _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser: `interlace <command> [options]`."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: `interlace <command> [options]`. With `only`, the options of that
+    command alone are declared (the others keep their name and help), so a command does not
+    import what another's options need (scikit-learn for `svm`, each bench's settings)."""
     parser = argparse.ArgumentParser(
         prog="interlace",
         description="Hybrid-parallel training of dense and Mixture-of-Experts transformers.",
@@ -501,14 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"interlace {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_args, _) in _COMMANDS.items():
-        add_args(
-            sub.add_parser(
-                name,
-                help=help_text,
-                description=help_text,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-            )
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
+        if only in (None, name):
+            add_args(command)
     return parser
 
 
@@ -521,7 +602,23 @@ def _failed(error: Exception, exit_code: int = 1) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `interlace` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        return _run_command(argv)
+    except KeyboardInterrupt:  # the ranks of `--nproc N` leave the one line to their launcher
+        from interlace.launch import rank_of_local_launch
+
+        if not rank_of_local_launch():
+            print("interlace: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) left; stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (no flush error at exit)
+        return 0
+
+
+def _run_command(argv: list[str]) -> int:
+    """Parse `argv` and run its command; an error it reports becomes one line and its code."""
+    named = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(named if named in _COMMANDS else None).parse_args(argv)
     from interlace.launch import LaunchFailed
 
     try:
@@ -536,12 +633,6 @@ def main(argv: list[str] | None = None) -> int:
         if exc.exit_code in (OutputError.exit_code, NonFiniteError.exit_code):
             return exc.exit_code  # the rank printed its one line
         return _failed(exc, exc.exit_code)
-    except KeyboardInterrupt:
-        print("interlace: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader (e.g. `| head`) left; stop quietly
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (no flush error at exit)
-        return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ started it (`die_with_launcher`), so a killed launcher leaves no rank training o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
@@ -12,15 +13,26 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from interlace.mesh import backend_for, default_device
 
 _PR_SET_PDEATHSIG = 1
+
+PEER_LOST = 75
+"""A launched rank's exit code when it stopped because another rank's connection went away."""
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo's errors say when the rank at the other end of a pair has gone."""
+
+_LOCAL_LAUNCH = "INTERLACE_LOCAL_LAUNCH"
+"""Set by `launch_local` for the ranks it starts (`rank_of_local_launch`)."""
 
 
 class LaunchFailed(RuntimeError):
@@ -38,7 +50,9 @@ def launch_local(nproc: int, module_args: list[str], max_restarts: int = 0) -> N
     `restart_count()`).
 
     Sets OMP_NUM_THREADS to share the cores between ranks unless the user set it. Raises
-    LaunchFailed with the first failing rank's error once no restart is left.
+    LaunchFailed with the first failing rank's error once no restart is left, KeyboardInterrupt
+    when the launcher gets SIGINT (Ctrl-C), and LaunchFailed with exit code 128 + N for
+    another signal N (the elastic agent stops every rank first, as it does for SIGINT).
     """
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if max_restarts:
@@ -46,7 +60,13 @@ def launch_local(nproc: int, module_args: list[str], max_restarts: int = 0) -> N
         # keys outlive a restart: restarted ranks read the dead ranks' gloo addresses there
         # and fail to connect. torch's opt-out gives each start a store of its own.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    os.environ[_LOCAL_LAUNCH] = "1"
+    # The agent's own lines (a signal received, a rank failed) repeat what the one line the
+    # command prints says; the failure itself reaches ChildFailedError below. torch sets a
+    # level on each of its modules' loggers, so each is quieted by name.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -60,12 +80,59 @@ def launch_local(nproc: int, module_args: list[str], max_restarts: int = 0) -> N
     )
     try:
         elastic_launch(config, sys.executable)("-u", "-m", *module_args)
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        name = signal.Signals(exc.sigval).name
+        raise LaunchFailed(f"stopped by {name}", 128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise LaunchFailed(
-            f"rank {rank} failed (exit code {failure.exitcode}); its output is above",
-            failure.exitcode if failure.exitcode > 0 else 1,
-        ) from None
+        rank, failure = _root_failure(exc)
+        if failure.exitcode < 0:
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+        elif failure.exitcode == PEER_LOST:
+            how = "and every other rank lost their connections to each other"
+        else:
+            how = f"failed (exit code {failure.exitcode}); its error is above"
+        raise LaunchFailed(f"rank {rank} {how}", max(failure.exitcode, 1)) from None
+
+
+def _root_failure(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank whose failure stopped the job, and how: the earliest failure (by the agent's
+    timestamps, whole seconds) that is neither a rank that lost a peer (`PEER_LOST`) nor one the
+    agent stopped with SIGTERM after the first failure; the earliest of all where every failure
+    is one of those."""
+
+    def consequence(failure: ProcessFailure) -> bool:
+        return failure.exitcode in (PEER_LOST, -signal.SIGTERM)
+
+    ranked = sorted(failed.failures.items(), key=lambda f: (consequence(f[1]), f[1].timestamp))
+    return ranked[0]
+
+
+@contextlib.contextmanager
+def quiet_when_a_peer_is_lost() -> Iterator[None]:
+    """Around a launched rank's work: an error that only says another rank's connection went
+    away (that rank failed, and its own error is the reason) exits with `PEER_LOST` and, under
+    `launch_local`, no word (else one line), instead of a traceback of the broken collective."""
+    try:
+        yield
+    except Exception as error:
+        if not _lost_a_peer(error):
+            raise
+        if not rank_of_local_launch():
+            print(f"interlace: rank {os.environ.get('RANK', '?')} lost a peer", file=sys.stderr)
+        raise SystemExit(PEER_LOST) from None
+
+
+def _lost_a_peer(error: BaseException | None) -> bool:
+    """Whether `error` (or an error it was raised from) is a broken connection to another rank."""
+    while error is not None:
+        if isinstance(error, dist.DistNetworkError) or any(
+            sign in str(error) for sign in _PEER_GONE
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def restart_count() -> int:
@@ -87,6 +154,12 @@ def die_with_launcher() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
+
+
+def rank_of_local_launch() -> bool:
+    """True inside a rank `launch_local` started (`interlace train --nproc N`): its launcher
+    reports an interrupt once for every rank, so the rank stops without a word."""
+    return in_launched_rank() and _LOCAL_LAUNCH in os.environ
 
 
 def in_launched_rank() -> bool:

@@ -55,14 +55,18 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """{"parameters", "gradients", "optimizer"}: bytes of this rank's parameters, of their
-    gradients (where set) and of the optimizer's state tensors."""
+    """{"parameters", "gradients", "optimizer", "optimizer_saved"}: bytes of this rank's
+    parameters, of their gradients (where set) and of the optimizer's state tensors, and how
+    many fewer those take than in fp32 (bf16 moments: as many as they take)."""
     params = list(model.parameters())
     states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [s for s in states if s.dim() > 0]
+    held = storage_bytes(tensors)
     return {
         "parameters": storage_bytes(params),
         "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
-        "optimizer": storage_bytes(s for s in states if s.dim() > 0),
+        "optimizer": held,
+        "optimizer_saved": 4 * sum(local_tensor(s).numel() for s in tensors) - held,
     }
 
 
@@ -224,9 +228,11 @@ def describe_memory(memory: dict[str, Any]) -> str:
         predicted["activations"] + predicted["recompute_working_set"] + predicted["fsdp_gathered"]
     )
     mib = 2**20
+    saved = mine.get("optimizer_saved", 0)
+    low_state = f"; low-precision optimizer states save {saved / mib:.1f}" if saved else ""
     return (
         f"memory at step {memory['step']}, rank {rank}: parameters + gradients + optimizer "
-        f"{state / mib:.1f} MiB (estimate {predicted['params_grads_optimizer'] / mib:.1f}), "
-        f"activations {mine['activations'] / mib:.1f} MiB (estimate {extra / mib:.1f}), step "
-        f"peak {mine['step_peak'] / mib:.1f} MiB"
+        f"{state / mib:.1f} MiB (estimate {predicted['params_grads_optimizer'] / mib:.1f}"
+        f"{low_state}), activations {mine['activations'] / mib:.1f} MiB (estimate "
+        f"{extra / mib:.1f}), step peak {mine['step_peak'] / mib:.1f} MiB"
     )

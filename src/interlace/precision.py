@@ -6,7 +6,8 @@ tables list with them) compute in the low dtype and everything that flows betwee
 forward — tensor-parallel reductions, pipeline activations, expert tokens — carries that dtype.
 The loss and softmax statistics stay fp32 (autocast's fp32 list; `interlace.loss` upcasts the
 logits). fp16 also scales the loss against underflow (`grad_scaler`); bf16 has fp32's range and
-needs no scaler.
+needs no scaler. (AdamW's moments are the one exception, bf16 under `optimizer_state=bf16`:
+`optim_lowbit`.) fp8 is a name a run may give, refused before launch (`fp8_refusal`).
 """
 
 from __future__ import annotations
@@ -28,17 +29,44 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
 """The dtypes the data-parallel gradient all-reduce can send (`grad_reduce_dtype`)."""
 
+FP8 = "fp8"
+"""float8 matmuls: a `precision` a run may name, refused before launch (`resolve_precision`):
+it needs a CUDA GPU with float8 tensor cores (`FP8_CAPABILITY`), and training in it is not
+built yet."""
+
+FP8_CAPABILITY = (8, 9)
+"""The CUDA compute capability from which a GPU multiplies float8 matrices (Ada, Hopper)."""
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """`precision` ("auto" or one of PRECISIONS) for a run on `device`: auto → bf16 on CUDA,
-    fp32 elsewhere. Raises ConfigError for an unknown name."""
+    fp32 elsewhere. Raises ConfigError for an unknown name, and for fp8 (`fp8_refusal`)."""
     if precision == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
+    if precision == FP8:
+        raise ConfigError(fp8_refusal(device))
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not one of auto, {', '.join(PRECISIONS)}")
     return precision
+
+
+def fp8_refusal(device: torch.device) -> str:
+    """Why a run on `device` cannot train in fp8, in one line: the device is not a CUDA GPU,
+    or one older than `FP8_CAPABILITY`, or, on one that has float8, fp8 training is not built
+    yet."""
+    need = (
+        "precision=fp8 needs a CUDA GPU with float8 matmuls (compute capability "
+        f"{'.'.join(map(str, FP8_CAPABILITY))} or newer: Ada, Hopper)"
+    )
+    if device.type != "cuda":
+        return f"{need}; this run's device is the {device.type.upper()}; use bf16 or fp32"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"{need}; this {name} has {'.'.join(map(str, capability))}; use bf16"
+    return "precision=fp8 is not built yet (this GPU has float8 matmuls); use bf16"
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:

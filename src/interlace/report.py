@@ -19,7 +19,8 @@ LOAD_PLOT = "moe_load.png"
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `<out>/metrics.jsonl` (rank 0 only writes)."""
+    """Appends one JSON object per line to `<out>/metrics.jsonl` (rank 0 only writes): the
+    run's own logger (`interlace.tracking.loggers.RunLogger`)."""
 
     def __init__(self, out: Path, resume_step: int | None) -> None:
         self.file = Path(out) / METRICS
@@ -29,10 +30,13 @@ class MetricsLog:
             kept = [row for row in read_metrics(self.file) if row.get("step", 0) <= resume_step]
             write_atomic(self.file, "".join(json.dumps(row) + "\n" for row in kept))
 
-    def write(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any]) -> None:
         """Append `row` as one line of strict JSON (`strict_json`); a crash or a full disk loses
         at most that line."""
         append_line(self.file, json.dumps(strict_json(row), allow_nan=False))
+
+    def close(self) -> None:
+        """Nothing to release: every line is written whole as it comes."""
 
 
 JSON_SCALARS = (str, int, float, bool, type(None))
@@ -98,8 +102,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     skipped for a non-finite loss or gradient norm, mean step time, tokens/s, model TFLOP/s
     per device and MFU (the first step excluded as warm-up, and the step whose memory was
     measured; MFU None where the device's peak is unknown), peak device memory, mean comm
-    bytes per group, and the mean expert load per MoE layer and rank (`moe_load`, None without
-    expert parallelism)."""
+    bytes per group, the mean expert load per MoE layer and rank (`moe_load`, None without
+    expert parallelism), and the bytes gradient compression sent over a dense all-reduce's
+    (`compression_ratio`, None without compression)."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     steady = [r for r in train[1:] if not r.get("memory_measured") and not r.get("profiled")]
@@ -125,14 +130,25 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             g: _mean([r.get("comm_bytes", {}).get(g, 0) for r in steady]) for g in groups
         },
         "moe_load": load_map(train),
+        "compression_ratio": next(
+            (r["compression_ratio"] for r in reversed(train) if "compression_ratio" in r), None
+        ),
     }
 
 
 def write_report(out: Path, report: dict[str, Any]) -> list[str]:
     """Write `report.json`, `loss.png` and (when `report` has a `moe_load`) `moe_load.png`
-    into `out`, naming the heat-map in `moe_load.plot`; returns notes about anything skipped."""
+    into `out`, naming the heat-map in `moe_load.plot`; returns notes about anything skipped
+    or not paying."""
     out = Path(out)
     notes = []
+    ratio = report.get("compression_ratio")
+    if ratio is not None and ratio >= 1:
+        notes.append(
+            f"gradient compression sent {ratio:.2f}x the bytes of a dense all-reduce: no "
+            "gradient bucket was sparse enough to pay (a tied embedding's gradient is dense; "
+            "see docs/compression.md)"
+        )
     rows = read_metrics(out / METRICS)
     load = report.get("moe_load")
     title = report.get("title", "training loss")

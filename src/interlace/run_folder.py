@@ -29,6 +29,12 @@ def checkpoint_bytes(num_params: int) -> int:
     return CHECKPOINT_BYTES_PER_PARAM * num_params
 
 
+def holds_checkpoint(run: Path) -> bool:
+    """Whether the run folder `run` kept a finished checkpoint (`checkpoints/step-N`, not a
+    `.tmp` one being written): what `--resume` there could continue from."""
+    return any(not p.name.endswith(".tmp") for p in (Path(run) / "checkpoints").glob("step-*"))
+
+
 def check_writable(out: Path, need_bytes: int) -> None:
     """ConfigError unless the folder `out` (or, if it does not exist yet, the nearest existing
     folder above it) accepts a file and has `need_bytes` free. Writes nothing that stays."""

@@ -14,8 +14,10 @@ from interlace.data.tokenizer import check_tokenizer
 from interlace.errors import ConfigError
 from interlace.finite import check_finite_fields
 from interlace.memory import MEASURED_STEP
-from interlace.precision import PRECISIONS, REDUCE_DTYPES
+from interlace.planner.bytes import OPTIMIZER_STATES
+from interlace.precision import FP8, PRECISIONS, REDUCE_DTYPES
 from interlace.profiling import profile_window
+from interlace.tracking.check import check_trackers
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -57,8 +59,9 @@ class TrainConfig:
     precision: str = option(
         "auto",
         "the dtype the forward computes in, by autocast over fp32 weights and optimizer states "
-        "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU",
-        choices=("auto", *PRECISIONS),
+        "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU; fp8 needs a CUDA "
+        "GPU with float8 (compute capability 8.9 or newer) and is not built yet",
+        choices=("auto", *PRECISIONS, FP8),
     )
     grad_reduce_dtype: str = option(
         "fp32",
@@ -84,6 +87,12 @@ class TrainConfig:
     )
     warmup_steps: int = option(20, "steps of linear learning-rate warmup from 0")
     weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices and embeddings only)")
+    optimizer_state: str = option(
+        "fp32",
+        "dtype of AdamW's two moments: fp32, or bf16 for half their bytes (4 per parameter "
+        "instead of 8), stored with stochastic rounding; weights stay fp32",
+        choices=OPTIMIZER_STATES,
+    )
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = off)")
     on_nonfinite: str = option(
         "skip",
@@ -108,6 +117,21 @@ class TrainConfig:
         metavar="DIR",
     )
     progress: bool = option(True, "show a progress bar")
+    tensorboard: bool = option(
+        False,
+        "write every step's metrics as TensorBoard scalars into out/tensorboard/ (needs "
+        "interlace[track])",
+    )
+    wandb: str | None = option(
+        None,
+        "log every step's metrics and the resolved settings to a Weights & Biases run in this "
+        "project, its files in out/wandb/ (WANDB_MODE=offline: no account needed, `wandb sync` "
+        "uploads it later; needs interlace[track]); None: off",
+        metavar="PROJECT",
+    )
+    wandb_run_name: str | None = option(
+        None, "with wandb: the W&B run's name; None: one W&B makes up", metavar="NAME"
+    )
     measure_memory: bool = option(
         True,
         "measure each rank's memory on the run's third step (parameters, gradients, optimizer "
@@ -178,6 +202,7 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         check_tokenizer(self.tokenizer)
+        check_trackers(self)
         if self.split_points and self.layers_per_stage:
             raise ConfigError("give split_points or layers_per_stage, not both")
         return self

@@ -1,5 +1,5 @@
-"""`interlace data prepare` (text and JSON Lines files → a shard folder) and `interlace data
-verify` (a shard folder's sizes and hashes against its index)."""
+"""`interlace data prepare` (text, JSON Lines and Parquet files, `datasets` folders → a shard
+folder) and `interlace data verify` (a shard folder's sizes and hashes against its index)."""
 
 import argparse
 import os
@@ -13,9 +13,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     prepare = sub.add_parser(
         "prepare",
-        help="tokenize text and JSON Lines files into token shards that `train --data DIR` streams",
+        help="tokenize text, JSON Lines and Parquet files into token shards for `train --data DIR`",
         description=(
-            "tokenize text and JSON Lines files into token shards that `train --data DIR` streams"
+            "tokenize text, JSON Lines and Parquet files and Hugging Face datasets folders into "
+            "token shards that `train --data DIR` streams"
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -24,8 +25,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="INPUT",
         help=(
-            "data files, or folders whose *.txt/*.md/*.rst files (each a document) and *.jsonl "
-            "files (each line a document) are read"
+            "data files, or folders whose *.txt/*.md/*.rst files (each a document), *.jsonl "
+            "files (each line a document) and *.parquet files (each row a document) are read, "
+            "or a folder written by datasets' save_to_disk (each row a document)"
         ),
     )
     prepare.add_argument(
@@ -46,9 +48,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     )
     prepare.add_argument(
         "--text-field",
+        "--text-column",
+        dest="text_field",
         default="text",
         metavar="NAME",
-        help="the field of each *.jsonl line that holds the document's text",
+        help="the field of each *.jsonl line, or the column of a Parquet file or datasets "
+        "folder, that holds the document's text",
     )
     prepare.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out instead of refusing"

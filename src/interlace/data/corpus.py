@@ -5,7 +5,9 @@ The built-in corpus is the Python documentation shipped inside every CPython ins
 
 A data file is one document (`*.txt`, `*.md`, `*.rst`, or any file named directly), or, as JSON
 Lines (`*.jsonl`: one JSON object per line, as Hugging Face datasets and most pretraining dumps
-are exported), one document per line, its text under a field ("text" unless told).
+are exported), one document per line, its text under a field ("text" unless told). A Parquet
+file, or a folder written by `datasets`' `save_to_disk`, holds one document per row, its text in
+that column (`columns.py`).
 """
 
 import json
@@ -14,6 +16,14 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from interlace.data.columns import (
+    PARQUET_SUFFIX,
+    column_texts,
+    dataset_dict_hint,
+    datasets_files,
+    is_column_file,
+    is_datasets_folder,
+)
 from interlace.errors import DataError
 
 BUILTIN_CORPUS = "builtin:pydoc_data.topics"
@@ -47,22 +57,26 @@ def load_corpus(path: str | os.PathLike[str] | None = None) -> str:
 
 
 def data_files(path: str | os.PathLike[str]) -> list[Path]:
-    """Return the files `path` stands for: itself if a file, else every `*.txt`, `*.md`, `*.rst`
-    and `*.jsonl` file below the folder, in sorted relative-path order. Raises `DataError` for
-    a missing path or a folder without data files."""
+    """Return the files `path` stands for: itself if a file, the Arrow files of a folder written
+    by `datasets`' `save_to_disk` (`columns.datasets_files`), else every `*.txt`, `*.md`,
+    `*.rst`, `*.jsonl` and `*.parquet` file below the folder, in sorted relative-path order.
+    Raises `DataError` for a missing path or a folder without data files."""
     root = Path(path)
     if not root.exists():
         raise DataError(f"data path '{root}' does not exist")
     if not root.is_dir():
         return [root]
-    suffixes = (*TEXT_SUFFIXES, JSONL_SUFFIX)
+    if is_datasets_folder(root):
+        return datasets_files(root)
+    suffixes = (*TEXT_SUFFIXES, JSONL_SUFFIX, PARQUET_SUFFIX)
     files = sorted(
         (f for f in root.rglob("*") if f.is_file() and f.suffix.lower() in suffixes),
         key=lambda f: f.relative_to(root).as_posix(),
     )
     if not files:
         raise DataError(
-            f"data directory '{root}' holds no data files ({', '.join('*' + s for s in suffixes)})"
+            f"data directory '{root}' holds no data files "
+            f"({', '.join('*' + s for s in suffixes)}){dataset_dict_hint(root)}"
         )
     return files
 
@@ -74,9 +88,12 @@ def is_jsonl(file: Path) -> bool:
 
 def documents(file: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
     """The documents of one data file, read as they are needed: a JSON Lines file's texts
-    (`jsonl_text`, blank lines skipped), else the whole file (`read_text_file`)."""
+    (`jsonl_text`, blank lines skipped), a Parquet or Arrow file's texts in the column
+    `text_field` (`column_texts`), else the whole file (`read_text_file`)."""
     if is_jsonl(file):
         yield from jsonl_texts(jsonl_lines(file), text_field, file)
+    elif is_column_file(file):
+        yield from column_texts(file, text_field)
     else:
         yield read_text_file(file)
 

@@ -1,9 +1,10 @@
 """Tokenize data files into a shard folder (`interlace data prepare`; the format in `shards.py`).
 
-A text file is one document, a JSON Lines file one document per line (`corpus.documents`).
-This process cuts the input into work units (a text file; `JSONL_CHUNK_BYTES` of a JSON Lines
-file's lines) and worker processes tokenize them, at most two units per worker in flight, so a
-JSON Lines file of any size is streamed with bounded memory. The ids are written in input
+A text file is one document, a JSON Lines file one document per line, a Parquet or Arrow file
+(`columns.py`) one document per row (`corpus.documents`). This process cuts the input into work
+units (a text file; `UNIT_BYTES` of a JSON Lines file's lines or of a column's texts, read a
+batch at a time) and worker processes tokenize them, at most two units per worker in flight, so
+a file of any size is streamed with bounded memory. The ids are written in input
 order, the tokenizer's end-of-document id after each document where it has one, into shards of
 at most `shard_tokens` ids. Everything is written into a hidden folder beside `out`, renamed to
 `out` only once complete, so an error leaves nothing half-written.
@@ -22,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from interlace.data.columns import check_column, column_batches, is_column_file
 from interlace.data.corpus import (
     TEXT_FIELD,
     data_files,
@@ -50,8 +52,9 @@ from interlace.errors import DataError
 
 SHARD_TOKENS = 1 << 28
 """Most token ids per shard file by default (512 MiB of uint16)."""
-JSONL_CHUNK_BYTES = 4 << 20
-"""Bytes of JSON Lines lines one work unit holds (the last line may pass it)."""
+UNIT_BYTES = 4 << 20
+"""Bytes of JSON Lines lines, or characters of a column's texts, one work unit holds (its last
+line or text may pass it)."""
 
 _worker_tokenizer: Tokenizer | None = None
 _worker_dtype: str = ""
@@ -62,14 +65,15 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """What one worker tokenizes: a text file whole (`lines` None), or a run of a JSON Lines
-    file's lines, the first of them line `first_line` (1-based); `size`: the input bytes it
-    stands for (the progress bar's unit)."""
+    """What one worker tokenizes: a text file whole (`lines` and `texts` None), a run of a JSON
+    Lines file's lines, the first of them line `first_line` (1-based), or a run of a column's
+    `texts`; `size`: the input bytes it stands for (the progress bar's unit)."""
 
     file: Path
     size: int
     lines: tuple[str, ...] | None = None
     first_line: int = 1
+    texts: tuple[str, ...] | None = None
 
 
 def prepare_shards(
@@ -85,13 +89,15 @@ def prepare_shards(
     text_field: str = TEXT_FIELD,
 ) -> ShardIndex:
     """Tokenize the documents of `inputs` (data files, or folders read as `load_corpus` reads
-    them; a JSON Lines file's texts under `text_field`) with `tokenizer` ("byte" or a
+    them; the texts of a JSON Lines file under the field `text_field`, of a Parquet or Arrow
+    file in the column `text_field`) with `tokenizer` ("byte" or a
     tokenizer.json path) on `workers` processes into the shard folder `out`, and return its
     index. The last `val_fraction` of the tokens is held out.
 
     Raises `DataError` before any work for a bad argument, an unusable tokenizer, a non-empty
-    `out` without `overwrite`, or a missing input; and, leaving nothing written, for a JSON
-    Lines line without its text or inputs that hold no text.
+    `out` without `overwrite`, a missing input, or a Parquet or Arrow file without the text
+    column (or pyarrow to read it); and, leaving nothing written, for a JSON Lines line or a
+    row without its text or inputs that hold no text.
     """
     out = Path(out)
     _check_arguments(tokenizer, out, val_fraction, workers, shard_tokens, overwrite)
@@ -100,6 +106,9 @@ def prepare_shards(
     files = [file for path in inputs for file in data_files(path)]
     if not files:
         raise DataError("no inputs: give one or more text files or folders")
+    for file in files:
+        if is_column_file(file):
+            check_column(file, text_field)
     loaded = get_tokenizer(tokenizer, "")
     dtype = token_dtype(loaded.vocab_size)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -175,14 +184,15 @@ def _write_shards(
     bar = tqdm(total=total, desc="tokenize", unit="B", unit_scale=True, disable=not progress)
     if workers == 1:
         _start_worker(*worker_setup)
-        encoded = map(_encode_unit, work_units(files))
+        encoded = map(_encode_unit, work_units(files, worker_setup[2]))
     else:  # spawned, not forked: a forked copy of a process with running threads can deadlock
-        jsonl = any(is_jsonl(file) for file in files)
+        streamed = any(is_jsonl(file) or is_column_file(file) for file in files)
         context = multiprocessing.get_context("spawn")
         pool = context.Pool(
-            workers if jsonl else min(workers, len(files)), _start_worker, worker_setup
+            workers if streamed else min(workers, len(files)), _start_worker, worker_setup
         )
-        encoded = ordered_map(pool, _encode_unit, work_units(files), ahead=2 * workers)
+        units = work_units(files, worker_setup[2])
+        encoded = ordered_map(pool, _encode_unit, units, ahead=2 * workers)
     try:
         for ids, count, size in encoded:
             if ids.size:
@@ -196,23 +206,47 @@ def _write_shards(
     return writer.close(), documents
 
 
-def work_units(files: Iterable[Path]) -> Iterator[WorkUnit]:
-    """`files` cut into work units, in order: a text file whole; a JSON Lines file in runs of
-    lines of about `JSONL_CHUNK_BYTES`, read as they are needed."""
+def work_units(files: Iterable[Path], column: str = TEXT_FIELD) -> Iterator[WorkUnit]:
+    """`files` cut into work units, in order, read as they are needed: a text file whole; a
+    JSON Lines file in runs of lines of about `UNIT_BYTES`; a Parquet or Arrow file in runs of
+    its `column`'s texts of about `UNIT_BYTES` characters."""
     for file in files:
-        if not is_jsonl(file):
+        if is_jsonl(file):
+            yield from _jsonl_units(file)
+        elif is_column_file(file):
+            yield from _column_units(file, column)
+        else:
             yield WorkUnit(file, file.stat().st_size)
-            continue
-        lines: list[str] = []
-        first, size = 1, 0
-        for number, line in jsonl_lines(file):
-            lines.append(line)
-            size += len(line.encode())
-            if size >= JSONL_CHUNK_BYTES:
-                yield WorkUnit(file, size, tuple(lines), first)
-                lines, first, size = [], number + 1, 0
-        if lines:
+
+
+def _jsonl_units(file: Path) -> Iterator[WorkUnit]:
+    lines: list[str] = []
+    first, size = 1, 0
+    for number, line in jsonl_lines(file):
+        lines.append(line)
+        size += len(line.encode())
+        if size >= UNIT_BYTES:
             yield WorkUnit(file, size, tuple(lines), first)
+            lines, first, size = [], number + 1, 0
+    if lines:
+        yield WorkUnit(file, size, tuple(lines), first)
+
+
+def _column_units(file: Path, column: str) -> Iterator[WorkUnit]:
+    """Each unit's size is the file's bytes read since the previous unit, so the units of a
+    file add up to its size."""
+    texts: list[str] = []
+    chars = counted = 0
+    for batch, position in column_batches(file, column):
+        for text in batch:
+            texts.append(text)
+            chars += len(text)
+            if chars >= UNIT_BYTES:
+                yield WorkUnit(file, position - counted, texts=tuple(texts))
+                texts, chars, counted = [], 0, position
+    size = file.stat().st_size
+    if texts or counted < size:
+        yield WorkUnit(file, size - counted, texts=tuple(texts))
 
 
 def ordered_map(pool: Pool, fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:
@@ -238,7 +272,9 @@ def _encode_unit(unit: WorkUnit) -> tuple[np.ndarray, int, int]:
     """(the ids of the unit's documents, each followed by the end-of-document id, the number
     of documents that held text, the unit's size); blank documents are skipped."""
     assert _worker_tokenizer is not None
-    if unit.lines is None:
+    if unit.texts is not None:
+        texts = list(unit.texts)
+    elif unit.lines is None:
         texts = [read_text_file(unit.file)]
     else:
         numbered = enumerate(unit.lines, start=unit.first_line)

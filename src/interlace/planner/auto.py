@@ -3,8 +3,8 @@
 The model preset (at the run's sequence length), the run's global batch and the number of
 ranks are searched (`search.search(..., runnable_only=True)`) on this machine's calibrated
 `local` hardware for that many ranks, in the run's precision (auto: bf16 on CUDA, fp32 on the
-CPU, as the run resolves it). The first plan the run can also split its batch for (gradient
-accumulation, micro-batches) wins.
+CPU, as the run resolves it) and optimizer state. The first plan the run can also split its
+batch for (gradient accumulation, micro-batches) wins.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ def choose_plan(
         spec = replace(spec, seq_len=config.seq_len)
     dtype = resolve_precision(config.precision, default_device())
     ranked = search(
-        spec, hardware, world_size, config.global_batch, dtype=dtype, runnable_only=True
+        spec,
+        hardware,
+        world_size,
+        config.global_batch,
+        dtype=dtype,
+        runnable_only=True,
+        optimizer_state=config.optimizer_state,
     )
     for cost in ranked:
         if _splits_batch(config, cost):

@@ -49,7 +49,7 @@ from interlace.errors import ConfigError
 from interlace.mesh import default_device
 from interlace.optim import build_optimizer
 from interlace.parallel.grad_norm import GradNorm
-from interlace.planner.bytes import OPTIMIZER_BYTES_PER_PARAM
+from interlace.planner.bytes import step_bytes_per_param
 from interlace.planner.hardware import Hardware, local
 from interlace.precision import DTYPES
 from interlace.testing import run_ranks
@@ -174,7 +174,7 @@ def measure_optimizer_bandwidth(
 ) -> float:
     """Bytes/s the run's AdamW step (`optim.build_optimizer`) with its gradient-norm clipping
     (`GradNorm.clip_`) streams on `device` (default: the CPU) with `threads` threads:
-    `bytes.OPTIMIZER_BYTES_PER_PARAM` · `params` / seconds (best of repeated steps over 8
+    `bytes.step_bytes_per_param()` · `params` / seconds (best of repeated steps over 8
     parameter tensors of `params` / 8 elements, with gradients; default `OPTIMIZER_PARAMS` of
     the device type)."""
     device = device or torch.device("cpu")
@@ -191,7 +191,7 @@ def measure_optimizer_bandwidth(
         optimizer.step()
 
     seconds = _best_seconds(step, threads, min_seconds, device)  # its warm-up makes the moments
-    return OPTIMIZER_BYTES_PER_PARAM * 8 * (params // 8) / seconds
+    return step_bytes_per_param() * 8 * (params // 8) / seconds
 
 
 def _best_seconds(

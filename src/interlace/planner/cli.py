@@ -23,6 +23,7 @@ from interlace.mesh import default_device
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
+from interlace.planner.bytes import OPTIMIZER_STATES
 from interlace.planner.calibrate import local_hardware
 from interlace.planner.context_choice import context_choice
 from interlace.planner.cost import PlanCost, estimate
@@ -191,6 +192,13 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         help="compute dtype: bf16, fp16, tf32, fp32 (default: training's, bf16; on "
         f"{LOCAL} without CUDA fp32)",
     )
+    p.add_argument(
+        "--optimizer-state",
+        choices=OPTIMIZER_STATES,
+        default="fp32",
+        help="dtype of AdamW's two moments, as `interlace train --optimizer-state`: fp32 (16 "
+        "bytes per parameter with weight and gradient) or bf16 (12)",
+    )
 
 
 def run_planner(args: argparse.Namespace) -> int:
@@ -228,6 +236,7 @@ def run_planner(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             runnable_only=args.runnable_only,
             expert_skew=args.expert_skew,
+            optimizer_state=args.optimizer_state,
         )
         costs = ranked[: args.top]
         why = context_choice(ranked)
@@ -243,6 +252,7 @@ def run_planner(args: argparse.Namespace) -> int:
                 args.global_batch,
                 dtype=args.dtype,
                 expert_skew=args.expert_skew,
+                optimizer_state=args.optimizer_state,
             )
         ]
         why = None
@@ -328,7 +338,13 @@ def calibrated_for_model(
 def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argparse.Namespace):
     """Simulate `cost`'s plan and write the Chrome trace to --trace and a PNG beside it."""
     sim = simulate(
-        cost.plan, spec, hardware, args.global_batch, dtype=args.dtype, expert_skew=args.expert_skew
+        cost.plan,
+        spec,
+        hardware,
+        args.global_batch,
+        dtype=args.dtype,
+        expert_skew=args.expert_skew,
+        optimizer_state=args.optimizer_state,
     )
     path = Path(args.trace)
     write_chrome_trace(sim.spans, path)

@@ -27,13 +27,14 @@ consecutive members are `stride` ranks apart spans size·stride consecutive rank
 iff that is at most devices_per_node (tp: stride 1; dp and ep: stride tp; ep_dp: stride tp·ep;
 pp: stride tp·dp; cp, between dp and tp, and dp_cp: stride tp).
 
-**Memory** per device, the largest stage (`profile.stage_memory`): parameters × 16 bytes
-(fp32 weight, gradient, two AdamW moments), non-expert parameters divided by tp, expert
-parameters by tp·ep; activations: the layers' saved elements per token (from the shards: under
-1D TP the norms' inputs and each block's shared producer input stay whole, the rest is divided
-by tp; all of it with sequence parallel; a checkpointed layer keeps its d-wide input, divided
-by tp only with sequence parallel) × tokens per micro-batch (T/cp of each sequence under
-context parallelism) × micro-batches in flight (`micro_batches_in_flight`: all m under GPipe,
+**Memory** per device, the largest stage (`profile.stage_memory`): parameters ×
+`bytes.state_bytes_per_param` (fp32 weight and gradient, two AdamW moments: 16 bytes, 12 with
+bf16 moments), non-expert parameters divided by tp, expert parameters by tp·ep; activations:
+the layers' saved elements per token (from the shards: under 1D TP the norms' inputs and each
+block's shared producer input stay whole, the rest is divided by tp; all of it with sequence
+parallel; a checkpointed layer keeps its d-wide input, divided by tp only with sequence
+parallel) × tokens per micro-batch (T/cp of each sequence under context parallelism) ×
+micro-batches in flight (`micro_batches_in_flight`: all m under GPipe,
 ≤ p − s under 1F1B) in the compute dtype, plus one layer's full activations as the working set
 of a recomputation. Under 3D tensor parallelism the layers are split x·y·z (tokens over z), the
 embedding and head only by z.
@@ -117,16 +118,22 @@ def estimate(
     seq_len: int | None = None,
     dtype: str = "bf16",
     expert_skew: float = 0.0,
+    optimizer_state: str = "fp32",
 ) -> PlanCost:
     """Estimate one optimizer step of `config` under `plan` on `hardware` with `global_batch`
-    sequences of `seq_len` tokens (default: the config's) and expert popularity Zipf with
-    exponent `expert_skew`: `step_terms`, summed. The plan's tp may be 1D or 3D. Raises
-    PlanError for a batch the plan cannot split or a bad skew."""
-    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype, expert_skew)
+    sequences of `seq_len` tokens (default: the config's), expert popularity Zipf with
+    exponent `expert_skew` and AdamW's moments in `optimizer_state`'s dtype: `step_terms`,
+    summed. The plan's tp may be 1D or 3D. Raises PlanError for a batch the plan cannot split
+    or a bad skew."""
+    terms = step_terms(
+        plan, config, hardware, global_batch, seq_len, dtype, expert_skew, optimizer_state
+    )
     breakdown, hidden = terms.breakdown()
     profile = terms.profile
     seq = profile.config.seq_len
-    memory = _largest_stage_memory(terms.stages, plan, terms.tokens, dtype, profile.config)
+    memory = _largest_stage_memory(
+        terms.stages, plan, terms.tokens, dtype, profile.config, optimizer_state
+    )
     step = sum(breakdown.values())
     n_devices = plan.world_size
     model_flops = 3 * profile.forward_flops_per_token * global_batch * seq
@@ -146,30 +153,37 @@ def estimate(
         memory=memory,
         memory_limit_bytes=hardware.memory_bytes,
         moe=dict(terms.moe),
-        context=_context_summary(terms, dtype),
+        context=_context_summary(terms, dtype, optimizer_state),
     )
 
 
 def plan_memory(
-    plan: Plan, config: GPTConfig, micro_batch_rows: int, dtype: str = "bf16"
+    plan: Plan,
+    config: GPTConfig,
+    micro_batch_rows: int,
+    dtype: str = "bf16",
+    optimizer_state: str = "fp32",
 ) -> dict[str, float]:
     """Bytes per device of `config` under `plan` (its largest stage) for micro-batches of
-    `micro_batch_rows` sequences with activations in `dtype`: the memory part of `estimate`,
-    with no hardware (`profile.stage_memory`'s parts and their `total`). Under context
-    parallelism a rank holds 1/cp of each sequence's tokens."""
+    `micro_batch_rows` sequences with activations in `dtype` and AdamW's moments in
+    `optimizer_state`'s: the memory part of `estimate`, with no hardware
+    (`profile.stage_memory`'s parts and their `total`). Under context parallelism a rank holds
+    1/cp of each sequence's tokens."""
     profile = model_profile(config)
     stages = pipeline_stages(profile, plan)
     tokens = micro_batch_rows * config.seq_len // plan.cp
-    return _largest_stage_memory(stages, plan, tokens, dtype, config)
+    return _largest_stage_memory(stages, plan, tokens, dtype, config, optimizer_state)
 
 
-def _context_summary(terms: StepTerms, dtype: str) -> dict[str, float]:
+def _context_summary(terms: StepTerms, dtype: str, optimizer_state: str) -> dict[str, float]:
     """What context parallelism buys: the tokens a device keeps of each sequence and the
     memory the same layout would need at cp = 1 (its `PlanCost.context`); empty without cp."""
     plan, config = terms.plan, terms.profile.config
     if not plan.context_parallel:
         return {}
-    whole = _largest_stage_memory(terms.stages, plan, terms.tokens * plan.cp, dtype, config)
+    whole = _largest_stage_memory(
+        terms.stages, plan, terms.tokens * plan.cp, dtype, config, optimizer_state
+    )
     return {
         "cp": float(plan.cp),
         "tokens_per_sequence": float(config.seq_len // plan.cp),
@@ -178,13 +192,18 @@ def _context_summary(terms: StepTerms, dtype: str) -> dict[str, float]:
 
 
 def _largest_stage_memory(
-    stages: tuple[Stage, ...], plan: Plan, tokens: int, dtype: str, config: GPTConfig
+    stages: tuple[Stage, ...],
+    plan: Plan,
+    tokens: int,
+    dtype: str,
+    config: GPTConfig,
+    optimizer_state: str,
 ) -> dict[str, float]:
     v = virtual_stages_for(plan.schedule, None)
     act_bytes = activation_bytes(dtype)
     return max(
         (
-            stage_memory(st, plan, tokens, act_bytes, config.d_model, s, v)
+            stage_memory(st, plan, tokens, act_bytes, config.d_model, s, v, optimizer_state)
             for s, st in enumerate(stages)
         ),
         key=lambda mem: mem["total"],

@@ -33,6 +33,7 @@ from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.parallel.parallelize import parallelize
 from interlace.plan import Plan
+from interlace.planner.bytes import state_bytes_per_param
 from interlace.planner.calibrate import (
     cache_path,
     fingerprint,
@@ -45,9 +46,6 @@ from interlace.throughput import model_flops_per_token, synchronize
 
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
 """The dtypes a model's step can be measured in: those a run trains in."""
-STATE_BYTES_PER_PARAM = 16
-"""fp32 weight, gradient and two AdamW moments: what a measured model must fit besides its
-activations (`measurable`)."""
 
 
 def measure_model_flops(
@@ -111,7 +109,7 @@ def measurable(config: GPTConfig, dtype: str, device: torch.device) -> None:
             f"--calibrate-model measures a run's step, which trains in "
             f"{', '.join(MEASURED_PRECISIONS)}, not {dtype}; pass --dtype with one of them"
         )
-    need = STATE_BYTES_PER_PARAM * config.num_params()
+    need = state_bytes_per_param() * config.num_params()
     have = memory_bytes(device)
     if need > have:
         raise ConfigError(

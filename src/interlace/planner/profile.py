@@ -23,7 +23,7 @@ from interlace.parallel.pipeline.partition import (
     model_shards,
 )
 from interlace.plan import Plan
-from interlace.planner.bytes import GRAD_BYTES, STATE_BYTES
+from interlace.planner.bytes import GRAD_BYTES, state_bytes_per_param
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,19 +208,30 @@ def device_params(stage: Stage, plan: Plan) -> float:
     return held / plan.shard_ranks
 
 
+def _block_params(stage: Stage, plan: Plan) -> float:
+    """Parameters of the largest block of `stage` on one of its tp ranks."""
+    return max((s.params for s in stage.shards if s.kind == "layer"), default=0) / plan.tp_size
+
+
 def gathered_bytes(stage: Stage, plan: Plan, param_bytes: int) -> float:
     """Bytes of the parameters sharded data parallelism holds gathered at once on one device
-    of `stage`, in the compute dtype (`param_bytes` each), with the unsharded gradients of the
-    blocks reducing: the root's (embedding, norm, head: kept for the whole step), two blocks'
-    (the one computing and the one prefetched; every block's without
-    `reshard_after_forward`), and two blocks' fp32 gradients. 0 without dp_shard."""
+    of `stage`, in the compute dtype (`param_bytes` each): the root's (embedding, norm, head:
+    kept for the whole step) and two blocks' (the one computing and the one prefetched; every
+    block's without `reshard_after_forward`). 0 without dp_shard."""
     if not plan.sharded_data_parallel:
         return 0.0
-    tp = plan.tp_size
-    layer = max((s.params for s in stage.shards if s.kind == "layer"), default=0) / tp
-    root = (stage.params - stage.layer_params) / tp
+    root = (stage.params - stage.layer_params) / plan.tp_size
     blocks = 2 if plan.reshard_after_forward else stage.n_layers
-    return (root + blocks * layer) * param_bytes + 2 * layer * GRAD_BYTES
+    return (root + blocks * _block_params(stage, plan)) * param_bytes
+
+
+def unsharded_gradient_bytes(stage: Stage, plan: Plan) -> float:
+    """Bytes of the fp32 gradients sharded data parallelism holds unsharded at once during the
+    backward on one device of `stage`: two blocks' (the one computing and the one being
+    reduce-scattered). 0 without dp_shard."""
+    if not plan.sharded_data_parallel:
+        return 0.0
+    return 2 * _block_params(stage, plan) * GRAD_BYTES
 
 
 def stage_memory(
@@ -231,12 +242,14 @@ def stage_memory(
     d: int,
     s: int,
     v: int,
+    optimizer_state: str = "fp32",
 ) -> dict[str, float]:
     """Bytes one device of pipeline stage `s` (of `v` virtual stages per rank) holds at its peak
     for micro-batches of `tokens` tokens, activations of `act_bytes` bytes and width `d`: by
-    part (parameters with gradients and optimizer state, saved activations of the micro-batches
-    in flight, a recomputation's working set, the parameters sharded data parallelism gathers)
-    and their `total`."""
+    part (parameters with gradients and optimizer state, AdamW's moments in `optimizer_state`'s
+    dtype; saved activations of the micro-batches in flight, a recomputation's working set, the
+    parameters sharded data parallelism gathers and the block gradients it holds before their
+    reduce-scatter) and their `total`."""
     tp = plan.tp_size
     boundary = d / tp if plan.sequence_parallel else d
 
@@ -268,14 +281,16 @@ def stage_memory(
             if c
         )
         working = tokens * widest * act_bytes
-    state = device_params(stage, plan) * STATE_BYTES
+    state = device_params(stage, plan) * state_bytes_per_param(optimizer_state)
     gathered = gathered_bytes(stage, plan, act_bytes)
+    gradients = unsharded_gradient_bytes(stage, plan)
     return {
-        "total": state + activations + working + gathered,
+        "total": state + activations + working + gathered + gradients,
         "params_grads_optimizer": state,
         "activations": activations,
         "recompute_working_set": working,
         "fsdp_gathered": gathered,
+        "fsdp_gradients": gradients,
         "micro_batches_in_flight": in_flight,
         "stage": float(s),
     }

@@ -37,7 +37,7 @@ from interlace.plan import Overlap, Plan
 from interlace.planner.context_choice import explain_context
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
-from interlace.planner.hardware import GIB, Hardware
+from interlace.planner.hardware import GIB, LOCAL, Hardware
 
 SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 """Pipeline schedules the search tries."""
@@ -206,12 +206,13 @@ def search(
     memory_fraction: float = 0.9,
     vocab_multiple: int = 1,
     expert_skew: float = 0.0,
+    optimizer_state: str = "fp32",
 ) -> list[PlanCost]:
     """Valid plans of `spec` on `n_devices` of `hardware` that fit in `memory_fraction` of
     device memory, fastest first. `vocab_multiple` > 1 prices the model with its vocabulary
     padded (`pad_vocab`) so that tp can split it; `expert_skew` is the experts' Zipf
-    popularity exponent (`cost.estimate`). PlanError naming the fix when none is valid or
-    none fits."""
+    popularity exponent, `optimizer_state` the dtype of AdamW's moments (`cost.estimate`).
+    PlanError naming the fix when none is valid or none fits."""
     check_expert_skew(expert_skew)
     spec = pad_vocab(spec, vocab_multiple)
     if not isinstance(n_devices, int) or n_devices < 1:
@@ -228,7 +229,15 @@ def search(
             check_plan(plan, n_devices, spec, runnable_only)
         except PlanError:
             continue
-        cost = estimate(plan, spec, hardware, global_batch, dtype=dtype, expert_skew=expert_skew)
+        cost = estimate(
+            plan,
+            spec,
+            hardware,
+            global_batch,
+            dtype=dtype,
+            expert_skew=expert_skew,
+            optimizer_state=optimizer_state,
+        )
         valid.append(cost)
         if cost.memory_bytes_per_device <= limit:
             fitting.append(cost)
@@ -258,9 +267,11 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
     step = cost.step_seconds
     ranked = sorted(cost.breakdown.items(), key=lambda kv: -kv[1])
     parts = [f"{name} {seconds / step:.0%}" for name, seconds in ranked[:terms] if seconds > 0]
+    # `local` hardware's peak is this machine's measured matmul rate, not a data sheet's
+    of_peak = "of the measured matmul rate" if cost.hardware == LOCAL else "MFU"
     lines = [
-        f"{cost.plan}: {step:.3g} s per step, {cost.tflops_per_device:.0f} TFLOP/s per device "
-        f"(MFU {cost.mfu:.0%}); dominated by {', '.join(parts)}."
+        f"{cost.plan}: {step:.3g} s per step, {cost.tflops_per_device:.3g} TFLOP/s per device "
+        f"({cost.mfu:.0%} {of_peak}); dominated by {', '.join(parts)}."
     ]
     comm = {k: v for k, v in cost.breakdown.items() if "." in k and k != "pp.bubble"}
     if comm:

@@ -91,10 +91,13 @@ def simulate(
     seq_len: int | None = None,
     dtype: str = "bf16",
     expert_skew: float = 0.0,
+    optimizer_state: str = "fp32",
 ) -> Simulation:
     """Simulate one step of `config` under `plan` on `hardware` (arguments as
     `cost.estimate`); PlanError as `step_terms` raises it."""
-    terms = step_terms(plan, config, hardware, global_batch, seq_len, dtype, expert_skew)
+    terms = step_terms(
+        plan, config, hardware, global_batch, seq_len, dtype, expert_skew, optimizer_state
+    )
     breakdown, _ = terms.breakdown()
     spans = _pipeline_spans(terms)
     ends = {}

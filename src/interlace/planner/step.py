@@ -110,11 +110,12 @@ def step_terms(
     seq_len: int | None = None,
     dtype: str = "bf16",
     expert_skew: float = 0.0,
+    optimizer_state: str = "fp32",
 ) -> StepTerms:
     """The terms of one step of `config` under `plan` with `global_batch` sequences of `seq_len`
     tokens (default: the config's) in `dtype` (see `StepTerms` and the module docstring),
-    experts' popularity Zipf with exponent `expert_skew` (0 = balanced). PlanError for a batch
-    the plan cannot split or a bad skew."""
+    experts' popularity Zipf with exponent `expert_skew` (0 = balanced), AdamW's moments in
+    `optimizer_state`'s dtype. PlanError for a batch the plan cannot split or a bad skew."""
     check_expert_skew(expert_skew)
     seq = seq_len or config.seq_len
     profile = model_profile(replace(config, seq_len=seq) if seq != config.seq_len else config)
@@ -150,7 +151,7 @@ def step_terms(
         send_recv_one=pipeline.send_recv_one,
         data=data.exposed,
         data_hidden=data.hidden,
-        optimizer=optimizer_seconds(plan, stages, hardware),
+        optimizer=optimizer_seconds(plan, stages, hardware, optimizer_state),
         idle_speedup=hardware.idle_speedup,
         recompute_runs=pipeline.recompute_runs,
         profile=profile,

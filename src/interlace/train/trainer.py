@@ -41,6 +41,7 @@ from interlace.data import (
 from interlace.data import load_corpus as read_corpus
 from interlace.data.shards import ShardData, ShardIndex, is_shard_folder
 from interlace.data.tokens import SYNTHETIC
+from interlace.earlier_run import EARLIER_RUN_CHOICES, clear_earlier_run, refuse_earlier_run
 from interlace.errors import DataError, NonFiniteError, OutputError
 from interlace.memory import MEASURED_STEP, measure_step
 from interlace.mesh import Mesh, data_group_name, default_device
@@ -59,8 +60,8 @@ from interlace.plan import Plan
 from interlace.planner.cost import plan_memory
 from interlace.precision import resolve_precision
 from interlace.profiling import PROFILE_FOLDER, StepProfiler, profile_window
-from interlace.report import METRICS, MetricsLog, read_metrics, summarize, write_report
-from interlace.run_folder import remove_stale
+from interlace.report import METRICS, read_metrics, summarize, write_report
+from interlace.run_folder import holds_checkpoint, remove_stale
 from interlace.throughput import (
     allocator_retries,
     device_peak_tflops,
@@ -69,6 +70,7 @@ from interlace.throughput import (
     retries_warning,
     synchronize,
 )
+from interlace.tracking.loggers import RunLoggers, open_loggers
 from interlace.train_config import TrainConfig
 
 
@@ -192,24 +194,43 @@ def run_identity(setup: RunSetup) -> dict[str, Any]:
 
 def run_layout(setup: RunSetup) -> dict[str, Any]:
     """How a run splits its work, recorded in a checkpoint beside its identity: plan,
-    precision and global batch."""
+    precision, optimizer state and global batch."""
     return {
         "plan": setup.plan.to_dict(),
         "precision": setup.precision,
+        "optimizer_state": setup.config.optimizer_state,
         "global_batch": setup.config.global_batch,
+    }
+
+
+def run_settings(setup: RunSetup) -> dict[str, Any]:
+    """A run's resolved settings, as an experiment tracker records them: its train options,
+    the model's shape, its layout (`run_layout`), whether its blocks are compiled, its corpus."""
+    return {
+        "train": setup.config.to_dict(),
+        "model": setup.model_config.to_dict(),
+        **run_layout(setup),
+        "compiled": setup.compile,
+        "corpus": setup.corpus,
     }
 
 
 def layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Lines telling how a resumed run's `now` layout (`run_layout`) differs from the `saved`
-    checkpoint's: another plan or precision (a note), another global batch (a warning: the
-    data no longer continues at the same global sample)."""
+    checkpoint's: another plan, precision or optimizer state (a note; a checkpoint from before
+    `optimizer_state` held fp32 moments), another global batch (a warning: the data no longer
+    continues at the same global sample)."""
     lines = []
     plan, saved_plan = Plan.from_dict(now["plan"]), Plan.from_dict(saved.get("plan", {}))
     if plan != saved_plan:
         lines.append(f"resuming a checkpoint of plan '{saved_plan}' under plan '{plan}'")
     if saved.get("precision", now["precision"]) != now["precision"]:
         lines.append(f"resuming a {saved['precision']} checkpoint in {now['precision']}")
+    if saved.get("optimizer_state", "fp32") != now["optimizer_state"]:
+        lines.append(
+            f"resuming {saved.get('optimizer_state', 'fp32')} AdamW moments as "
+            f"{now['optimizer_state']} ones"
+        )
     if saved.get("global_batch", now["global_batch"]) != now["global_batch"]:
         lines.append(
             f"warning: the global batch changed from {saved['global_batch']} to "
@@ -257,7 +278,13 @@ class Trainer:
         )
         self.model = self.parallel.model  # this rank's parameters, under the full model's names
         torch.manual_seed(self.config.seed + 1 + self.dp_rank)  # independent dropout per rank
-        self.optimizer = build_optimizer(self.model, self.config.lr, self.config.weight_decay)
+        self.optimizer = build_optimizer(
+            self.model,
+            self.config.lr,
+            self.config.weight_decay,
+            state=self.config.optimizer_state,
+            seed=self.config.seed,
+        )
         self.batches = TrainBatches(setup.data, self.config.global_batch, self.config.seed)
         self.step = 0
         self.memory: dict[str, Any] | None = None  # measured on one step by `fit`
@@ -393,19 +420,32 @@ class Trainer:
         return float(self._dp_mean(total / rows))
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, Any]:
+    def fit(self, earlier_run: str = "refuse") -> dict[str, Any]:
         """Train to `config.steps`, evaluating, logging, checkpointing; returns the report.
+
+        A run that did not `resume` and whose `out` holds an earlier run's files: `refuse`
+        raises ConfigError (the rule `interlace train` applies before launch), `overwrite`
+        removes them first, `keep` leaves the folder as it is (the caller has checked it).
         Raises OutputError (one line) if writing the run's files fails."""
+        if earlier_run not in EARLIER_RUN_CHOICES:
+            raise ValueError(f"earlier_run={earlier_run!r}: choose one of {EARLIER_RUN_CHOICES}")
+        if self.out and self.step == 0 and earlier_run != "keep":
+            if earlier_run == "refuse":
+                refuse_earlier_run(self.out)
+            elif self.is_main:
+                clear_earlier_run(self.out)
+            if dist.is_initialized():
+                dist.barrier()  # no rank looks while the main one writes the new run's files
         with _output_errors(self):
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
-        log = None
+        log = RunLoggers()
         if self.out and self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             remove_stale(self.out)
-            log = MetricsLog(self.out, self.step or None)
+            log = open_loggers(cfg, self.out, self.step or None, run_settings(self.setup))
         bar = self._progress_bar()
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
@@ -418,7 +458,7 @@ class Trainer:
         profiler = StepProfiler(
             window, self.step, Path(self.out or ".") / PROFILE_FOLDER, rank, self.device
         )
-        with profiler:
+        with log, profiler:
             history = self._steps(history, bar, log, traced_step, measured_step, profiler)
         if bar is not None:
             bar.close()
@@ -429,7 +469,7 @@ class Trainer:
         self,
         history: list[dict[str, Any]],
         bar: Any,
-        log: MetricsLog | None,
+        log: RunLoggers,
         traced_step: int,
         measured_step: int,
         profiler: StepProfiler,
@@ -449,8 +489,7 @@ class Trainer:
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or final):
                 row["eval_loss"] = self.evaluate()
             history.append(row)
-            if log:
-                log.write(row)
+            log.log(row)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(_postfix(row), refresh=False)
@@ -478,7 +517,13 @@ class Trainer:
             ranks = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(ranks, mine)
         rows = self.plan.micro_batch_rows(self.config.global_batch, self.accum)
-        predicted = plan_memory(self.plan, self.setup.model_config, rows, self.setup.precision)
+        predicted = plan_memory(
+            self.plan,
+            self.setup.model_config,
+            rows,
+            self.setup.precision,
+            self.config.optimizer_state,
+        )
         self.memory = {"step": row["step"], "per_rank": ranks, "predicted": predicted}
         return row
 
@@ -581,9 +626,14 @@ def _output_errors(trainer: Trainer) -> Iterator[None]:
         yield
     except OSError as exc:
         where = f": '{exc.filename}'" if exc.filename else ""
+        kept = trainer.out is not None and holds_checkpoint(trainer.out)
+        then = (
+            "its last finished checkpoint is kept: fix the cause and continue with --resume"
+            if kept
+            else "no checkpoint was finished yet: fix the cause and start again with --overwrite"
+        )
         raise OutputError(
-            f"the run stopped at step {trainer.step}: {exc.strerror or exc}{where}; its last "
-            "finished checkpoint is kept: fix the cause and continue with --resume"
+            f"the run stopped at step {trainer.step}: {exc.strerror or exc}{where}; {then}"
         ) from exc
 
 

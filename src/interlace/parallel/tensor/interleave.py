@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from interlace.parallel.tensor.reduction import set_reduce_yield
 
@@ -201,15 +202,17 @@ def _worker(seat: Seat, state: _ThreadState) -> None:
 @dataclass
 class _ThreadState:
     """The caller's thread-local state carried into the seats' threads: grad mode, autocast,
-    the accelerator device, the saved-tensor hooks (offloading, memory meters) and the
-    intra-op thread count (OpenMP keeps it per thread: a new thread would otherwise compute
-    on every core, oversubscribing ranks that share a CPU)."""
+    the accelerator device, the saved-tensor hooks (offloading, memory meters), the dispatch
+    modes (the memory probe's `LiveBytes`, which otherwise would not see the seats' tensors)
+    and the intra-op thread count (OpenMP keeps it per thread: a new thread would otherwise
+    compute on every core, oversubscribing ranks that share a CPU)."""
 
     grad: bool
     threads: int
     autocast: list[tuple[str, torch.dtype]]
     device: int | None
     saved_hooks: tuple[Callable, Callable] | None
+    modes: list[Any]
 
     @classmethod
     def capture(cls) -> _ThreadState:
@@ -227,6 +230,7 @@ class _ThreadState:
                 else None
             ),
             saved_hooks=_carried_hooks(),
+            modes=_get_current_dispatch_mode_stack(),
         )
 
     def run(self, call: Callable[[], Any]) -> Any:
@@ -238,6 +242,8 @@ class _ThreadState:
             if self.device is not None:
                 torch.accelerator.set_device_index(self.device)
             stack.enter_context(torch.set_grad_enabled(self.grad))
+            for mode in self.modes:
+                stack.enter_context(mode)
             for dev, dtype in self.autocast:
                 stack.enter_context(torch.autocast(dev, dtype))
             return call()
