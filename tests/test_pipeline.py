@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_grads_close, tiny_config
 from interlace.errors import PlanError
@@ -75,7 +76,8 @@ def _pipeline_grads(config, plan_text, recompute_list):
     runner.step(x, y)  # first step: torch infers stage shapes (extra forwards); then start clean
     runner.zero_grad()
     calls.update(dict.fromkeys(calls, 0))
-    loss = runner.step(x, y)
+    with _MatmulCount() as matmuls:
+        loss = runner.step(x, y)
     checkpointed = set().union(*(stage.checkpointed for stage in runner.stages))
     local = [int(i) for stage in runner.stages for i in stage.blocks]
     return {
@@ -85,7 +87,24 @@ def _pipeline_grads(config, plan_text, recompute_list):
         "checkpointed": checkpointed,
         "ratios": runner.recompute_ratios,
         "trace": getattr(runner.schedule, "trace", None),  # the shifted schedule's actions
+        "matmuls": matmuls.count,
     }
+
+
+class _MatmulCount(TorchDispatchMode):
+    """Counts the matrix products run inside (forward, recomputation and backward)."""
+
+    OPS = frozenset(
+        {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    )
+
+    def __enter__(self):
+        self.count = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.OPS
+        return func(*args, **(kwargs or {}))
 
 
 CASES = [
@@ -94,6 +113,7 @@ CASES = [
     ("pp=2,micro_batches=4,schedule=gpipe,recompute=full", 4, None),
     ("pp=2,micro_batches=4,schedule=1f1b", 4, None),
     ("pp=2,micro_batches=4,schedule=1f1b,recompute=full", 4, None),
+    ("pp=2,micro_batches=4,schedule=1f1b,recompute=selective", 4, None),
     ("pp=2,micro_batches=4,schedule=interleaved", 4, None),
     ("pp=2,micro_batches=4,schedule=interleaved,recompute=full", 4, None),
     ("pp=4,micro_batches=4,schedule=gpipe", 4, None),
@@ -136,12 +156,34 @@ def test_pipeline_loss_and_every_gradient_equal_serial(plan_text, n_layers, rati
                     assert trace.index(("R", i)) < trace.index(("recv_grad", i))
                 assert trace.index(("recv_grad", i)) < trace.index(("B", i))
     n_ckpt = sum(len(r["checkpointed"]) for r in results)
-    if plan.recompute == "full":
+    if plan.recompute in ("full", "selective"):
         assert n_ckpt == n_layers
     elif plan.recompute == "none" and ratios is None:
         assert n_ckpt == 0
     else:  # stage-aware with r0 = 1, or the explicit list: the last rank checkpoints nothing
         assert 0 < n_ckpt < n_layers and not results[-1]["checkpointed"]
+
+
+def test_selective_recomputation_in_stages_replays_no_matrix_product():
+    config = tiny_config(4)
+    counts = {
+        mode: [
+            rank["matmuls"]
+            for rank in run_ranks(
+                2,
+                _pipeline_grads,
+                config,
+                f"pp=2,micro_batches=4,schedule=1f1b,recompute={mode}",
+                None,
+                timeout=60,
+            )
+        ]
+        for mode in ("none", "selective", "full")
+    }
+    # selective keeps every matmul output: its stages run the products of no recomputation,
+    # full replays each block's forward products once more
+    assert counts["selective"] == counts["none"]
+    assert all(f > n for f, n in zip(counts["full"], counts["none"], strict=True))
 
 
 def test_pipeline_with_two_data_parallel_replicas_equals_serial():

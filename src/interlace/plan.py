@@ -366,9 +366,10 @@ class Plan:
                 "recompute=full",
             ),
             (
-                self.pipelined and self.recompute == "selective",
-                f"recompute=selective with pp={self.pp}",
-                "recompute=full or stage-aware",
+                self.pipelined and self.recompute == "selective" and self.schedule == "shifted",
+                "recompute=selective with schedule=shifted (its executor replays a stage's "
+                "checkpointed blocks whole, outside torch's checkpoint)",
+                "recompute=full or stage-aware, or schedule=1f1b, gpipe or interleaved",
             ),
             (
                 bool(tp3d) and self.overlap.tp_subbatches > 1,

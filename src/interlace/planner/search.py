@@ -4,9 +4,9 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
 
     tp · pp · dp · dp_shard = N, tp, pp and dp_shard powers of two (pp ≤ layers; dp_shard = 1
     replicated, > 1 sharded, HSDP with dp > 1), ep a power of two dividing dp · dp_shard and
-    n_experts (MoE models); without a pipeline: recompute none, selective or full; with pp > 1:
-    micro_batches a power of two (or the whole per-rank batch) dividing global_batch / dp,
-    schedule gpipe, 1f1b, interleaved or shifted, recompute none or full; with tp > 1:
+    n_experts (MoE models); recompute none, selective or full; with pp > 1: micro_batches a
+    power of two (or the whole per-rank batch) dividing global_batch / dp, schedule gpipe,
+    1f1b, interleaved or shifted (shifted only with full recompute); with tp > 1:
     tp_subbatches 1 or 2 (overlapped tensor parallelism); for dense models, 3D tensor
     parallelism tp3d = (x, y, z) × dp (powers of two, the batch split over dp and then z),
     priced by `interlace.planner.cost3d`; and, for dense models, context parallelism
@@ -41,10 +41,8 @@ from interlace.planner.hardware import GIB, LOCAL, Hardware
 
 SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 """Pipeline schedules the search tries."""
-SEARCH_RECOMPUTE = ("none", "full")
-"""Recompute modes the search tries with pp > 1."""
-SEARCH_BLOCK_RECOMPUTE = ("none", "selective", "full")
-"""Recompute modes the search tries without a pipeline."""
+SEARCH_RECOMPUTE = ("none", "selective", "full")
+"""Recompute modes the search tries (with pp > 1 the shifted schedule only with full)."""
 SEARCH_CONTEXT_RECOMPUTE = ("none", "full")
 """Recompute modes the search tries with context parallelism (the runtime refuses selective)."""
 NOT_IMPLEMENTED = "not implemented yet"
@@ -173,15 +171,15 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
     if pp == 1:
-        for recompute in SEARCH_BLOCK_RECOMPUTE:
+        for recompute in SEARCH_RECOMPUTE:
             yield {"micro_batches": 1, "recompute": recompute}
         return
     counts = sorted({*power_of_two_divisors(per_dp, per_dp), per_dp})
     for m in counts:
         for schedule in SEARCH_SCHEDULES:
             for recompute in SEARCH_RECOMPUTE:
-                if schedule == "shifted" and recompute == "none":
-                    continue  # without recomputation the shifted schedule is 1F1B
+                if schedule == "shifted" and recompute != "full":
+                    continue  # without recomputation it is 1F1B; selective is refused
                 yield {"micro_batches": m, "schedule": schedule, "recompute": recompute}
 
 

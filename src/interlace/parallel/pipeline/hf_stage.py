@@ -161,7 +161,8 @@ class HFStage(nn.Module):
 
     forward: ids [b, T] (first) or hidden [b, T, d] → hidden [b, T, d], or logits [b, T, V]
     (last). Layers whose global index is in `checkpointed` run under activation checkpointing
-    (non-reentrant). `head_copy` makes the last stage's LM head an own copy of the tied
+    (non-reentrant, in `recompute_mode` "full" or "selective"). `head_copy` makes the last
+    stage's LM head an own copy of the tied
     embedding. Same interface as `GPTStage` (`is_first`, `is_last`, `blocks`, `pieces`).
     """
 
@@ -174,11 +175,12 @@ class HFStage(nn.Module):
         first: bool,
         last: bool,
         checkpointed: frozenset[int] = frozenset(),
+        recompute_mode: str = "full",
         head_copy: bool = False,
     ) -> None:
         super().__init__()
         self.is_first, self.is_last = first, last
-        self.checkpointed = checkpointed
+        self.checkpointed, self.recompute_mode = checkpointed, recompute_mode
         self.config = model.config
         self.width = model.get_submodule(parts.embedding).embedding_dim
         names: list[str] = []
@@ -201,7 +203,7 @@ class HFStage(nn.Module):
         with deferral_scope():
             for piece, recomputed in self.pieces():
                 if recomputed:  # no tensor parallelism here: no reduction to replay
-                    x = checkpointed(piece, "full", x, replay_reductions=False)
+                    x = checkpointed(piece, self.recompute_mode, x, replay_reductions=False)
                 else:
                     x = piece(x)
         return x

@@ -170,6 +170,7 @@ class PipelineRunner:
             "first": first,
             "last": last,
             "checkpointed": checkpointed_layers(layers, self.layout.stage_ratios[index]),
+            "recompute_mode": "selective" if self.plan.recompute == "selective" else "full",
             "head_copy": tied and last and not first,
         }
         if self.hf is None:

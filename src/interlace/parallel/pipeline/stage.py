@@ -47,10 +47,11 @@ class GPTStage(nn.Module):
 
     forward: idx [b, T] (first) or hidden [b, T, d] → hidden [b, T, d], or logits [b, T, V]
     (last). Layers whose global index is in `checkpointed` run under activation checkpointing
-    (non-reentrant); under tensor parallelism their recomputation reuses the forward's
-    all-reduced outputs instead of reducing again (`reduction.ReductionReplay`). `head_copy`
-    makes the last stage's LM head an own Parameter copied from the tied embedding (see the
-    module docstring); otherwise the model's `lm_head` is used.
+    (non-reentrant; `recompute_mode` "full", or "selective": the matmul and attention outputs
+    kept, see `interlace.recompute`); under tensor parallelism their recomputation reuses the
+    forward's all-reduced outputs instead of reducing again (`reduction.ReductionReplay`).
+    `head_copy` makes the last stage's LM head an own Parameter copied from the tied embedding
+    (see the module docstring); otherwise the model's `lm_head` is used.
     """
 
     def __init__(
@@ -61,11 +62,12 @@ class GPTStage(nn.Module):
         first: bool,
         last: bool,
         checkpointed: frozenset[int] = frozenset(),
+        recompute_mode: str = "full",
         head_copy: bool = False,
     ) -> None:
         super().__init__()
         self.is_first, self.is_last = first, last
-        self.checkpointed = checkpointed
+        self.checkpointed, self.recompute_mode = checkpointed, recompute_mode
         self.width = model.config.d_model  # of the activations between stages
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
@@ -80,7 +82,7 @@ class GPTStage(nn.Module):
         with deferral_scope():
             for piece, recomputed in self.pieces():
                 # the replay reuses the forward's tensor parallel reductions
-                x = checkpointed(piece, "full", x) if recomputed else piece(x)
+                x = checkpointed(piece, self.recompute_mode, x) if recomputed else piece(x)
         return x
 
     def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:
