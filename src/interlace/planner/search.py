@@ -44,7 +44,8 @@ SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 SEARCH_RECOMPUTE = ("none", "selective", "full")
 """Recompute modes the search tries (with pp > 1 the shifted schedule only with full)."""
 SEARCH_CONTEXT_RECOMPUTE = ("none", "full")
-"""Recompute modes the search tries with context parallelism (the runtime refuses selective)."""
+"""Recompute modes the search tries with context parallelism (selective runs, but its replayed
+ring is not priced yet)."""
 NOT_IMPLEMENTED = "not implemented yet"
 """The phrase by which `Plan.validate` marks a valid but not yet runnable plan."""
 

@@ -40,7 +40,6 @@ def pending_with(plan: Any, tp3d: str) -> list[tuple[bool, str, str]]:
             f"{cp} with tp_subbatches={plan.overlap.tp_subbatches}",
             "tp_subbatches=1",
         ),
-        (plan.recompute == "selective", f"{cp} with recompute=selective", "recompute=full"),
     ]
 
 
