@@ -15,10 +15,13 @@ from pathlib import Path
 
 import torch
 
+from interlace.mesh import build_mesh
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.moe.experts import STORED_AS, expert_keys
+from interlace.plan import Plan
 from interlace.planner import calibrate as cal
+from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
 SVM_DATA = Path(__file__).parent / "data" / "svm"
@@ -126,3 +129,24 @@ def _diff_and_scale(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float
         return 0.0, 0.0
     a, e = actual.detach().double(), expected.detach().double().to(actual.device)
     return float((a - e).abs().max()), float(e.abs().max())
+
+
+def train_steps(
+    config: TrainConfig, plan_text: str, resume_from=None, saved_at: int | None = None
+) -> tuple[list[float], Trainer]:
+    """This rank's run of `config` under `plan_text` (from the checkpoint `resume_from`, if
+    given) to `config.steps`: the losses of the steps it takes and the trainer; with
+    `config.out`, a checkpoint after step `saved_at`."""
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(
+        prepare_run(config, plan, plan.world_size),
+        build_mesh(plan) if plan.world_size > 1 else None,
+    )
+    if resume_from is not None:
+        trainer.resume(resume_from)
+    losses = []
+    while trainer.step < config.steps:
+        losses.append(trainer.train_step()["loss"])
+        if config.out and trainer.step == saved_at:
+            trainer.save()
+    return losses, trainer

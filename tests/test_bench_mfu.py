@@ -4,9 +4,13 @@ derived from the model FLOP count, and bad options refused before any work."""
 import pytest
 import torch
 
-from interlace.bench import get_benchmark
-from interlace.bench.mfu import _afresh, batches, dense_equivalent, shape
+from interlace.bench import get_benchmark, mfu_estimate
+from interlace.bench.mfu import _afresh
+from interlace.bench.mfu_estimate import EFFICIENCY, model_costs
+from interlace.bench.mfu_runs import batches, dense_equivalent, shape
+from interlace.bench.runner import announce, parse_options
 from interlace.errors import ConfigError
+from interlace.mesh import DEVICE_ENV
 from interlace.throughput import model_flops_per_token
 
 BENCH = get_benchmark("mfu")
@@ -94,3 +98,46 @@ def test_each_measurement_compiles_afresh_with_static_sizes():
         return float(counters["frames"]["ok"] - before)
 
     assert _afresh(torch.device("cpu"), run)["tokens_per_s"] == 2  # compiled for each size
+
+
+def test_without_cuda_the_defaults_are_a_cpu_run_of_minutes_and_set_still_wins(monkeypatch):
+    monkeypatch.delenv(DEVICE_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    options = parse_options(BENCH, [])
+    assert options == {**BENCH.options, **BENCH.cpu_options}
+    assert options["models"] == "demo,moe-demo" and not options["compile"]
+    assert parse_options(BENCH, ["models=gpt2-124m"])["models"] == "gpt2-124m"
+
+
+def test_with_cuda_the_defaults_are_the_gpu_shapes(monkeypatch):
+    monkeypatch.delenv(DEVICE_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_options(BENCH, []) == BENCH.options
+
+
+def test_the_estimate_is_every_measurement_s_model_flops_over_the_probe_rate():
+    options = {**OPTIONS, "models": "demo", "batch": "2", "warmup": 1}
+    cost = model_costs(options, torch.device("cpu"), {"fp32": 1e9, "bf16": 1e8})["demo"]
+    flops = model_flops_per_token(shape("demo", options)) * 2 * 128 * 2  # 2 steps of 2 x 128
+    # the Trainer (fp32 on the CPU) and the fp32 loop, then the bf16 loop
+    assert cost.seconds == pytest.approx(flops * (2 / 1e9 + 1 / 1e8) / EFFICIENCY)
+
+
+def test_the_line_before_a_cpu_run_says_what_where_how_long_and_how_much_memory():
+    line = announce(BENCH, BENCH.defaults(), 1, "loopback")  # the probe measured: < 1 s
+    assert line.startswith(
+        "bench mfu: demo (batch 4), moe-demo (batch 4); 11 measurements of 1 warm-up + 3 timed "
+        "steps on cpu: "
+    )
+    assert line.endswith(", ~0.059 GiB at most")
+
+
+def test_a_big_shape_on_the_cpu_is_called_out_with_its_time_and_memory(monkeypatch):
+    monkeypatch.setattr(mfu_estimate, "probe_rates", lambda device: {"fp32": 1e11, "bf16": 1e11})
+    monkeypatch.setattr(mfu_estimate, "memory_bytes", lambda device: 16 * 2**30)
+    line = announce(BENCH, {**BENCH.defaults(), "models": "gpt2-1.5b"}, 1, "loopback")
+    assert line == (
+        "bench mfu: gpt2-1.5b (batch 4); 3 measurements of 1 warm-up + 3 timed steps on cpu: "
+        "about 3 h, ~44 GiB at most; warning: gpt2-1.5b on the CPU takes about 3 h and needs "
+        "~44 GiB, more than this machine's 16 GiB"
+    )

@@ -13,11 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, train_steps
 from interlace.checkpoint import checkpoint_name
 from interlace.cli import main
 from interlace.memory import state_bytes
-from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer
 from interlace.optim_lowbit import stochastic_round_
@@ -121,18 +120,7 @@ def test_the_planner_prices_12_bytes_and_a_lighter_step_per_parameter_with_bf16_
 def _run(config: TrainConfig, plan_text: str, resume_from=None) -> dict:
     """This rank's run: the losses of the steps it takes (with `config.out`: a checkpoint at
     SAVED_AT), the sum of its weights and the dtypes of its AdamW moments at the end."""
-    plan = Plan.parse(plan_text)
-    trainer = Trainer(
-        prepare_run(config, plan, plan.world_size),
-        build_mesh(plan) if plan.world_size > 1 else None,
-    )
-    if resume_from is not None:
-        trainer.resume(resume_from)
-    losses = []
-    while trainer.step < config.steps:
-        losses.append(trainer.train_step()["loss"])
-        if config.out and trainer.step == SAVED_AT:
-            trainer.save()
+    losses, trainer = train_steps(config, plan_text, resume_from, SAVED_AT)
     state = trainer.optimizer.state.values()
     return {
         "losses": losses,

@@ -9,13 +9,11 @@ import json
 
 import pytest
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, train_steps
 from interlace.checkpoint import checkpoint_name
-from interlace.mesh import build_mesh
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.testing import RankFailed, run_ranks
-from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
 
 BASE = dataclasses.replace(TINY_RUN, steps=5, measure_memory=False)
@@ -27,19 +25,7 @@ MOE = ["dp=2,ep=2", "dp=2", "dp_shard=2,ep=2"]
 
 def _losses(config: TrainConfig, plan_text: str, resume_from=None) -> list[float]:
     """The losses of the steps this run takes; with `config.out`, a checkpoint at SAVED_AT."""
-    plan = Plan.parse(plan_text)
-    trainer = Trainer(
-        prepare_run(config, plan, plan.world_size),
-        build_mesh(plan) if plan.world_size > 1 else None,
-    )
-    if resume_from is not None:
-        trainer.resume(resume_from)
-    losses = []
-    while trainer.step < config.steps:
-        losses.append(trainer.train_step()["loss"])
-        if config.out and trainer.step == SAVED_AT:
-            trainer.save()
-    return losses
+    return train_steps(config, plan_text, resume_from, SAVED_AT)[0]
 
 
 def _run(config: TrainConfig, plan_text: str, resume_from=None) -> list[float]:

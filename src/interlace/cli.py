@@ -455,7 +455,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one of the benchmark's options (see `interlace bench list`)",
+        help="override one of the benchmark's options, typed like its default, e.g. --set "
+        "steps=5; repeatable. `interlace bench list` shows each option's default and meaning",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
     p.add_argument(
@@ -487,8 +488,8 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.name == "list":
         for name in REGISTRY:
             bench = get_benchmark(name)
-            options = " ".join(f"{k}={v}" for k, v in bench.options.items())
-            print(f"{name:12s} {bench.summary}\n{'':12s} options: {options or '-'}")
+            print(f"{name:12s} {bench.summary}")
+            print("\n".join(bench.option_lines()) or "  no options")
         return 0
     try:
         run_benchmark(

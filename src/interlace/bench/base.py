@@ -9,6 +9,7 @@ from typing import Any
 
 from interlace.comm import Group
 from interlace.errors import ConfigError
+from interlace.mesh import default_device
 from interlace.models.config import GPTConfig
 
 
@@ -37,6 +38,16 @@ def gpt_config(options: dict[str, Any]) -> GPTConfig:
         n_layers=options["layers"],
         n_heads=options["heads"],
     )
+
+
+GPT_OPTION_HELP = {
+    "vocab": "vocabulary size, tokens",
+    "seq_len": "tokens per sequence",
+    "d_model": "model width",
+    "layers": "transformer blocks",
+    "heads": "attention heads (they divide d_model)",
+}
+"""What the options `gpt_config` reads mean, for `Benchmark.option_help`."""
 
 
 def check_names(options: dict[str, Any], key: str, valid: Iterable[str]) -> None:
@@ -92,6 +103,12 @@ class Benchmark:
         whether the benchmark is reproducible.
     headline: result → the one-line claim the benchmark exists to test, for BENCHMARKS.md.
     describe: what it measures and what the physical limit is (BENCHMARKS.md's prose).
+    options: the defaults that `--set key=value` overrides; option_help: each one's meaning
+        (what it is, its unit), one short phrase per option, shown by `interlace bench list`.
+    cpu_options: defaults that replace `options`' where this process computes on the CPU (no
+        CUDA, or INTERLACE_DEVICE=cpu), for a benchmark whose GPU shapes a CPU cannot run.
+    preview: options → what the run will do, on what device and about how long, for the line
+        printed before it starts (default: the options and the ranks).
     """
 
     name: str
@@ -106,6 +123,24 @@ class Benchmark:
     key_numbers: Callable[[dict[str, Any]], dict[str, float]] | None = None
     default_ranks: int = 2
     options: dict[str, Any] = field(default_factory=dict)
+    option_help: dict[str, str] = field(default_factory=dict)
+    cpu_options: dict[str, Any] = field(default_factory=dict)
+    preview: Callable[[dict[str, Any]], str] | None = None
+
+    def defaults(self) -> dict[str, Any]:
+        """The default options on this machine: `options`, with `cpu_options` over them where
+        this process computes on the CPU (`mesh.default_device`)."""
+        on_cpu = default_device().type == "cpu"
+        return {**self.options, **(self.cpu_options if on_cpu else {})}
+
+    def option_lines(self) -> list[str]:
+        """One line per option for `interlace bench list`: `  name=default  meaning`, and the
+        default on a CPU where it differs."""
+        return [
+            f"  {key}={value}  {self.option_help.get(key, '')}"
+            + (f"; on a CPU: {self.cpu_options[key]}" if key in self.cpu_options else "")
+            for key, value in self.options.items()
+        ]
 
     @property
     def distributed(self) -> bool:

@@ -163,4 +163,10 @@ BENCHMARK = Benchmark(
     headline=headline,
     key_numbers=key_numbers,
     options={"min_size": 1024, "max_size": 256 * 2**20, "ops": ",".join(OPS), "min_seconds": 0.5},
+    option_help={
+        "min_size": "smallest message, bytes (sizes grow 4x from it)",
+        "max_size": "largest message, bytes",
+        "ops": "collectives measured, comma-separated",
+        "min_seconds": "least seconds of samples per op and size (their median is kept)",
+    },
 )

@@ -244,4 +244,14 @@ BENCHMARK = Benchmark(
         "heads": 4,
         "head_dim": 16,
     },
+    option_help={
+        "model": "dense preset trained (no dropout)",
+        "seq_len": "tokens per sequence of the activation runs and the search's start "
+        "(a multiple of 8)",
+        "max_seq_len": "longest sequence the search tries (a multiple of 8)",
+        "sequences": "sequences per cp group per step",
+        "tokens_per_rank": "tokens per rank of the ring-attention timing (a multiple of 8)",
+        "heads": "attention heads of the ring-attention timing",
+        "head_dim": "width of a head in the ring-attention timing",
+    },
 )

@@ -175,4 +175,9 @@ BENCHMARK = Benchmark(
     headline=headline,
     key_numbers=mode_step_times,
     options={"model": "bench-25m", "micro_batch": 4, "steps": 3},
+    option_help={
+        "model": "model preset trained",
+        "micro_batch": "sequences per rank per step",
+        "steps": "timed steps per mode (and samples of compute and all-reduce alone)",
+    },
 )

@@ -154,4 +154,11 @@ BENCHMARK = Benchmark(
         "steps": 3,
         "predict_time": True,
     },
+    option_help={
+        "model": "model preset trained",
+        "seq_len": "tokens per sequence (0: the preset's)",
+        "global_batch": "sequences per step over all ranks",
+        "steps": "timed steps per plan, after a warm-up step and the measured step",
+        "predict_time": "calibrate the cluster and predict each plan's step time",
+    },
 )

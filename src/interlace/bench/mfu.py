@@ -11,7 +11,6 @@ timed step ends with a device synchronisation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import json
@@ -26,11 +25,23 @@ import torch
 import torch.nn.functional as F
 
 from interlace.bench.base import Benchmark
+from interlace.bench.mfu_estimate import preview
+from interlace.bench.mfu_runs import (
+    DENSE_SUFFIX,
+    LOOP_COMPILED,
+    LOOP_MODES,
+    TRAINER_ACCUMULATING,
+    batches,
+    micro_batches,
+    mode_precision,
+    modes,
+    shapes,
+)
 from interlace.errors import ConfigError
 from interlace.mesh import default_device
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
-from interlace.models.presets import PRESETS, get_preset
+from interlace.models.presets import PRESETS
 from interlace.optim import build_optimizer
 from interlace.plan import Plan
 from interlace.throughput import (
@@ -42,46 +53,6 @@ from interlace.throughput import (
 )
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig
-
-LOOP_MODES = {"loop_fp32": ("fp32", False), "loop_bf16": ("bf16", False)}
-LOOP_COMPILED = {"loop_bf16_compile": ("bf16", True)}
-TRAINER_ACCUMULATING = "trainer_micro_batches_"
-DENSE_SUFFIX = "(dense equivalent)"
-
-
-def shape(name: str, options: dict[str, Any]) -> GPTConfig:
-    """Preset `name` at its vocabulary padded to a multiple of 128 (and `seq_len` if set)."""
-    config = get_preset(name)
-    vocab = -(-config.vocab_size // 128) * 128
-    return dataclasses.replace(
-        config, vocab_size=vocab, seq_len=options["seq_len"] or config.seq_len
-    )
-
-
-def dense_equivalent(config: GPTConfig) -> GPTConfig:
-    """`config` with a dense FFN in place of every MoE layer: for a top-1 preset the same active
-    FLOPs per token, the router's aside (top-k presets compute k experts per token)."""
-    return dataclasses.replace(config, n_experts=0)
-
-
-def batches(options: dict[str, Any]) -> dict[str, int]:
-    """{model: sequences per step} from the `batch` option: one count for every model, or one
-    per model in `models`' order ("16,8,16"). ConfigError for a count below 1, not a whole
-    number, or a list of another length."""
-    models = options["models"].split(",")
-    counts = str(options["batch"]).split(",")
-    if len(counts) not in (1, len(models)):
-        raise ConfigError(
-            f"batch={options['batch']} gives {len(counts)} counts for {len(models)} models; "
-            "give one count, or one per model"
-        )
-    try:
-        sizes = [int(c) for c in counts]
-    except ValueError:
-        raise ConfigError(f"batch={options['batch']} must be whole numbers") from None
-    if min(sizes) < 1:
-        raise ConfigError(f"batch={options['batch']} must be >= 1")
-    return dict(zip(models, sizes * len(models) if len(sizes) == 1 else sizes, strict=True))
 
 
 def time_loop(
@@ -139,30 +110,22 @@ def time_trainer(
 def run_local(options: dict[str, Any]) -> dict[str, Any]:
     """Every mode on every model (and the MoE model's dense equivalent) on this device."""
     device = default_device()
-    modes = {**LOOP_MODES, **(LOOP_COMPILED if options["compile"] else {})}
+    loops = {**LOOP_MODES, **LOOP_COMPILED}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch in batches(options).items():
-            config = shape(name, options)
-            shapes = [(name, config)]
-            if config.n_experts:
-                shapes.append((f"{name} {DENSE_SUFFIX}", dense_equivalent(config)))
-            for label, cfg in shapes:
-                runs = {"trainer": functools.partial(time_trainer, cfg, batch, options, Path(tmp))}
-                if config.n_experts and options["moe_micro_batches"] > 1:
-                    k = options["moe_micro_batches"]
-                    runs[f"{TRAINER_ACCUMULATING}{k}"] = functools.partial(
-                        time_trainer, cfg, batch, options, Path(tmp), k
-                    )
-                for mode, (precision, compiled) in modes.items():
-                    runs[mode] = functools.partial(
-                        time_loop, cfg, precision, compiled, batch, options
-                    )
+            pairs = shapes(name, options)
+            for label, cfg in pairs:
                 flops = model_flops_per_token(cfg)
-                for mode, run in runs.items():
+                for mode in modes(options, moe=len(pairs) > 1):
+                    if mode in loops:
+                        run = functools.partial(time_loop, cfg, *loops[mode], batch, options)
+                    else:
+                        run = functools.partial(
+                            time_trainer, cfg, batch, options, Path(tmp), micro_batches(mode)
+                        )
                     measured = _afresh(device, run)
-                    precision = "fp32" if mode == "loop_fp32" else _trainer_precision(device, mode)
-                    peak = device_peak_tflops(device, precision)
+                    peak = device_peak_tflops(device, mode_precision(device, mode))
                     tflops = flops * measured["tokens_per_s"] / 1e12
                     rows.append(
                         {
@@ -197,12 +160,6 @@ def _afresh(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
         row["peak_memory_gib"] = peak_memory_gib(device)
         row["alloc_retries"] = allocator_retries(device) - before
     return row
-
-
-def _trainer_precision(device: torch.device, mode: str) -> str:
-    if mode.startswith("trainer"):
-        return "bf16" if device.type == "cuda" else "fp32"
-    return "bf16"
 
 
 def _device_name(device: torch.device) -> str:
@@ -322,7 +279,9 @@ BENCHMARK = Benchmark(
         "update of every expert's weights, memory-bound, then weighs less. "
         "Tokens/s is the median over timed steps after warm-up; MFU is model FLOPs "
         "(6N + 12LTd per token) over the device's dense peak in the mode's precision (fp32: "
-        "the peak without TF32, which the loop leaves off)."
+        "the peak without TF32, which the loop leaves off). Without CUDA the defaults are a "
+        "smoke run of a few minutes: demo and moe-demo at 4 sequences, 1 warm-up + 3 timed "
+        "steps, no torch.compile."
     ),
     table=table,
     plot=plot,
@@ -339,4 +298,23 @@ BENCHMARK = Benchmark(
         "compile": True,
         "moe_micro_batches": 4,
     },
+    option_help={
+        "models": "model presets, comma-separated",
+        "batch": "sequences per step: one count, or one per model in order",
+        "seq_len": "tokens per sequence (0: each preset's own)",
+        "steps": "timed steps per measurement (tokens/s is their median)",
+        "warmup": "untimed steps before them (compilation, allocator warm-up)",
+        "compile": "also time the loop under bf16 autocast + torch.compile",
+        "moe_micro_batches": "MoE shapes also through the Trainer at this many micro-batches a "
+        "step (1: not)",
+    },
+    cpu_options={
+        "models": "demo,moe-demo",
+        "batch": "4",
+        "steps": 3,
+        "warmup": 1,
+        "compile": False,
+        "moe_micro_batches": 2,
+    },
+    preview=preview,
 )

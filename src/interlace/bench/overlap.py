@@ -186,4 +186,8 @@ BENCHMARK = Benchmark(
     headline=headline,
     key_numbers=key_numbers,
     options={"compute_s": 0.5, "ratios": "0.5,1,2"},
+    option_help={
+        "compute_s": "seconds of the matmul loop",
+        "ratios": "all-reduce lengths as multiples of the matmul loop's, comma-separated",
+    },
 )

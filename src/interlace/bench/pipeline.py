@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from interlace.bench.base import Benchmark, RankContext, gpt_config
+from interlace.bench.base import GPT_OPTION_HELP, Benchmark, RankContext, gpt_config
 from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import median, slowest
 from interlace.errors import ConfigError
@@ -376,5 +376,12 @@ BENCHMARK = Benchmark(
         "micro_batches": "4,8,16",
         "compare_micro_batches": 8,
         "steps": 3,
+    },
+    option_help={
+        **GPT_OPTION_HELP,
+        "micro_batch": "sequences per micro-batch",
+        "micro_batches": "micro-batch counts per step of the bubble runs, comma-separated",
+        "compare_micro_batches": "micro-batches per step of the recomputation comparison",
+        "steps": "recorded steps per schedule, after one warm-up",
     },
 )

@@ -348,4 +348,12 @@ BENCHMARK = Benchmark(
         "steps": 3,
         "plans": 0,
     },
+    option_help={
+        "model": "dense preset whose plans run",
+        "moe_model": "MoE preset whose plans also run (empty: none)",
+        "global_batch": "sequences per step over all ranks",
+        "seq_len": "tokens per sequence (0: the preset's)",
+        "steps": "timed steps per plan, after one warm-up",
+        "plans": "run only the first N plans of the rank count (0: every one)",
+    },
 )

@@ -204,4 +204,9 @@ BENCHMARK = Benchmark(
     headline=headline,
     key_numbers=key_numbers,
     options={"steps": 40, "ckpt_every": 5, "kill_at": "8,12,17,23,31"},
+    option_help={
+        "steps": "training steps of each run",
+        "ckpt_every": "steps between checkpoints",
+        "kill_at": "steps at which a rank is SIGKILLed, comma-separated, one run each",
+    },
 )

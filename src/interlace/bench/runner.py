@@ -29,6 +29,7 @@ from interlace.bench.base import Benchmark
 from interlace.bench.cluster import Cluster
 from interlace.bench.cpu_quota import CpuQuota
 from interlace.errors import ConfigError
+from interlace.mesh import default_device
 from interlace.rates import parse_rate
 from interlace.report import strict_json
 
@@ -38,15 +39,18 @@ class BenchFailed(RuntimeError):
 
 
 def parse_options(bench: Benchmark, pairs: list[str]) -> dict[str, Any]:
-    """Apply `key=value` overrides to the benchmark's default options (typed like the default);
-    ConfigError for unknown keys or bad values."""
-    options = dict(bench.options)
+    """Apply `key=value` overrides to the benchmark's default options on this machine
+    (`Benchmark.defaults`, each override typed like its default); ConfigError for unknown keys
+    or bad values."""
+    defaults = bench.defaults()
+    options = dict(defaults)
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or key not in options:
             raise ConfigError(
                 f"option '{pair}' is not key=value with a key of '{bench.name}': "
-                f"{', '.join(f'{k}={v}' for k, v in bench.options.items()) or 'none'}"
+                f"{', '.join(f'{k}={v}' for k, v in defaults.items()) or 'none'} "
+                "(`interlace bench list` says what each means)"
             )
         default = options[key]
         try:
@@ -60,6 +64,21 @@ def parse_options(bench: Benchmark, pairs: list[str]) -> dict[str, Any]:
         except ValueError:
             raise ConfigError(f"option {key}={raw!r} is not a {type(default).__name__}") from None
     return options
+
+
+def announce(bench: Benchmark, options: dict[str, Any], ranks: int, bandwidth: str) -> str:
+    """The line printed before a benchmark starts: what it will run and where (its `preview`,
+    else its options and the emulated cluster's ranks and links, or this process's device)."""
+    if bench.preview is not None:
+        where = bench.preview(options)
+    else:
+        where = " ".join(f"{k}={v}" for k, v in options.items()) or "no options"
+        if bench.distributed:
+            link = "on loopback" if bandwidth == "loopback" else f"linked at {bandwidth}"
+            where += f" on {ranks} CPU rank(s) (gloo) {link}"
+        else:
+            where += f" locally on {default_device()}"
+    return f"bench {bench.name}: {where}"
 
 
 def spread(results: list[dict[str, Any]], bench: Benchmark) -> dict[str, float]:
@@ -108,6 +127,8 @@ def run_benchmark(
     if cpu_per_rank is not None and not bench.distributed:
         raise ConfigError(f"--cpu-per-rank applies to multi-rank benchmarks, not '{name}'")
     rate = None if bandwidth == "loopback" else parse_rate(bandwidth)
+    line = announce(bench, options, ranks, bandwidth)
+    print(line if repeat == 1 else f"{line}; {repeat} times", flush=True)
     started = time.time()
     environment: dict[str, Any] = {
         "python": platform.python_version(),

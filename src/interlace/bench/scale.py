@@ -307,4 +307,5 @@ BENCHMARK = Benchmark(
     check=check,
     headline=headline,
     options={"groups": "axonn,merak,prophet"},
+    option_help={"groups": "settings priced, comma-separated: axonn, merak, prophet"},
 )

@@ -256,4 +256,15 @@ BENCHMARK = Benchmark(
         "powersgd_rank": 4,
         "seed": 0,
     },
+    option_help={
+        "workloads": "workloads, comma-separated: click (embedding-heavy), gpt (large vocabulary)",
+        "modes": "gradient exchanges compared, comma-separated",
+        "steps": "timed training steps per workload and mode",
+        "warmup": "untimed steps before them",
+        "lr": "Adam learning rate",
+        "bucket_mb": "DDP bucket size, MB (PowerSGD runs with one bucket)",
+        "topk_fraction": "share of the gradient's entries top-k sends, in (0, 1]",
+        "powersgd_rank": "PowerSGD's matrix approximation rank",
+        "seed": "seed of the workloads' weights and batches",
+    },
 )

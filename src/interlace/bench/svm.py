@@ -65,4 +65,5 @@ BENCHMARK = Benchmark(
     run_local=_run,
     headline=headline,
     options={"quick": False},
+    option_help={"quick": "smaller grids, folds and data: a smoke run of a few seconds"},
 )

@@ -27,6 +27,7 @@ from torch import nn
 
 from interlace import comm
 from interlace.bench.base import (
+    GPT_OPTION_HELP,
     Benchmark,
     RankContext,
     gpt_config,
@@ -329,5 +330,11 @@ BENCHMARK = Benchmark(
         "batch": 48,
         "subbatches": 2,
         "steps": 3,
+    },
+    option_help={
+        **GPT_OPTION_HELP,
+        "batch": "sequences per step (the same on every rank)",
+        "subbatches": "sub-batches each layer interleaves in overlapped TP (2 to batch)",
+        "steps": "timed samples per mode (their median is kept)",
     },
 )

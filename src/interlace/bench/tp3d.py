@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from interlace import comm
-from interlace.bench.base import Benchmark, RankContext, gpt_config
+from interlace.bench.base import GPT_OPTION_HELP, Benchmark, RankContext, gpt_config
 from interlace.bench.timing import median, sample
 from interlace.errors import ConfigError
 from interlace.mesh import build_mesh
@@ -263,5 +263,10 @@ BENCHMARK = Benchmark(
         "heads": 4,
         "batch": 8,
         "steps": 3,
+    },
+    option_help={
+        **GPT_OPTION_HELP,
+        "batch": "sequences per step",
+        "steps": "timed steps per layout (their median is kept)",
     },
 )

@@ -155,12 +155,13 @@ def measure_matmul_flops(
     min_seconds: float = 0.3,
     dtype: str = "fp32",
     device: torch.device | None = None,
+    shape: tuple[int, int, int] | None = None,
 ) -> float:
-    """Sustained FLOP/s of [n, k] @ [k, m] matmuls (`MATMUL_SHAPES` of the device type) in
-    `dtype` ("fp32", "bf16", "fp16") on `device` (default: the CPU) with `threads` CPU threads:
-    the best of repeated timings within about `min_seconds`."""
+    """Sustained FLOP/s of [n, k] @ [k, m] matmuls (`shape`, default `MATMUL_SHAPES` of the
+    device type) in `dtype` ("fp32", "bf16", "fp16") on `device` (default: the CPU) with
+    `threads` CPU threads: the best of repeated timings within about `min_seconds`."""
     device = device or torch.device("cpu")
-    n, k, m = MATMUL_SHAPES[device.type]
+    n, k, m = shape or MATMUL_SHAPES[device.type]
     a = torch.randn(n, k, device=device, dtype=DTYPES[dtype])
     b = torch.randn(k, m, device=device, dtype=DTYPES[dtype])
     return 2 * n * k * m / _best_seconds(lambda: a @ b, threads, min_seconds, device)
