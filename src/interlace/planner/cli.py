@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from interlace.errors import ConfigError
 from interlace.mesh import default_device
@@ -233,10 +234,8 @@ def run_planner(args: argparse.Namespace) -> int:
             n,
             args.global_batch,
             args.seq,
-            dtype=args.dtype,
             runnable_only=args.runnable_only,
-            expert_skew=args.expert_skew,
-            optimizer_state=args.optimizer_state,
+            **_pricing(args),
         )
         costs = ranked[: args.top]
         why = context_choice(ranked)
@@ -244,17 +243,7 @@ def run_planner(args: argparse.Namespace) -> int:
         if args.seq and args.seq != spec.seq_len:
             spec = replace(spec, seq_len=args.seq)
         check_plan(plan, n, spec, args.runnable_only)
-        costs = [
-            estimate(
-                plan,
-                spec,
-                hardware,
-                args.global_batch,
-                dtype=args.dtype,
-                expert_skew=args.expert_skew,
-                optimizer_state=args.optimizer_state,
-            )
-        ]
+        costs = [estimate(plan, spec, hardware, args.global_batch, **_pricing(args))]
         why = None
     if args.trace:
         _write_trace(costs[0], spec, hardware, args)
@@ -335,17 +324,19 @@ def calibrated_for_model(
     return calibrated
 
 
+def _pricing(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every priced plan takes from the command line: precision, expert skew and
+    optimizer state."""
+    return {
+        "dtype": args.dtype,
+        "expert_skew": args.expert_skew,
+        "optimizer_state": args.optimizer_state,
+    }
+
+
 def _write_trace(cost: PlanCost, spec: GPTConfig, hardware: Hardware, args: argparse.Namespace):
     """Simulate `cost`'s plan and write the Chrome trace to --trace and a PNG beside it."""
-    sim = simulate(
-        cost.plan,
-        spec,
-        hardware,
-        args.global_batch,
-        dtype=args.dtype,
-        expert_skew=args.expert_skew,
-        optimizer_state=args.optimizer_state,
-    )
+    sim = simulate(cost.plan, spec, hardware, args.global_batch, **_pricing(args))
     path = Path(args.trace)
     write_chrome_trace(sim.spans, path)
     png = plot_timeline(sim.spans, path.with_suffix(".png"), title=f"{cost.plan} (simulated)")
