@@ -1,0 +1,86 @@
+"""Step terms priced by hand: FSDP's gathers and reduce-scatters, HSDP's replica all-reduce, the
+expert gradients' all-reduce and 3D tensor parallelism's gathers before the head, from the
+model's sizes, the ring's wire bytes and the link each runs on, so that a term priced twice
+over, or on the wrong link, turns a test red. (`planner.step.step_terms`' other terms are
+priced by hand in test_planner.py, test_planner_context.py, test_planner_cost3d.py and
+test_planner_fsdp_bytes.py.)"""
+
+import pytest
+
+from interlace.models.config import GPTConfig
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.planner.hardware import local
+from interlace.planner.step import step_terms
+
+ALPHA, BW, RATE = 1e-5, 1e9, 1e12
+SLOW = BW / 4  # the inter-node link
+D, V, T = 64, 256, 64
+TINY = GPTConfig(vocab_size=V, seq_len=T, d_model=D, n_layers=2, n_heads=4)
+LAYER = 12 * D * D + 13 * D  # q, k, v, out and the 4D MLP with biases, two LayerNorms
+ROOT = V * D + T * D + 2 * D  # token (tied with the head) and position embeddings, final norm
+PARAMS = 2 * LAYER + ROOT
+BF16, FP32 = 2, 4  # gathered parameters in the compute dtype, gradients reduced in fp32
+
+
+def terms(plan, config=TINY, global_batch=8):
+    """(exposed, hidden) seconds per term of one bf16 step on nodes of 2 devices."""
+    hardware = local(
+        RATE, BW, inter_node_bandwidth=SLOW, latency=ALPHA, devices_per_node=2, dtype="bf16"
+    )
+    return step_terms(plan, config, hardware, global_batch, dtype="bf16").breakdown()
+
+
+def fsdp_gather(params):  # 2 ranks: one α and the other rank's shard
+    return ALPHA + params / 2 * BF16 / BW
+
+
+def fsdp_scatter(params):  # 2 ranks: one α and half the fp32 gradients
+    return ALPHA + params / 2 * FP32 / BW
+
+
+def test_fsdp_gathers_every_parameter_twice_but_the_roots_and_scatters_every_gradient():
+    exposed, hidden = terms(Plan(dp_shard=2))
+    gather, scatter = (
+        exposed[k] + hidden[k] for k in ("dp_shard.all_gather", "dp_shard.reduce_scatter")
+    )
+    assert gather == pytest.approx(fsdp_gather(PARAMS) + fsdp_gather(2 * LAYER))  # root kept
+    assert scatter == pytest.approx(fsdp_scatter(PARAMS))
+
+
+def test_under_long_compute_fsdp_exposes_the_first_gather_and_the_last_reduce_scatter():
+    # 32 sequences per rank: each pass outlasts its collectives; the backward's last
+    # reduce-scatter is shared between its gathers and reduce-scatters by their seconds
+    exposed, _ = terms(Plan(dp_shard=2), global_batch=64)
+    backward_gather, reduce = fsdp_gather(2 * LAYER), fsdp_scatter(PARAMS)
+    last = fsdp_scatter(LAYER) / (backward_gather + reduce)
+    assert exposed["dp_shard.all_gather"] == pytest.approx(
+        fsdp_gather(LAYER) + last * backward_gather
+    )
+    assert exposed["dp_shard.reduce_scatter"] == pytest.approx(last * reduce)
+
+
+def test_hsdp_all_reduces_the_gradient_shards_over_the_replicas_across_nodes():
+    # dp_replicate ranks sit dp_shard = 2 apart: a group of 2 spans 4 ranks, two nodes
+    exposed, hidden = terms(Plan(dp=2, dp_shard=2))
+    shard = PARAMS / 2 * FP32
+    assert exposed["dp_replicate.all_reduce"] == pytest.approx(2 * ALPHA + shard / SLOW)
+    assert "dp_replicate.all_reduce" not in hidden
+
+
+def test_expert_gradients_are_all_reduced_over_the_replicas_of_each_expert():
+    moe = get_preset("moe-tiny")  # one MoE layer of 4 experts, ffn 4d, with biases
+    experts = 4 * (2 * D * 4 * D + 4 * D + D) / 2  # ep = 2 splits them
+    # ep_dp = dp / ep = 2 ranks ep = 2 apart: 4 ranks, two nodes
+    exposed, hidden = terms(Plan(dp=4, ep=2), moe)
+    assert exposed["ep_dp.all_reduce"] == pytest.approx(2 * ALPHA + experts * FP32 / SLOW)
+    assert "ep_dp.all_reduce" not in hidden
+
+
+def test_3d_gathers_over_x_the_residual_before_the_head_and_its_gradient_at_the_embedding():
+    # tp3d = (2, 1, 1): the replicated head's input and the split embedding output's gradient,
+    # [tokens, d / x] per rank of 4 sequences, gathered over x = 2 ranks of one node
+    exposed, hidden = terms(Plan(tp3d=(2, 1, 1)), global_batch=4)
+    one = ALPHA + 4 * T * D / 2 * BF16 / BW
+    assert exposed["tp_x.all_gather"] == pytest.approx(2 * one)
+    assert "tp_x.all_gather" not in hidden
