@@ -189,6 +189,7 @@ def test_fp8_on_a_gpu_is_refused_in_one_line_before_anything_is_written(tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_200_steps_with_bf16_moments_end_within_2_percent_of_fp32_moments():
     final = {}
     for state in ("fp32", "bf16"):
