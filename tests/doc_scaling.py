@@ -18,6 +18,9 @@ MAX_STEPS = 4
 DEFAULT_STEPS = TrainConfig().steps
 """The steps of a train command that names none."""
 
+GLOBAL_BATCH = 8
+"""The sequences per step of a scaled run that names none (the default is 32)."""
+
 SMALL = ("demo", "moe-tiny")
 """The presets that larger ones run as: dense, then Mixture-of-Experts."""
 
@@ -70,8 +73,9 @@ def why_not_run(argv: list[str]) -> str | None:
 def scale(argv: list[str], factor: int, line: int) -> list[str]:
     """An `interlace` command (words after `interlace`) as the test runs it: a train command
     with its step counts (--steps, --ckpt-every, step-N of a checkpoint path) divided by
-    `factor` (unless it profiles: --profile-steps), a preset larger than SMALL's of its kind
-    replaced by it, and --out runs/line-N (N: its `line` in the doc) when it names neither
+    `factor` (unless it profiles: --profile-steps), GLOBAL_BATCH sequences a step unless it
+    names them (or reads them from --config or --resume), a preset larger than SMALL's of its
+    kind replaced by it, and --out runs/line-N (N: its `line` in the doc) when it names neither
     --out nor --resume; others unchanged."""
     if argv[:1] != ["train"]:
         return argv
@@ -83,6 +87,8 @@ def scale(argv: list[str], factor: int, line: int) -> list[str]:
     words = _without(words, "--steps", "--ckpt-every", "--model", "--preset")
     if steps is not None:
         words += ["--steps", str(scaled(steps, factor))]
+    if not _given(argv, "--global-batch") and args.config is None and args.resume is None:
+        words += ["--global-batch", str(GLOBAL_BATCH)]
     if _given(argv, "--ckpt-every"):
         words += ["--ckpt-every", str(scaled(args.ckpt_every, factor))]
     if _given(argv, "--model", "--preset"):

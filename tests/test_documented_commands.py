@@ -116,11 +116,12 @@ def test_scaling_keeps_what_a_resume_needs() -> None:
     first = shlex.split("train --steps 100 --ckpt-every 25 --out runs/a")
     then = shlex.split("train --steps 200 --out runs/b --resume runs/a/checkpoints/step-00000075")
     factor = step_factor([train_steps(first), train_steps(then)])
-    assert " ".join(scale(first, factor, 1)) == "train --out runs/a --steps 2 --ckpt-every 1"
+    first_scaled = "train --out runs/a --steps 2 --global-batch 8 --ckpt-every 1"
+    assert " ".join(scale(first, factor, 1)) == first_scaled
     resumed = "train --out runs/b --resume runs/a/checkpoints/step-00000002 --steps 4"
     assert " ".join(scale(then, factor, 2)) == resumed
     alone = shlex.split("train --nproc 2")
-    alone_scaled = "train --nproc 2 --steps 4 --out runs/line-7"
+    alone_scaled = "train --nproc 2 --steps 4 --global-batch 8 --out runs/line-7"
     assert " ".join(scale(alone, step_factor([train_steps(alone)]), 7)) == alone_scaled
 
 
