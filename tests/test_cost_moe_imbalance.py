@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from interlace.cli import _add_plan_args
 from interlace.errors import ConfigError, PlanError
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
+from interlace.plan_command import add_plan_args
 from interlace.planner.cli import run_planner
 from interlace.planner.cost import estimate
 from interlace.planner.cost_moe import zipf_popularity
@@ -175,7 +175,7 @@ def test_bad_skew_is_refused(skew):
 
 def parse(argv):
     parser = argparse.ArgumentParser()
-    _add_plan_args(parser)  # includes the planner's options
+    add_plan_args(parser)  # includes the planner's options
     return parser.parse_args(argv)
 
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from interlace.cli import _add_plan_args
 from interlace.errors import ConfigError, PlanError
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Overlap, Plan
+from interlace.plan_command import add_plan_args
 from interlace.planner.cli import parse_model_spec, resolve_model, run_planner
 from interlace.planner.collective_cost import collective_seconds, group_inside_node, ring_steps
 from interlace.planner.cost import bubble_fraction, estimate
@@ -345,7 +345,7 @@ def test_model_spec_strings():
 # ----------------------------------------------------------------- CLI
 def parse(argv):
     parser = argparse.ArgumentParser()
-    _add_plan_args(parser)  # includes the planner's options
+    add_plan_args(parser)  # includes the planner's options
     return parser.parse_args(argv)
 
 

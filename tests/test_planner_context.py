@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from interlace.cli import _add_plan_args
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Overlap, Plan
+from interlace.plan_command import add_plan_args
 from interlace.planner.cli import default_global_batch, run_planner
 from interlace.planner.collective_cost import collective_seconds
 from interlace.planner.context_choice import context_choice
@@ -194,7 +194,7 @@ def test_default_global_batch_keeps_the_tokens_per_step():
 
 def test_megatron_at_131072_tokens_on_64_gpus_picks_cp(capsys):
     parser = argparse.ArgumentParser()
-    _add_plan_args(parser)
+    add_plan_args(parser)
     argv = ["--model", "megatron-8.3b", "--seq", "131072", "--gpus", "64", "--search"]
     assert run_planner(parser.parse_args(argv)) == 0
     out = capsys.readouterr().out

@@ -172,7 +172,8 @@ def _toml(value: Any) -> str:
 
 
 def _string(text: str) -> str:
-    """`text` as a TOML basic string: quote and backslash escaped, control characters as \\uXXXX."""
+    """`text` as a TOML basic string: quote and backslash escaped, control characters as
+    unicode escapes."""
     escaped = (
         "\\" + ch if ch in '"\\' else f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ch == "\x7f" else ch
         for ch in text

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import Any
 
 from interlace.errors import ConfigError
-
-if TYPE_CHECKING:
-    from interlace.train_config import TrainConfig
 
 TRACKERS = ("tensorboard", "wandb")
 """The TrainConfig fields that turn a tracker on, each named after the package it needs."""
@@ -16,9 +13,9 @@ TRACKERS = ("tensorboard", "wandb")
 EXTRA = "pip install 'interlace[track]'"
 
 
-def check_trackers(config: TrainConfig) -> None:
-    """Raise ConfigError (one line) for a tracker `config` turns on without a run folder (out)
-    or without its package installed."""
+def check_trackers(config: Any) -> None:
+    """Raise ConfigError (one line) for a tracker `config` (a TrainConfig) turns on without a
+    run folder (out) or without its package installed."""
     for name in TRACKERS:
         if not getattr(config, name):
             continue
