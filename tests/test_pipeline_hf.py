@@ -1,5 +1,6 @@
-"""Pipeline parallelism of Hugging Face decoders: GPT-2 (tied head, position embedding) and
-Llama (untied, rotary, grouped-query attention) built from tiny configs run through
+"""Pipeline parallelism of Hugging Face decoders: GPT-2 (tied head, position embedding), Llama
+(untied, rotary, grouped-query attention) and the Mixture-of-Experts Mixtral and Qwen2-MoE
+(fused experts; Qwen2-MoE's shared expert) built from tiny configs run through
 `PipelineRunner`; the loss and every gradient equal the serial HF model's, parameter by
 parameter under HF names."""
 
@@ -25,7 +26,7 @@ D, VOCAB, LAYERS = (
     4,
 )  # VOCAB differs from every feed-forward width (the head is found by shape)
 ROWS, LENGTH = 8, 16
-TIED = {"gpt2": {"lm_head.weight": "transformer.wte.weight"}, "llama": {}}
+TIED = {"gpt2": {"lm_head.weight": "transformer.wte.weight"}}
 
 
 def _build(kind: str) -> nn.Module:
@@ -70,6 +71,8 @@ CASES = [
     ("llama", "pp=2,micro_batches=4,schedule=shifted,recompute=stage-aware"),
     ("gpt2", "pp=2,micro_batches=4,schedule=interleaved"),
     ("gpt2", "pp=4,micro_batches=4,schedule=1f1b"),
+    ("mixtral", "pp=2,micro_batches=4,schedule=1f1b,recompute=full"),
+    ("qwen2_moe", "pp=2,micro_batches=4,schedule=shifted,recompute=stage-aware"),
 ]
 
 
@@ -82,9 +85,9 @@ def test_hf_pipeline_loss_and_every_gradient_equal_serial(kind, plan_text):
     for i, rank in enumerate(results):
         assert rank["loss"] == pytest.approx(serial_loss, abs=1e-5)
         assert rank["keys"] == set(rank["grads"])  # HF state-dict names, one per parameter
-        expected = {name: serial[TIED[kind].get(name, name)] for name in rank["grads"]}
+        expected = {name: serial[TIED.get(kind, {}).get(name, name)] for name in rank["grads"]}
         assert_grads_close(rank["grads"], expected, what=f"rank {i}")
-        seen |= {TIED[kind].get(name, name) for name in rank["grads"]}
+        seen |= {TIED.get(kind, {}).get(name, name) for name in rank["grads"]}
     assert seen == set(serial)
     if kind == "gpt2":  # the tied head's copy sits on the last rank, the embedding on the first
         assert "lm_head.weight" in results[-1]["grads"]

@@ -114,7 +114,6 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(pp=2, dp=2, ep=2), "pp=2 combined with expert parallelism"),
         (Plan(pp=2, tp3d=(2, 1, 1)), "tp3d=2x1x1 with pp=2"),
         (Plan(tp3d=(2, 1, 1), sequence_parallel=True), "tp3d=2x1x1 with sequence_parallel"),
         (Plan(dp=2, ep=2, tp=2), "ep=2 combined with tp=2 is not implemented yet"),

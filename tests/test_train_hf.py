@@ -32,7 +32,7 @@ PLANS = {
         "dp_shard=2",
         "tp3d=2x1x1",
     ],
-    "mixtral": ["dp=2", "dp=2,ep=2"],
+    "mixtral": ["dp=2", "dp=2,ep=2", "pp=2,micro_batches=2"],
 }
 
 
@@ -57,6 +57,14 @@ def _losses(model: str, plan_text: str, world_size: int) -> list[float]:
 def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_text):
     serial = _losses(folders[kind], "dp=1", 1)
     for losses in run_ranks(2, _losses, folders[kind], plan_text, 2, timeout=120):
+        assert losses == pytest.approx(serial, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_hf_experts_split_over_ep_inside_pipeline_stages_train_as_in_one_process(folders):
+    serial = _losses(folders["mixtral"], "dp=1", 1)
+    plan_text = "dp=2,ep=2,pp=2,micro_batches=2,moe_balance=prophet"
+    for losses in run_ranks(4, _losses, folders["mixtral"], plan_text, 4, timeout=180):
         assert losses == pytest.approx(serial, abs=1e-5)
 
 

@@ -343,11 +343,6 @@ class Plan:
                 f"ep={self.ep} combined with {tp3d or f'tp={self.tp}'}",
                 "ep=1, or no tensor parallelism",
             ),
-            (
-                self.pipelined and self.ep > 1,
-                f"pp={self.pp} combined with expert parallelism",
-                "pp=1 or ep=1",
-            ),
             (bool(tp3d) and self.pipelined, f"{tp3d} with pp={self.pp}", "pp=1"),
             (
                 self.sharded_data_parallel and self.pipelined and self.schedule == "shifted",
@@ -463,12 +458,6 @@ class Plan:
 
     def _check_pipeline(self, spec: Any) -> None:
         """The schedule can run this many micro-batches over pp stages of this model."""
-        if spec.n_experts:
-            raise PlanError(
-                f"pp={self.pp} with a Mixture-of-Experts model is not implemented yet (the "
-                "load-balancing loss would be lost between stages); use pp=1"
-            )
-
         check_schedule(
             self.schedule,
             self.pp,

@@ -59,7 +59,7 @@ from interlace.parallel.data.fsdp import (
 )
 from interlace.parallel.data.ring import ring_group
 from interlace.parallel.detect import Structure, find_structure
-from interlace.parallel.expert.apply import parallelize_experts
+from interlace.parallel.expert.apply import link_within, parallelize_experts
 from interlace.parallel.expert.grads import (
     expert_norm_share,
     expert_parameter_names,
@@ -389,7 +389,8 @@ def apply_pipeline(
     split_points: Sequence[str] | None,
     layers_per_stage: Sequence[int] | None,
 ) -> None:
-    """Step 6: keep this rank's pipeline stages over "pp"; the model becomes those stages."""
+    """Step 6: keep this rank's pipeline stages over "pp"; the model becomes those stages
+    (expert-parallel layers issue each other's transfers within a stage only)."""
     plan = result.plan
     if not plan.pipelined:
         return
@@ -404,6 +405,7 @@ def apply_pipeline(
     )
     result.pipeline = runner
     result.model = result.module = runner.module
+    link_within(runner.stages)  # Trans is issued ahead within a stage only
     result.norm_shares.append(runner.norm_share())
     held = dict(runner.module.named_parameters(remove_duplicate=False))
     storage = result.storage

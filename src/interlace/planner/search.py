@@ -32,7 +32,6 @@ from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
 from interlace.parallel.context.rules import CP_MODES
-from interlace.parallel.pipeline.schedule_rules import check_schedule, virtual_stages_for
 from interlace.plan import Overlap, Plan
 from interlace.planner.context_choice import explain_context
 from interlace.planner.cost import PlanCost, estimate
@@ -67,8 +66,8 @@ def power_of_two_divisors(n: int, limit: int) -> list[int]:
 def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool = False) -> None:
     """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
     `runnable_only`, and for every context parallel plan, this is `Plan.validate`; otherwise
-    plans the runtime cannot run yet but the Plan can describe (pp with tp/ep, pp with MoE)
-    pass."""
+    plans the runtime cannot run yet but the Plan can describe (the rows of
+    `Plan._check_implemented`, e.g. ep with tp) pass."""
     try:
         plan.validate(n_devices, spec)
         return
@@ -78,23 +77,7 @@ def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool 
     # `validate` stops at its "not implemented" check: run the checks that follow it.
     if plan.world_size != n_devices:
         raise PlanError(f"plan '{plan}' needs {plan.world_size} ranks, not {n_devices}")
-    try:
-        plan.check_model(spec)
-    except PlanError as exc:
-        if NOT_IMPLEMENTED not in str(exc):
-            raise
-        # pp with a MoE model: the pipeline check stops early; check the schedule itself.
-        check_schedule(
-            plan.schedule,
-            plan.pp,
-            plan.micro_batches,
-            spec.n_layers,
-            virtual_stages_for(plan.schedule, None),
-        )
-        if plan.ep > 1 and spec.n_experts % plan.ep:
-            raise PlanError(
-                f"n_experts={spec.n_experts} is not divisible by ep={plan.ep}"
-            ) from None
+    plan.check_model(spec)
 
 
 def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:

@@ -1,7 +1,10 @@
 """`parallelize_experts`: replace every MoE layer of a model (built-in `MoELayer`, or a block
-with fused experts found by structure) by its expert-parallel form, linked in forward order."""
+with fused experts found by structure) by its expert-parallel form, linked in forward order;
+`link_within` links them again per pipeline stage."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -50,3 +53,11 @@ def parallelize_experts(
         )
     schedule_transfers(layers)
     return report
+
+
+def link_within(stages: Iterable[nn.Module]) -> None:
+    """Link the expert-parallel layers of each module of `stages` (a pipeline rank's stages)
+    among themselves only, in module order: a layer issues the next layer's Trans only where
+    that layer runs on the same stage (the stage's last issues none)."""
+    for stage in stages:
+        schedule_transfers([m for m in stage.modules() if isinstance(m, ExpertParallelMoE)])

@@ -39,6 +39,7 @@ from torch import nn
 
 from interlace.errors import PlanError
 from interlace.parallel.detect import find_structure
+from interlace.parallel.pipeline.aux_loss import StageAuxLoss
 from interlace.parallel.pipeline.partition import seq_len_of
 from interlace.parallel.pipeline.stage import copy_head
 from interlace.parallel.tensor.interleave import deferral_scope
@@ -83,12 +84,6 @@ class DecoderParts:
             raise PlanError(
                 f"pipeline execution of {type(model).__name__}: found no {what}; a pipeline "
                 "runs decoder LMs built as embedding → layers → final norm → LM head"
-            )
-        if structure.experts:
-            raise PlanError(
-                f"pipeline execution of {type(model).__name__}: Mixture-of-Experts layers "
-                f"({structure.experts[0]}, …) are not supported yet (the load-balancing loss "
-                "would be lost between stages); use pp=1 or a dense model"
             )
         _check_attention_kinds(model)
         assert structure.layers is not None and structure.final_norm is not None
@@ -196,6 +191,7 @@ class HFStage(nn.Module):
         self.rotary = model.get_submodule(parts.rotary) if parts.rotary else None
         self.blocks = nn.ModuleDict({str(i): self.parts[f"{parts.layers}.{i}"] for i in layers})
         self._names = parts
+        self.aux = StageAuxLoss([], 0.0)  # a HF decoder's loss here is its cross-entropy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes. Inside, a sub-batched layer may leave its

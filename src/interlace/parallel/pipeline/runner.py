@@ -24,6 +24,8 @@ feeds x, the last computes `loss_fn(logits, y)` per micro-batch; backward accumu
 micro-batch's loss / M into `.grad`, i.e. the gradient of the mean loss over the batch, as
 one serial `loss.backward()` would. Then the tied embedding's two copies have their gradients
 summed, and the mean loss is broadcast from the last pipeline rank, so every rank returns it.
+A Mixture-of-Experts GPT's stages carry their layers' load-balancing losses into backward
+themselves and add them to the mean loss (`aux_loss`).
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ class PipelineRunner:
         self.pp = mesh.group("pp")
         self.device = mesh.device
         self.seq_len = model.config.seq_len if self.hf is None else self.hf.seq_len
-        # the partitioner reads layer shapes; under tp it reads those of the unsplit model
-        shapes = model if not plan.tensor_parallel else build_model(model.config, device="meta")
+        # the partitioner reads layer shapes; under tp or ep those of the unsplit model
+        split = plan.tensor_parallel or plan.expert_parallel
+        shapes = build_model(model.config, device="meta") if split and self.hf is None else model
         self.layout = pipeline_layout(
             shapes,
             plan,
@@ -135,6 +138,9 @@ class PipelineRunner:
         self.tied = TiedEmbedding(mesh, self._tied_param()) if tied else None
         self.pipeline_stages: list[PipelineStage] = []  # torch's stages (none when shifted)
         self.schedule = self._schedule()
+        # the step's loss sums every stage's load-balancing losses (known from the config alike
+        # on every rank)
+        self.stage_losses = self.hf is None and model.config.is_moe and model.aux_loss_coef > 0
         self._losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
 
@@ -228,6 +234,8 @@ class PipelineRunner:
         """
         self._check_batch(x, y)
         self._losses, self._loss_scale = [], loss_scale
+        for stage in self.stages:
+            stage.aux.weight = stage.aux.coef * loss_scale / self.plan.micro_batches
         self._run(x, y, backward=True)
         loss = self._broadcast_mean_loss()
         if sync and self.tied is not None:
@@ -253,14 +261,21 @@ class PipelineRunner:
         run(*args, target=target, return_outputs=False)
 
     def _broadcast_mean_loss(self) -> torch.Tensor:
+        """The step's mean loss on every pipeline rank: the last stage's cross-entropy, plus
+        with MoE layers every stage's load-balancing losses (summed over "pp")."""
+        m = self.plan.micro_batches
         if self.holds_last:
             # the last M calls of the loss are the micro-batches; torch's first step also calls
             # the loss once beforehand, to infer gradient shapes
-            loss = torch.stack(self._losses[-self.plan.micro_batches :]).mean()
+            loss = torch.stack(self._losses[-m:]).mean()
         else:
             loss = torch.zeros((), device=self.device)
-        comm.broadcast(loss, self.pp.size - 1, self.pp)
         self._losses = []
+        if not self.stage_losses:
+            comm.broadcast(loss, self.pp.size - 1, self.pp)
+            return loss
+        loss = loss + sum(stage.aux.take_mean(m, self.device) for stage in self.stages)
+        comm.all_reduce(loss, self.pp)
         return loss
 
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -320,11 +335,6 @@ def check_pipelined(model: nn.Module, plan: Plan) -> DecoderParts | None:
                 f"{type(model).__name__} with tp={plan.tp}: use tp=1 for Hugging Face models"
             )
         return DecoderParts.read(model)
-    if model.config.is_moe:
-        raise PlanError(
-            "pp>1 with Mixture-of-Experts layers is not supported yet (the load-balancing "
-            "loss would be lost between stages); use pp=1 or a dense model"
-        )
     return None
 
 

@@ -161,6 +161,7 @@ class ShiftedSchedule:
             else:
                 h = _run(self.prefix, h)
             out = _run(self.suffix, h)
+            self.stage.aux.record()
             if self.stage.is_last:
                 out = self.loss_fn(out, y.to(self.device))
         if not self.stage.is_last:

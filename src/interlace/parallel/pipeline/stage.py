@@ -32,6 +32,7 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
+from interlace.parallel.pipeline.aux_loss import StageAuxLoss
 from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import VocabParallelHead
 from interlace.parallel.tensor.shard import copy_shard_spec
@@ -51,7 +52,9 @@ class GPTStage(nn.Module):
     kept, see `interlace.recompute`); under tensor parallelism their recomputation reuses the
     forward's all-reduced outputs instead of reducing again (`reduction.ReductionReplay`).
     `head_copy` makes the last stage's LM head an own Parameter copied from the tied embedding
-    (see the module docstring); otherwise the model's `lm_head` is used.
+    (see the module docstring); otherwise the model's `lm_head` is used. `aux`: the MoE blocks'
+    load-balancing losses (`aux_loss.StageAuxLoss`): carried into backward after each MoE
+    block, recorded once per forward.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class GPTStage(nn.Module):
         if last:
             self.ln_f = model.ln_f
             self.lm_head = copy_head(model.lm_head) if head_copy else model.lm_head
+        self.aux = StageAuxLoss.of_blocks(self.blocks.values(), model.aux_loss_coef)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
@@ -83,6 +87,7 @@ class GPTStage(nn.Module):
             for piece, recomputed in self.pieces():
                 # the replay reuses the forward's tensor parallel reductions
                 x = checkpointed(piece, self.recompute_mode, x) if recomputed else piece(x)
+        self.aux.record()
         return x
 
     def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:
@@ -91,10 +96,18 @@ class GPTStage(nn.Module):
         out: list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = []
         if self.is_first:
             out.append((self._embed, False))
-        out += [(block, int(i) in self.checkpointed) for i, block in self.blocks.items()]
+        out += [
+            (self._block(block), int(i) in self.checkpointed) for i, block in self.blocks.items()
+        ]
         if self.is_last:
             out.append((self._head, False))
         return out
+
+    def _block(self, block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The block, followed by its aux loss's carry if it is an MoE block."""
+        if block.mlp not in self.aux.layers:
+            return block
+        return lambda x: self.aux.carry(block(x), block.mlp)
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
