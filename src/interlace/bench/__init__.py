@@ -22,6 +22,7 @@ REGISTRY: dict[str, str] = {
     "tp3d": "interlace.bench.tp3d",
     "moe": "interlace.bench.moe",
     "planner": "interlace.bench.planner",
+    "published": "interlace.bench.published",
     "pipeline": "interlace.bench.pipeline",
     "scale": "interlace.bench.scale",
     "mfu": "interlace.bench.mfu",

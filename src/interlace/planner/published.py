@@ -1,0 +1,220 @@
+"""Published large-run throughput, priced by the cost model under each run's own layout.
+
+The tables live in `published_data/`, one TOML file per source: `[source]` (its name,
+repository, and a note on where each field comes from and what the source leaves unstated),
+`[defaults]` shared by its rows, and `[[rows]]`. A row holds
+
+- the model: layers, hidden, heads, kv_heads (default heads), ffn, gated (SwiGLU), vocab, seq,
+  tied (embedding and output layer), bias;
+- the layout: gpus, global_batch (sequences per step) and the stated Plan fields among
+  `PLAN_FIELDS`; the hardware preset (`planner.hardware`);
+- the published figure: `tokens_per_gpu_s`, or `tflops_per_gpu` with `flops` naming how the
+  source counts FLOPs ("megatron": `megatron_flops_per_token`);
+- where it comes from: url, commit, section.
+
+A row is priced by `cost.estimate` as `shape(row)` under its stated layout. Fields the source
+leaves unstated are the cost model's fastest choice: no recomputation, and with pp > 1 the
+micro-batch count (a power of two dividing a data-parallel rank's sequences, or all of them)
+and the schedule (`search.SEARCH_SCHEDULES`). Memory does not constrain that choice (the
+published run ran); the predicted memory is reported beside.
+
+**Sign convention.** error = predicted tokens/s per GPU / published − 1: positive when the
+planner is too optimistic (it predicts a faster run than was measured), negative when it is
+too pessimistic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import tomllib
+from collections.abc import Iterator
+from dataclasses import replace
+from importlib.resources import files
+from typing import Any
+
+from interlace.errors import ConfigError, PlanError
+from interlace.models.config import GPTConfig
+from interlace.plan import Plan
+from interlace.planner.cost import PlanCost, estimate
+from interlace.planner.hardware import GIB, get_hardware
+from interlace.planner.search import SEARCH_SCHEDULES, check_plan, power_of_two_divisors
+
+PLAN_FIELDS = (
+    "dp",
+    "dp_shard",
+    "pp",
+    "tp",
+    "cp",
+    "sequence_parallel",
+    "recompute",
+    "schedule",
+    "micro_batches",
+)
+"""Row fields that are Plan fields, taken as stated."""
+SOURCE_FIELDS = ("url", "commit", "section")
+"""Row fields naming where the row comes from; every row has all three."""
+
+
+def load_tables() -> dict[str, dict[str, Any]]:
+    """Every data file, by file name without `.toml`: {"source": its [source] table, "rows":
+    its rows, each with the file's [defaults] under it}. ConfigError for a row without a
+    source field or with both or neither published figure."""
+    tables = {}
+    folder = files("interlace.planner").joinpath("published_data")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".toml"):
+            continue
+        data = tomllib.loads(entry.read_text(encoding="utf-8"))
+        defaults = data.get("defaults", {})
+        rows = [{**defaults, **row} for row in data["rows"]]
+        for row in rows:
+            _check_row(entry.name, row)
+        tables[entry.name.removesuffix(".toml")] = {"source": data["source"], "rows": rows}
+    return tables
+
+
+def _check_row(file: str, row: dict[str, Any]) -> None:
+    missing = [k for k in SOURCE_FIELDS if not row.get(k)]
+    if missing:
+        raise ConfigError(f"{file}: row {row.get('name')!r} has no {', '.join(missing)}")
+    figures = [k for k in ("tokens_per_gpu_s", "tflops_per_gpu") if k in row]
+    if len(figures) != 1:
+        raise ConfigError(
+            f"{file}: row {row['name']!r} needs one published figure, tokens_per_gpu_s or "
+            f"tflops_per_gpu (with flops), not {figures or 'none'}"
+        )
+
+
+def shape(row: dict[str, Any]) -> GPTConfig:
+    """The GPTConfig the cost model prices for `row`'s model: its width, depth, heads,
+    vocabulary, sequence, tying and biases, and the feed-forward width that gives each layer
+    the row's weights (GPTConfig's layer has 4·d² attention and 2·d·d_ff feed-forward weights;
+    the row's has 2·d² + 2·d·d_kv with d_kv = d·kv_heads/heads, and 3·d·ffn gated or 2·d·ffn)."""
+    d, heads = row["hidden"], row["heads"]
+    kv_width = d * row.get("kv_heads", heads) // heads
+    matrices = 3 if row["gated"] else 2
+    return GPTConfig(
+        vocab_size=row["vocab"],
+        seq_len=row["seq"],
+        d_model=d,
+        n_layers=row["layers"],
+        n_heads=heads,
+        d_ff=matrices * row["ffn"] // 2 + kv_width - d,
+        bias=row["bias"],
+        tie_embeddings=row["tied"],
+    )
+
+
+def megatron_flops_per_token(row: dict[str, Any]) -> float:
+    """FLOPs per token (forward and backward) of `row`'s model as Megatron-LM counts them
+    (`num_floating_point_operations` in megatron/training/training.py, commit f2e5db4):
+    12·L·h²·(1 + kv_heads/heads + s/h + (ffn/h)·(3/2 if gated) + V/(2·L·h))."""
+    layers, h, s = row["layers"], row["hidden"], row["seq"]
+    kv = row.get("kv_heads", row["heads"]) / row["heads"]
+    mlp = row["ffn"] / h * (1.5 if row["gated"] else 1.0)
+    return 12 * layers * h * h * (1 + kv + s / h + mlp + row["vocab"] / (2 * layers * h))
+
+
+def published_tokens_per_gpu_s(row: dict[str, Any]) -> float:
+    """The row's published throughput in tokens per second per GPU: as published, or its
+    TFLOP/s per GPU over the source's FLOPs per token."""
+    if "tokens_per_gpu_s" in row:
+        return float(row["tokens_per_gpu_s"])
+    if row.get("flops") != "megatron":
+        raise ConfigError(
+            f'row {row["name"]!r}: tflops_per_gpu needs flops = "megatron" (the only FLOP '
+            f"count known), not {row.get('flops')!r}"
+        )
+    return row["tflops_per_gpu"] * 1e12 / megatron_flops_per_token(row)
+
+
+def layouts(row: dict[str, Any]) -> Iterator[Plan]:
+    """The Plans of `row`'s layout: its stated fields, and each choice of the unstated
+    micro-batch count and schedule where pp > 1 (recomputation unstated: none)."""
+    stated = {k: row[k] for k in PLAN_FIELDS if k in row}
+    base = Plan(**stated)
+    if base.pp == 1:
+        yield base
+        return
+    per_rank = row["global_batch"] // base.dp_size
+    counts = sorted({*power_of_two_divisors(per_rank, per_rank), per_rank})
+    counts = [stated["micro_batches"]] if "micro_batches" in stated else counts
+    schedules = [stated["schedule"]] if "schedule" in stated else SEARCH_SCHEDULES
+    for m, schedule in itertools.product(counts, schedules):
+        yield replace(base, micro_batches=m, schedule=schedule)
+
+
+def price(row: dict[str, Any]) -> PlanCost:
+    """The fastest estimate among `layouts(row)` that are valid Plans of `shape(row)` on the
+    row's GPUs, on its hardware preset; PlanError naming the row when none is."""
+    spec = shape(row)
+    hardware = get_hardware(row["hardware"])
+    costs = []
+    for plan in layouts(row):
+        try:
+            check_plan(plan, row["gpus"], spec)
+        except PlanError:
+            continue
+        costs.append(estimate(plan, spec, hardware, row["global_batch"]))
+    if not costs:
+        raise PlanError(f"row {row['name']!r}: no valid plan of its layout on {row['gpus']} GPUs")
+    return min(costs, key=lambda c: c.step_seconds)
+
+
+def relative_error(predicted: float, published: float) -> float:
+    """predicted / published − 1 of two throughputs: > 0 when the prediction is faster."""
+    return predicted / published - 1
+
+
+def compare(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` priced: its plan, predicted and published tokens/s per GPU, the relative error
+    (`relative_error`), predicted MFU, memory (GiB per GPU) and whether it fits, and source."""
+    cost = price(row)
+    predicted = row["global_batch"] * row["seq"] / cost.step_seconds / row["gpus"]
+    published = published_tokens_per_gpu_s(row)
+    return {
+        "name": row["name"],
+        "gpus": row["gpus"],
+        "hardware": row["hardware"],
+        "plan": str(cost.plan),
+        "global_batch": row["global_batch"],
+        "seq_len": row["seq"],
+        "published_tokens_per_gpu_s": published,
+        "published_figure": {k: row[k] for k in ("tokens_per_gpu_s", "tflops_per_gpu") if k in row},
+        "predicted_tokens_per_gpu_s": predicted,
+        "error": relative_error(predicted, published),
+        "predicted_mfu": cost.mfu,
+        "memory_gib": cost.memory_bytes_per_device / GIB,
+        "fits": cost.fits,
+        "breakdown": dict(cost.breakdown),
+        "source": {k: row[k] for k in SOURCE_FIELDS},
+    }
+
+
+def summarize(errors: list[float]) -> dict[str, float]:
+    """Of a table's relative errors: rows, median |error|, the worst (largest |error|, with
+    its sign), median signed error, rows over (error > 0) and under (< 0)."""
+    return {
+        "rows": len(errors),
+        "median_abs_error": statistics.median(abs(e) for e in errors),
+        "worst_error": max(errors, key=abs),
+        "median_error": statistics.median(errors),
+        "over": sum(e > 0 for e in errors),
+        "under": sum(e < 0 for e in errors),
+    }
+
+
+__all__ = [
+    "PLAN_FIELDS",
+    "SOURCE_FIELDS",
+    "compare",
+    "layouts",
+    "load_tables",
+    "megatron_flops_per_token",
+    "price",
+    "published_tokens_per_gpu_s",
+    "relative_error",
+    "shape",
+    "summarize",
+]
