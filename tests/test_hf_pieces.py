@@ -46,6 +46,7 @@ SPLITS = [
     ("mixtral", "dp_shard=2", 2),  # FSDP2's shard: experts 0-1 and 2-3
     ("mixtral", "dp=2,ep=2", 2),  # experts 0-1 and 2-3, one module each, renamed
     ("mixtral", "dp_shard=2,ep=2", 2),
+    ("mixtral", "dp=2,dp_shard=2,ep=2", 4),  # each expert FSDP2-sharded over its ep_dp pair
     ("qwen2_moe", "tp=2", 2),  # and a shared expert
     ("qwen2_moe", "dp=2,ep=2", 2),
     ("gpt2", "tp3d=2x1x1", 2),  # norms' and Conv1D blocks' columns over x

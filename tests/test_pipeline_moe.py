@@ -76,3 +76,14 @@ def test_balanced_expert_pipeline_equals_serial_dropless(tmp_path, balance):
     plan_text = f"dp=2,ep=2,pp=2,micro_batches=2,moe_balance={balance}"
     for rank, result in enumerate(run_ranks(4, _run, config, plan_text, 4)):
         _assert_same(result, reference, f"{plan_text}, rank {rank}")
+
+
+@pytest.mark.slow
+def test_experts_over_ep_and_layers_over_tp_inside_pipeline_stages_equal_serial(tmp_path):
+    # without sequence parallelism each tp rank routes one of the micro-batch's two rows: a
+    # token set of one sequence, as one process accumulating one sequence at a time
+    config, rows = _config(tmp_path, 1)
+    reference = _serial(config, rows)
+    plan_text = "dp=2,ep=2,tp=2,pp=2,micro_batches=2"
+    for rank, result in enumerate(run_ranks(8, _run, config, plan_text, 8, timeout=600)):
+        _assert_same(result, reference, f"{plan_text}, rank {rank}")

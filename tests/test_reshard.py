@@ -64,6 +64,13 @@ def test_expert_parallel_checkpoints_resume_under_other_plans(tmp_path):
     _check_matrix(tmp_path, config, MOE, MOE)
 
 
+def test_expert_and_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_path):
+    # ep × tp: the tp ranks of an expert hold it whole and alike, stored under its own key
+    config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
+    plans = ["dp=2,ep=2,tp=2", "dp=2,ep=2"]
+    _check_matrix(tmp_path, config, plans, [*plans, "tp=2"])
+
+
 def test_sharded_stacked_experts_resume_under_expert_parallelism_and_back(tmp_path):
     # dp_shard=2 shards each stacked expert tensor's rows (FSDP2), each rank storing the
     # experts it holds under their own keys: the keys expert parallelism stores them under

@@ -12,7 +12,7 @@ from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.parallel.detect import find_expert_blocks, find_structure
-from interlace.parallel.parallelize import parallelize
+from interlace.parallel.parallelize import check_fits, parallelize
 from interlace.parallel.tensor.moe import check_expert_blocks
 from interlace.parallel.tensor.shard import shard_spec
 from interlace.plan import Plan
@@ -93,6 +93,15 @@ def test_widths_not_divisible_and_subbatches_are_refused_before_any_change():
     with pytest.raises(PlanError, match="tp_subbatches=2 is not implemented"):
         check_expert_blocks(model, structure, 2, 2)
     check_expert_blocks(model, structure, 2, 1)
+
+
+@needs_hf
+def test_expert_parallelism_with_tensor_parallelism_is_refused_on_fused_experts():
+    # tensor parallelism would split each fused expert along F, expert parallelism the experts
+    model = tiny_hf_model("mixtral", D, 1, VOCAB, positions=64)
+    with pytest.raises(PlanError, match="use ep=1 \\(tensor-split experts\\) or tp=1"):
+        check_fits(model, Plan(dp=2, ep=2, tp=2))
+    check_fits(model, Plan(tp=2))
 
 
 def _sharded_shapes(kind: str) -> dict:

@@ -33,6 +33,7 @@ from interlace.parallel.pipeline.schedule_rules import (
     virtual_stages_for,
 )
 from interlace.parallel.tensor3d.grid_rules import check_grid
+from interlace.plan_pending import fmt_tp3d, pending_rows
 
 RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
 PIPELINE_ONLY_RECOMPUTE = ("stage-aware",)
@@ -270,7 +271,7 @@ class Plan:
                 raise PlanError(f"tp3d={self.tp3d!r} must be three positive integers, e.g. 2x2x1")
             if self.tp != 1:
                 raise PlanError(
-                    f"tp={self.tp} and tp3d={_fmt_tp3d(self.tp3d)} are exclusive; use one of them"
+                    f"tp={self.tp} and tp3d={fmt_tp3d(self.tp3d)} are exclusive; use one of them"
                 )
         _check_choice("schedule", self.schedule, PIPELINE_SCHEDULES)
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
@@ -335,50 +336,9 @@ class Plan:
             )
 
     def _check_implemented(self) -> None:
-        """The one table of combinations that are valid but not implemented yet."""
-        tp3d = f"tp3d={_fmt_tp3d(self.tp3d)}" if self.tp3d is not None else ""
-        pending = [
-            (
-                self.ep > 1 and self.tp_size > 1,
-                f"ep={self.ep} combined with {tp3d or f'tp={self.tp}'}",
-                "ep=1, or no tensor parallelism",
-            ),
-            (bool(tp3d) and self.pipelined, f"{tp3d} with pp={self.pp}", "pp=1"),
-            (
-                self.sharded_data_parallel and self.pipelined and self.schedule == "shifted",
-                f"dp_shard={self.dp_shard} with schedule=shifted (its executor runs a stage's "
-                "pieces outside the stage's forward, where FSDP2 gathers)",
-                "schedule=1f1b, gpipe or interleaved",
-            ),
-            (
-                self.sharded_data_parallel and bool(tp3d),
-                f"dp_shard={self.dp_shard} with {tp3d}",
-                "dp_shard=1, or 1D tensor parallelism (tp=N)",
-            ),
-            (
-                bool(tp3d) and self.tp3d[2] > 1 and self.recompute == "selective",
-                f"{tp3d} (z > 1) with recompute=selective",
-                "recompute=full",
-            ),
-            (
-                self.pipelined and self.recompute == "selective" and self.schedule == "shifted",
-                "recompute=selective with schedule=shifted (its executor replays a stage's "
-                "checkpointed blocks whole, outside torch's checkpoint)",
-                "recompute=full or stage-aware, or schedule=1f1b, gpipe or interleaved",
-            ),
-            (
-                bool(tp3d) and self.overlap.tp_subbatches > 1,
-                f"{tp3d} with tp_subbatches={self.overlap.tp_subbatches}",
-                "tp_subbatches=1",
-            ),
-            (
-                bool(tp3d) and self.sequence_parallel,
-                f"{tp3d} with sequence_parallel=true",
-                "sequence_parallel=false",
-            ),
-            *context_rules.pending_with(self, tp3d),
-        ]
-        for active, what, fix in pending:
+        """The one table of combinations that are valid but not implemented yet
+        (`plan_pending.pending_rows`)."""
+        for active, what, fix in pending_rows(self):
             if active:
                 raise PlanError(f"{what} is not implemented yet; use {fix}")
 
@@ -445,7 +405,7 @@ class Plan:
         assert self.tp3d is not None
         if spec.n_experts:
             raise PlanError(
-                f"tp3d={_fmt_tp3d(self.tp3d)} does not split Mixture-of-Experts models; use a "
+                f"tp3d={fmt_tp3d(self.tp3d)} does not split Mixture-of-Experts models; use a "
                 "dense model or tp=N"
             )
         head_dim = spec.d_model // spec.n_heads
@@ -582,14 +542,10 @@ def _parse_value(key: str, raw: str) -> Any:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, tuple):
-        return _fmt_tp3d(value)
+        return fmt_tp3d(value)
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
-
-
-def _fmt_tp3d(dims: tuple[int, ...]) -> str:
-    return "x".join(str(d) for d in dims)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -55,6 +55,7 @@ from interlace.parallel.data.fsdp import (
     ShardedDataParallel,
     apply_fully_shard,
     overlaps_reduce_scatter,
+    precision_policy,
     sharded_norm_share,
 )
 from interlace.parallel.data.ring import ring_group
@@ -68,6 +69,9 @@ from interlace.parallel.expert.grads import (
 )
 from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.expert.rules import replicated_because
+from interlace.parallel.expert.shard import shard_experts
+from interlace.parallel.expert.tp_tokens import share_tokens_over_tp
 from interlace.parallel.grad_norm import GradNorm, NormShare
 from interlace.parallel.pieces import Weights, load_pieces
 from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined
@@ -122,6 +126,8 @@ class Parallelized:
         self.storage = Storage()
         self.norm_shares: list[NormShare] = []
         self.expert_groups: tuple[Group, Group] | None = None
+        self.experts_sharded = False  # by FSDP2 over ep_dp, which reduces their gradients
+        self.expert_tp: Group | None = None  # ep × tp: its ranks dispatch different tokens
         self.pipeline: PipelineRunner | None = None
         self.data: DataParallel | ShardedDataParallel | None = None
         self.z: Group | None = None
@@ -182,12 +188,12 @@ class Parallelized:
 
     def sync_gradients(self) -> None:
         """After a step's last backward: gradients averaged over the data parallel ranks where
-        backward did not (no DDP), expert gradients over their replicas."""
+        backward did not (no DDP), expert gradients over their replicas (unless sharded)."""
         if self.data is not None:
             self.data.sync_gradients()
-        if self.expert_groups is not None:
+        if self.expert_groups is not None and not self.experts_sharded:
             _, ep_dp = self.expert_groups
-            reduce_expert_gradients(self.model, ep_dp, self.plan.dp_size)
+            reduce_expert_gradients(self.model, ep_dp, self.plan.dp_size, self.expert_tp)
 
     def clip_grad_norm_(
         self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
@@ -296,7 +302,7 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
         structure = _check_tensor(model, plan)
         tp = mesh.group("tp")
         result.report += apply_tensor_parallel(
-            model, structure, tp, sequence_parallel, gather_logits
+            model, structure, tp, sequence_parallel, gather_logits, plan.expert_parallel
         )
         result.report += apply_tp_overlap(
             model,
@@ -337,13 +343,20 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
 
 
 def apply_expert(result: Parallelized, mesh: Mesh) -> None:
-    """Step 2: experts split over "ep" (carved out of "dp"; collective), reduced over "ep_dp"."""
+    """Step 2: experts split over "ep" (carved out of "dp"; collective), reduced over "ep_dp";
+    under 1D tensor parallelism each tp rank dispatches its share of the tokens, the experts
+    reduced over "tp" too (`expert.tp_tokens`)."""
     plan = result.plan
     if not plan.expert_parallel:
         return
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance)
     result.expert_groups = (ep, ep_dp)
+    if plan.tensor_parallel:
+        result.expert_tp = mesh.group("tp")
+        result.report += share_tokens_over_tp(
+            result.model, result.expert_tp, plan.sequence_parallel
+        )
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
         result.norm_shares.append(expert_norm_share(result.model, ep))
 
@@ -422,9 +435,10 @@ def apply_data(
     result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32", weights: Weights | None = None
 ) -> None:
     """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp"); with
-    dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), the gradient norm counting
-    each shard once. A meta-device model's pieces are read from `weights` once they are this
-    rank's: after FSDP2 shards them, before DDP broadcasts them."""
+    dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), experts over "ep_dp" where
+    they can be (`expert/shard.py`), the gradient norm counting each shard once. A meta-device
+    model's pieces are read from `weights` once they are this rank's: after FSDP2 shards them,
+    before DDP broadcasts them."""
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
@@ -432,6 +446,7 @@ def apply_data(
         pipeline = result.pipeline
         overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
         replicas = mesh.group(data_group_name(result.plan))  # every rank of the sharding
+        whole = _shard_experts(result, mesh, reduce_dtype)
         result.data = apply_fully_shard(
             result.model,
             pipeline.stages if pipeline is not None else [result.model],
@@ -440,7 +455,7 @@ def apply_data(
             result.precision,
             reduce_dtype,
             result.plan.reshard_after_forward,
-            ignored=set(expert_parameters(result.model)),
+            ignored=whole,
             ring=ring_group(mesh.rows(replicas.name)) if overlap else None,
         )
         result.module = result.data.module
@@ -448,7 +463,9 @@ def apply_data(
         if pipeline is not None:
             pipeline.rebind_parameters()
         plan = result.plan
-        result.norm_shares.append(sharded_norm_share(replicas, plan.dp, plan.dp_size // plan.ep))
+        holders = 1 if result.experts_sharded else plan.dp_size // plan.ep
+        experts = expert_parameters(result.model)
+        result.norm_shares.append(sharded_norm_share(replicas, plan.dp, experts, holders))
         over = f" × cp={plan.cp}" if plan.context_parallel else ""
         result.report.append(
             f"data: parameters, gradients and optimizer states sharded over dp_shard="
@@ -462,6 +479,33 @@ def apply_data(
         result.model, result.plan, mesh.group(data_group_name(result.plan)), skip, reduce_dtype
     )
     result.module = result.data.module
+
+
+def _shard_experts(result: Parallelized, mesh: Mesh, reduce_dtype: str) -> set[nn.Parameter]:
+    """Under sharded data parallelism, the experts sharded over their ep_dp group where they
+    can be (`shard_experts`), else reported as kept whole; returns the expert parameters the
+    rest of the model's sharding must leave alone (those kept whole)."""
+    if result.expert_groups is None:
+        return set()
+    _, ep_dp = result.expert_groups
+    plan = result.plan
+    reason = replicated_because(plan, ep_dp.size)
+    if reason is not None:
+        result.report.append(f"experts: kept whole over ep_dp={ep_dp.size} ({reason})")
+        return set(expert_parameters(result.model))
+    policy = precision_policy(result.precision, reduce_dtype)
+    result.report.append(
+        shard_experts(
+            result.model,
+            ep_dp,
+            plan.dp_size,
+            mesh.device.type,
+            policy,
+            plan.reshard_after_forward,
+        )
+    )
+    result.experts_sharded = True
+    return set()
 
 
 def _load(result: Parallelized, mesh: Mesh, weights: Weights | None) -> None:
@@ -505,6 +549,12 @@ def _check_tensor(model: nn.Module, plan: Plan) -> Structure:
     subbatches = plan.overlap.tp_subbatches
     check_divisible(structure, plan.tp)
     check_expert_blocks(model, structure, plan.tp, subbatches)
+    if plan.expert_parallel and structure.expert_blocks:
+        raise PlanError(
+            f"ep={plan.ep} with tp={plan.tp} is implemented for MoE layers whose experts are whole "
+            f"modules; the fused experts of {[b.name for b in structure.expert_blocks]} would be "
+            "split by both: use ep=1 (tensor-split experts) or tp=1"
+        )
     check_tp_overlap(structure, subbatches, plan.sequence_parallel)
     return structure
 

@@ -4,7 +4,9 @@ Replicated (`dp_shard = 1`): one all_reduce of the largest stage's non-expert fp
 per step over the dp group (ranks tp apart; under 3D tensor parallelism the replicated
 embedding and head in full; under context parallelism over the dp · cp ranks of `dp_cp`, which
 hold the same parameters, as `mesh.data_group_name` names it), and of its expert gradients
-over the `ep_dp` = dp / ep ranks holding the same experts (ranks tp · ep apart). DDP (pp = 1,
+over the `ep_dp` = dp / ep ranks holding the same experts (ranks tp · ep apart; `_expert_terms`:
+reduce-scattered and gathered where sharded data parallelism shards them, summed over tp
+under ep × tp). DDP (pp = 1,
 1D or no tensor parallelism, `dp_overlap`) runs buckets during the backward: exposed =
 max(all_reduce − backward, last bucket), everything but the last bucket can hide behind the
 backward and the last cannot; of the hideable part only `hardware.overlap_efficiency` hides.
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from interlace.mesh import data_group_name
+from interlace.parallel.expert.rules import expert_split
 from interlace.plan import Plan
 from interlace.planner.bytes import GRAD_BYTES
 from interlace.planner.collective_cost import (
@@ -64,14 +67,48 @@ def data_terms(
         _sharded_terms(terms, plan, stages, dense_params, compute, hardware, param_bytes)
     elif plan.dp_size * plan.cp > 1:
         _replicated_terms(terms, plan, dense_params * GRAD_BYTES, compute, hardware)
-    ep_dp = plan.dp_size // plan.ep
-    expert_params = max(st.expert_params for st in stages) / (tp * plan.ep)
-    if ep_dp > 1 and expert_params:
-        inside = group_inside_node(ep_dp, tp * plan.ep, hardware.devices_per_node)
-        terms.exposed["ep_dp.all_reduce"] = collective_seconds(
-            "all_reduce", expert_params * GRAD_BYTES, ep_dp, inside, hardware
-        )
+    _expert_terms(terms, plan, stages, hardware, param_bytes)
     return terms
+
+
+def _expert_terms(
+    terms: DataTerms,
+    plan: Plan,
+    stages: tuple[Stage, ...],
+    hardware: Hardware,
+    param_bytes: int,
+) -> None:
+    """The expert gradients' reduction over ep_dp (the ranks holding the same experts, tp · ep
+    apart): an all_reduce, or where sharded data parallelism shards the experts
+    (`expert.rules.expert_split`) a reduce_scatter and their gathers before the forward and
+    (with `reshard_after_forward`) the backward, none prefetched; under ep × tp the tp ranks'
+    expert gradients summed over tp too (`tp.all_reduce`). All after or outside the backward's
+    overlap: exposed."""
+    ep_dp, tp = plan.dp_size // plan.ep, plan.tp_size
+    if not plan.expert_parallel or plan.tp3d is not None:
+        return
+    whole = max(st.expert_params for st in stages) / plan.ep  # one device's experts, unsplit
+    split = expert_split(plan) // plan.ep  # 1, or ep_dp where sharded
+    if not whole:
+        return
+    inside = group_inside_node(ep_dp, tp * plan.ep, hardware.devices_per_node)
+    if split > 1:
+        gathers = 2 if plan.reshard_after_forward else 1
+        terms.exposed["ep_dp.all_gather"] = gathers * collective_seconds(
+            "all_gather", whole / split * param_bytes, ep_dp, inside, hardware
+        )
+        terms.exposed["ep_dp.reduce_scatter"] = collective_seconds(
+            "reduce_scatter", whole * GRAD_BYTES, ep_dp, inside, hardware
+        )
+    elif ep_dp > 1:
+        terms.exposed["ep_dp.all_reduce"] = collective_seconds(
+            "all_reduce", whole * GRAD_BYTES, ep_dp, inside, hardware
+        )
+    if tp > 1:
+        inside = group_inside_node(tp, 1, hardware.devices_per_node)
+        terms.exposed["tp.all_reduce"] = collective_seconds(
+            "all_reduce", whole / split * GRAD_BYTES, tp, inside, hardware
+        )
 
 
 def _replicated_terms(

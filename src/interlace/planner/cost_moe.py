@@ -39,6 +39,11 @@ Expert compute: the balanced forward N · k · F_e / (tp · rate) is already in 
 (F_e = 2 · the expert's matmul weights per token); the hottest device adds (max_i H_i − N · k) ·
 F_e / (tp · rate) forward, twice that backward (negative when capacity drops tokens).
 
+**Under ep × tp** each expert is whole on its owner and each tp rank dispatches its 1/tp share
+of the micro-batch's tokens (so every count above is of tokens / tp); without sequence
+parallelism the tp group all-gathers the combined shares after each layer (and the input
+gradient's in backward, and again when a layer is replayed): `tp.all_gather`.
+
 **Per stage** and micro-batch, each MoE layer runs a dispatch and a combine all_to_all forward
 and both again backward (+2 when recomputed), plus the replicas' Trans and Agg, and one
 all_gather of the [E] routing counts. The ep group holds ranks tp apart: inside a node iff
@@ -137,7 +142,7 @@ def moe_layer_terms(
     latency = alpha * (d_count - 1)
     row_bytes = config.d_model * act_bytes
     flops_per_token = 2 * 2 * config.d_model * config.ffn_dim
-    throughput = plan.tp_size * rate / flops_per_token
+    throughput = rate / flops_per_token  # experts whole on each device (ep × tp too)
     assignments = tokens * k
     counts = assignments * zipf_popularity(n_experts, d_count, skew).expand(d_count, -1)
     capped = plan.moe_balance == "none" and not config.dropless
@@ -146,7 +151,7 @@ def moe_layer_terms(
     base = Placement.blocked(n_experts, d_count)
     placement = base
     if plan.moe_balance in MODELLED_BALANCES:
-        balancer = make_balancer(plan.moe_balance, bandwidth=bandwidth, flops=plan.tp_size * rate)
+        balancer = make_balancer(plan.moe_balance, bandwidth=bandwidth, flops=rate)
         size = ExpertSize(row_bytes, expert_params * GRAD_BYTES, flops_per_token)
         placement = balancer.for_layer(True).search(counts, base, size)
     cost = LayerCost(row_bytes, expert_params * GRAD_BYTES, bandwidth, throughput)
@@ -216,7 +221,7 @@ def expert_terms(
         plan,
         config,
         hardware,
-        tokens,
+        tokens / tp,  # under ep × tp each tp rank dispatches its share of the tokens
         act_bytes,
         work.expert_rate,
         expert_params=stage.expert_params / (n_moe * config.n_experts),
@@ -229,11 +234,20 @@ def expert_terms(
         "ep.all_gather": n_moe
         * collective_seconds("all_gather", 8 * config.n_experts, plan.ep, inside, hardware),
     }
+    gathers = 0
+    if plan.tensor_parallel and not plan.sequence_parallel:  # the tp ranks' shares gathered
+        gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
+        tp_inside = group_inside_node(tp, 1, hardware.devices_per_node)
+        share = tokens / tp * config.d_model * act_bytes
+        exposed["tp.all_gather"] = gathers * collective_seconds(
+            "all_gather", share, tp, tp_inside, hardware
+        )
     hidden = {}
     if layer.trans_hidden + layer.agg_hidden:
         hidden["ep.all_to_all"] = n_moe * (layer.trans_hidden + layer.agg_hidden)
     replicated = 2 * n_moe if layer.replicated else 0  # Trans forward, Agg backward
-    comm = CommTerms(exposed, hidden, 3 * n_moe + replicated // 2, a2a_count + n_moe + replicated)
+    forward_calls = 3 * n_moe + replicated // 2 + (n_moe if gathers else 0)
+    comm = CommTerms(exposed, hidden, forward_calls, a2a_count + n_moe + replicated + gathers)
     summary = {
         "expert_skew": skew,
         "hottest_device_load": layer.hottest,

@@ -15,6 +15,7 @@ import torch
 
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
+from interlace.parallel.expert.rules import expert_split
 from interlace.parallel.pipeline.partition import (
     Shard,
     balance,
@@ -197,15 +198,16 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
 
 def device_params(stage: Stage, plan: Plan) -> float:
     """Parameters one device of `stage` keeps between steps: non-expert parameters split by tp,
-    expert parameters by tp·ep; under 3D tensor parallelism the layers' split by x·y·z and the
-    embedding and head replicated; all of it split again over FSDP's `plan.shard_ranks`
-    (dp_shard, × cp under context parallelism)."""
+    expert parameters as the runtime splits them (`expert.rules.expert_split`); under 3D tensor
+    parallelism the layers' split by x·y·z and the embedding and head replicated; the
+    non-expert parameters split again over FSDP's `plan.shard_ranks` (dp_shard, × cp under
+    context parallelism)."""
     tp = plan.tp_size
     if plan.tp3d is not None:
         held = stage.layer_params / tp + (stage.params - stage.layer_params)
-    else:
-        held = (stage.params - stage.expert_params) / tp + stage.expert_params / (tp * plan.ep)
-    return held / plan.shard_ranks
+        return held / plan.shard_ranks
+    dense = (stage.params - stage.expert_params) / (tp * plan.shard_ranks)
+    return dense + stage.expert_params / expert_split(plan)
 
 
 def _block_params(stage: Stage, plan: Plan) -> float:

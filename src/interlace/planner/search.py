@@ -67,7 +67,7 @@ def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool 
     """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
     `runnable_only`, and for every context parallel plan, this is `Plan.validate`; otherwise
     plans the runtime cannot run yet but the Plan can describe (the rows of
-    `Plan._check_implemented`, e.g. ep with tp) pass."""
+    `plan_pending.pending_rows`, e.g. ep with tp3d) pass."""
     try:
         plan.validate(n_devices, spec)
         return

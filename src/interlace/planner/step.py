@@ -14,6 +14,7 @@ under the backward) and the optimizer step (`cost_optimizer`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from interlace.models.config import GPTConfig
@@ -95,7 +96,8 @@ class StepTerms:
             work += (self.forward + self.backward + self.recompute) / self.idle_speedup
             breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * work
             breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
-        breakdown.update(self.data)
+        for name, seconds in self.data.items():  # ep × tp's experts add to tp.all_reduce
+            breakdown[name] = breakdown.get(name, 0.0) + seconds
         hidden.update({k: t for k, t in self.data_hidden.items() if t})
         if self.optimizer:
             breakdown["optimizer"] = self.optimizer
@@ -145,8 +147,8 @@ def step_terms(
         forward=compute / 3,
         backward=2 * compute / 3,
         recompute=work.recompute + expert.recompute,
-        comm={k: t for c in comms for k, t in c.exposed.items()},
-        comm_hidden={k: t for c in comms for k, t in c.hidden.items()},
+        comm=_summed(c.exposed for c in comms),
+        comm_hidden=_summed(c.hidden for c in comms),
         comm_forward_share=sum(c.forward_calls for c in comms) / calls if calls else 0.0,
         send_recv_one=pipeline.send_recv_one,
         data=data.exposed,
@@ -158,3 +160,13 @@ def step_terms(
         stages=stages,
         moe=expert.summary,
     )
+
+
+def _summed(terms: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Seconds per term over several dimensions' terms (two may price the same group's op:
+    ep × tp's expert gathers and the tensor layers' are both `tp.all_gather`)."""
+    total: dict[str, float] = {}
+    for part in terms:
+        for name, seconds in part.items():
+            total[name] = total.get(name, 0.0) + seconds
+    return total

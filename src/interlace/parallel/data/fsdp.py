@@ -20,7 +20,9 @@ passes each reduce-scatter into the sharded gradients (FSDP2 accumulates them).
 
 Each sharded parameter is a new `nn.Parameter` holding a DTensor; the Python attributes earlier
 steps attached to the old one (tensor-parallel shard specs) are carried over. A 1D tensor
-parallel model shards its local pieces (2D: tensor parallel inside, FSDP outside).
+parallel model shards its local pieces (2D: tensor parallel inside, FSDP outside). Expert
+parallel experts are sharded over the ranks holding them instead (`expert/shard.py`), or left
+whole where they cannot be (`ignored`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from interlace.comm import Group
 from interlace.parallel.data.ring import RingReduceScatter
@@ -87,17 +88,15 @@ def apply_fully_shard(
     """Shard each of the `blocks` inside `roots`, then each of the `roots` (`model` itself, or
     this rank's pipeline stages, parts of `model`) over `mesh` (1D: dp_shard; 2D: dp_replicate
     × dp_shard), gathering parameters in `precision`'s dtype and reducing gradients in
-    `reduce_dtype` ("fp32" or "bf16"); the `ignored` parameters (experts, placed by expert
-    parallelism) stay as they are. On the CPU the gradients travel by a ring of sends; with
-    `ring` (a group of the same ranks, `overlaps_reduce_scatter`) each block's on a background
-    thread while backward goes on. In place."""
+    `reduce_dtype` ("fp32" or "bf16"); the `ignored` parameters (experts replicated over their
+    ep_dp group, placed by expert parallelism) stay as they are; experts sharded on their own
+    beforehand (`expert/shard.py`) are left to their module. On the CPU the gradients travel by
+    a ring of sends; with `ring` (a group of the same ranks, `overlaps_reduce_scatter`) each
+    block's on a background thread while backward goes on. In place."""
     attributes = {
         name: dict(vars(param)) for name, param in model.named_parameters() if vars(param)
     }
-    policy = MixedPrecisionPolicy(
-        param_dtype=None if precision == "fp32" else DTYPES[precision],
-        reduce_dtype=DTYPES[reduce_dtype],
-    )
+    policy = precision_policy(precision, reduce_dtype)
     for root in roots:
         mine = {id(m) for m in root.modules()}
         held = [block for block in blocks if id(block) in mine]
@@ -128,6 +127,15 @@ def apply_fully_shard(
     return ShardedDataParallel(model, roots)
 
 
+def precision_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered in `precision`'s dtype ("bf16", "fp16"; "fp32": as
+    held), gradients reduced in `reduce_dtype`'s ("fp32" or "bf16")."""
+    return MixedPrecisionPolicy(
+        param_dtype=None if precision == "fp32" else DTYPES[precision],
+        reduce_dtype=DTYPES[reduce_dtype],
+    )
+
+
 def overlaps_reduce_scatter(plan: Plan, device: torch.device, reduce_dtype: str) -> bool:
     """Whether the blocks' reduce-scatters run in the background (`ring.py`): on the CPU, where
     FSDP2 only views their output inside backward: gradients reduced in fp32 (no cast after),
@@ -147,12 +155,14 @@ def _prefetch_without_streams(blocks: Sequence[nn.Module]) -> None:
         block._set_unshard_async_op(True)
 
 
-def sharded_norm_share(group: Group, replicas: int, expert_holders: int) -> NormShare:
+def sharded_norm_share(
+    group: Group, replicas: int, experts: Sequence[nn.Parameter], expert_holders: int
+) -> NormShare:
     """Sharded data parallelism's share of the gradient norm over `group`, every data-parallel
-    rank ("dp"): a sharded piece is held by the `replicas` (dp) ranks of its replica group, an
-    expert's gradient (left unsharded, a DTensor it is not) by the `expert_holders` ranks
-    holding that expert (dp · dp_shard / ep). It stands for expert parallelism's share, whose
-    group lies inside this one."""
-    return NormShare(
-        group, lambda param: replicas if isinstance(param, DTensor) else expert_holders
-    )
+    rank ("dp"): a sharded piece is held by the `replicas` (dp) ranks of its replica group, a
+    piece of one of the `experts` (expert parallel parameters, as sharded) by `expert_holders`
+    ranks: 1 where the experts are sharded over the ranks holding them, dp · dp_shard / ep where
+    each of those holds it whole. It stands for expert parallelism's share, whose group lies
+    inside this one."""
+    held = {id(param) for param in experts}
+    return NormShare(group, lambda param: expert_holders if id(param) in held else replicas)

@@ -34,12 +34,18 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def reduce_expert_gradients(model: nn.Module, ep_dp: Group, dp_size: int) -> None:
-    """Turn each local expert's gradient (the sum over its expert group's tokens) into data
-    parallelism's average: sum over `ep_dp` (ranks holding the same experts), divide by
-    `dp_size` (the whole data parallel degree). One flat all-reduce; collective over ep_dp."""
+def reduce_expert_gradients(
+    model: nn.Module, ep_dp: Group, dp_size: int, tp: Group | None = None
+) -> None:
+    """Turn each local expert's gradient (the sum over the tokens its expert group dispatched)
+    into data parallelism's average: sum over the ranks holding the same experts, `ep_dp` and,
+    under ep × tp, `tp` (whose ranks dispatch different tokens, `tp_tokens`), divide by
+    `dp_size` (the whole data parallel degree). One flat all-reduce per group; collective over
+    ep_dp (and tp)."""
     grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
     comm.all_reduce_flat_(grads, ep_dp, dp_size)
+    if tp is not None:
+        comm.all_reduce_flat_(grads, tp)
 
 
 def expert_norm_share(model: nn.Module, ep: Group) -> NormShare:

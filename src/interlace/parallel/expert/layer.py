@@ -21,7 +21,9 @@ meter counts both directions.
 C = ceil(capacity_factor · N_rank · k / E) to its own N_rank tokens, so an expert receives at
 most D · C tokens. The layer therefore computes exactly what `MoELayer` computes on each rank's
 tokens separately — the same tokens drop as in plain data parallelism with the same per-rank
-batch, whatever `ep` is. The aux loss is each rank's own, as under data parallelism.
+batch, whatever `ep` is. The aux loss is each rank's own, as under data parallelism. Under
+ep × tp a rank routes its share of its tp group's tokens (`tokens`, a `tp_tokens.TokenShare`):
+capacity and aux loss are that share's.
 
 **Balancing** (`interlace.moe.balance`). A strategy may add replicas to the placement: for a
 replicated expert, the owner sends its parameters to the replica ranks (Trans, in the forward)
@@ -67,10 +69,12 @@ only when the layer overlaps them (`Balancer.for_layer`), unless it was told exp
 parameter: average them over dp as usual. An owner's expert gradient is the sum over its expert
 group's tokens; to equal data parallelism's average over dp, sum it over the ep_dp group and
 divide by dp (`reduce_expert_gradients`), and leave expert parameters out of the dp all-reduce
-(`expert_parameter_names`). Gradient norms must count each expert once: `grad_norm` and
-`clip_grad_norm_` sum the expert squares over the ep group. Local experts are registered under
-their global index (`experts["5"]`), so checkpoint keys name the same expert on every rank and
-every `ep`, the keys a layer of stacked experts stores them under (`moe.experts.expert_keys`).
+(`expert_parameter_names`); under sharded data parallelism FSDP2 shards the experts over ep_dp
+and its reduce-scatter does both (`shard.py`). Gradient norms must count each expert once:
+`grad_norm` and `clip_grad_norm_` sum the expert squares over the ep group. Local experts are
+registered under their global index (`experts["5"]`), so checkpoint keys name the same expert
+on every rank and every `ep`, the keys a layer of stacked experts stores them under
+(`moe.experts.expert_keys`).
 
 Collectives run in the same order on every rank, backward included: every rank issues the
 count all-gather, Trans (when anything is replicated), dispatch and combine in every forward,
@@ -83,7 +87,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -104,11 +108,15 @@ from interlace.moe.balance import (
     make_balancer,
 )
 from interlace.moe.gating import expert_counts
-from interlace.moe.grouped import mlp_experts, stack_parameters
+from interlace.moe.grouped import mlp_experts
 from interlace.moe.layer import MoELayer
 from interlace.parallel.expert.comm import all_to_all_rows, keep_in_graph
+from interlace.parallel.expert.local import LocalExperts
 from interlace.parallel.expert.trans import InFlight, Trans, TransRoute
 from interlace.precision import compute_dtype
+
+if TYPE_CHECKING:
+    from interlace.parallel.expert.tp_tokens import TokenShare
 
 
 class ExpertParallelMoE(nn.Module):
@@ -117,17 +125,19 @@ class ExpertParallelMoE(nn.Module):
     Built from a full local `MoELayer` (identical on every rank of the group: same seed), whose
     router it takes over and of whose experts it keeps this rank's E/D, each copied out as an
     `MLP` of its own (`GroupedExperts.expert`) registered under its global index in `experts`
-    (an nn.ModuleDict). Any module with a `router` (tokens [N, d] → `Routing`; attributes
-    `d_model`, `dropless`) and `experts` (`len()`: E; `expert(e)`: expert e, a module) will do;
-    experts other than `MLP` need a subclass whose `run_experts` computes them stacked: `fused.py`
-    builds one from a block with fused experts (HF Mixtral). `balance` is a strategy name or a
-    `Balancer`; one that forces dropless routing sets the router's `dropless` flag.
+    (`LocalExperts`, which stacks their parameters when called). Any module with a `router`
+    (tokens [N, d] → `Routing`; attributes `d_model`, `dropless`) and `experts` (`len()`: E;
+    `expert(e)`: expert e, a module) will do; experts other than `MLP` need a subclass whose
+    `run_experts` computes them stacked: `fused.py` builds one from a block with fused experts
+    (HF Mixtral). `balance` is a strategy name or a `Balancer`; one that forces dropless routing
+    sets the router's `dropless` flag.
 
     After each forward: `aux_loss` (this rank's load-balancing loss) and
     `last_tokens_per_expert` ([E], this rank's routed counts) as in `MoELayer`; in training mode
     `routing_history` gains the [D, E] count matrix (tokens routed from rank s to expert e,
     before capacity drops, on the CPU), at most `history` of them, newest last. `placement` is
-    the expert placement in use.
+    the expert placement in use. `tokens` (ep × tp, set by `tp_tokens.share_tokens_over_tp`):
+    which of the input's tokens this rank routes and dispatches; None: all of them.
 
     `overlap` (default) issues Trans and Agg asynchronously (module docstring, "Overlap");
     False runs them synchronously inside the forward and backward. The balancer is bound to it
@@ -164,7 +174,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_local = n_experts // group.size
         self.first_expert = group.rank * self.num_local
         local = range(self.first_expert, self.first_expert + self.num_local)
-        self.experts = nn.ModuleDict({str(e): layer.experts.expert(e) for e in local})
+        self.experts = LocalExperts({str(e): layer.experts.expert(e) for e in local})
         self.base_placement = Placement.blocked(n_experts, group.size)
         self.placement = self.base_placement
         self.routing_history: deque[torch.Tensor] = deque(maxlen=history)
@@ -172,6 +182,7 @@ class ExpertParallelMoE(nn.Module):
         self.aux_loss = torch.zeros(())
         self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
         self.overlap = overlap
+        self.tokens: TokenShare | None = None  # ep × tp: the tokens this rank dispatches
         self._next: tuple[ExpertParallelMoE, ...] = ()  # a tuple: not registered as a child
         self._inflight: InFlight | None = None  # this layer's Trans, issued ahead of it
         self._planning: BackgroundSearch | None = None  # the next replan's search, running
@@ -198,10 +209,13 @@ class ExpertParallelMoE(nn.Module):
         by torch.compile: the all-to-alls' splits are read on the host and the placement
         search runs on a thread of its own."""
         tokens = x.reshape(-1, x.shape[-1])
+        share, n = self.tokens, tokens.shape[0]
+        if share is not None:
+            tokens = share.enter(tokens)
         trans = self._take_inflight()
         placement = trans.placement
         routing = self.router(tokens)
-        self.aux_loss = routing.aux_loss
+        self.aux_loss = routing.aux_loss if share is None else share.aux_loss(routing.aux_loss)
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
         routed, kept = self._gather_counts(routing)
         if self.training:
@@ -223,6 +237,8 @@ class ExpertParallelMoE(nn.Module):
             assignments = expert[here], token[here], gate[here]
             self._compute_replicas(out, tokens, replicas, trans.experts, *assignments)
             out = keep_in_graph(out, replicas)
+        if share is not None:
+            out = share.leave(out, n)
         return out.view_as(x)
 
     def _gather_counts(self, routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +293,7 @@ class ExpertParallelMoE(nn.Module):
             received.reshape(-1).to(device), output_size=inbox.shape[0]
         )
         order = torch.argsort(labels, stable=True)
-        params = stack_parameters(self._local_experts(), compute_dtype(inbox))
+        params = self.experts(compute_dtype(inbox))  # stacked (FSDP2 gathers them here)
         y = self.run_experts(params, inbox.index_select(0, order), received.sum(dim=0).to(device))
         return torch.empty_like(y).index_copy(0, order, y)
 

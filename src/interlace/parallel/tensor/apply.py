@@ -55,6 +55,7 @@ def apply_tensor_parallel(
     group: Group,
     sequence_parallel: bool = False,
     gather_logits: bool = False,
+    expert_parallel: bool = False,
 ) -> list[str]:
     """Split `model` in place over `group` as `structure` (from `find_structure`) describes;
     return the report lines. Call `check_divisible` first (nothing is modified when it raises).
@@ -62,9 +63,10 @@ def apply_tensor_parallel(
     The LM head gives this rank's vocabulary slice of the logits [..., V/p], to be scored by
     `vocab_parallel_cross_entropy`; `gather_logits` all-gathers them to [..., V] instead (one
     all-gather of B·T·V/p elements per rank), for code that needs the full distribution (a
-    Hugging Face model's own `labels` loss, `generate`)."""
+    Hugging Face model's own `labels` loss, `generate`). `expert_parallel`: expert parallelism
+    splits the other MoE layers next (`expert.tp_tokens`), so they may take sequence shards."""
     if sequence_parallel:
-        _check_sequence_parallel(structure)
+        _check_sequence_parallel(structure, expert_parallel)
     modules = dict(model.named_modules())
     mode = ", sequence parallel" if sequence_parallel else ""
     lines = [f"tensor parallel over {group.size} ranks{mode}"]
@@ -82,7 +84,7 @@ def apply_tensor_parallel(
     return lines + structure.notes
 
 
-def _check_sequence_parallel(structure: Structure) -> None:
+def _check_sequence_parallel(structure: Structure, expert_parallel: bool) -> None:
     missing = [
         (structure.layers is None, "a layer list (nn.ModuleList) holding the attention blocks"),
         (structure.final_norm is None, "a final norm after the layer list"),
@@ -92,11 +94,12 @@ def _check_sequence_parallel(structure: Structure) -> None:
         if absent:
             raise PlanError(f"sequence_parallel=True needs {what}; none was found")
     split = {b.name for b in structure.expert_blocks}
-    if whole := [name for name in structure.experts if name not in split]:
+    whole = [name for name in structure.experts if name not in split]
+    if whole and not expert_parallel:
         raise PlanError(
             f"sequence_parallel=True cannot shard the replicated Mixture-of-Experts layers "
             f"{whole} (routing capacity and load balance need every token); "
-            "use sequence_parallel=False"
+            "use sequence_parallel=False, or ep > 1"
         )
 
 

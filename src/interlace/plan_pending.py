@@ -1,0 +1,66 @@
+"""The table of plan combinations that are valid but not implemented yet, in one place: each
+row is (active for this plan, what, the fix to name). `Plan.validate` raises the first active
+row's "<what> is not implemented yet; use <fix>", and `parallelize` relies on it. The rows of
+context parallelism come from its own rules (`parallel/context/rules.py`). No torch here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from interlace.parallel.context import rules as context_rules
+
+
+def fmt_tp3d(dims: tuple[int, ...]) -> str:
+    """A 3D grid (x, y, z) as the plan writes it: "XxYxZ"."""
+    return "x".join(str(d) for d in dims)
+
+
+def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
+    """Every row of the table for `plan` (a Plan): (active, what, fix)."""
+    tp3d = f"tp3d={fmt_tp3d(plan.tp3d)}" if plan.tp3d is not None else ""
+    return [
+        (
+            plan.ep > 1 and bool(tp3d),
+            f"ep={plan.ep} combined with {tp3d}",
+            "ep=1, or 1D tensor parallelism (tp=N)",
+        ),
+        (
+            plan.ep > 1 and plan.tp > 1 and plan.sharded_data_parallel,
+            f"ep={plan.ep} combined with tp={plan.tp} and dp_shard={plan.dp_shard}",
+            "dp_shard=1 (dp=N), ep=1 or tp=1",
+        ),
+        (bool(tp3d) and plan.pipelined, f"{tp3d} with pp={plan.pp}", "pp=1"),
+        (
+            plan.sharded_data_parallel and plan.pipelined and plan.schedule == "shifted",
+            f"dp_shard={plan.dp_shard} with schedule=shifted (its executor runs a stage's "
+            "pieces outside the stage's forward, where FSDP2 gathers)",
+            "schedule=1f1b, gpipe or interleaved",
+        ),
+        (
+            plan.sharded_data_parallel and bool(tp3d),
+            f"dp_shard={plan.dp_shard} with {tp3d}",
+            "dp_shard=1, or 1D tensor parallelism (tp=N)",
+        ),
+        (
+            bool(tp3d) and plan.tp3d[2] > 1 and plan.recompute == "selective",
+            f"{tp3d} (z > 1) with recompute=selective",
+            "recompute=full",
+        ),
+        (
+            plan.pipelined and plan.recompute == "selective" and plan.schedule == "shifted",
+            "recompute=selective with schedule=shifted (its executor replays a stage's "
+            "checkpointed blocks whole, outside torch's checkpoint)",
+            "recompute=full or stage-aware, or schedule=1f1b, gpipe or interleaved",
+        ),
+        (
+            bool(tp3d) and plan.overlap.tp_subbatches > 1,
+            f"{tp3d} with tp_subbatches={plan.overlap.tp_subbatches}",
+            "tp_subbatches=1",
+        ),
+        (
+            bool(tp3d) and plan.sequence_parallel,
+            f"{tp3d} with sequence_parallel=true",
+            "sequence_parallel=false",
+        ),
+        *context_rules.pending_with(plan, tp3d),
+    ]

@@ -1,0 +1,186 @@
+"""Expert parallelism inside 1D tensor parallelism (`ep=2,tp=2` on 4 ranks, with and without
+sequence parallelism) trains step for step as one process on the same global batch (dropless
+routing, no aux loss: losses, pre-clipping norms, the first step's gradients, the weights after
+three steps), dispatches every token once per tp group (the all-to-all bytes of a tp group are
+those of `ep=2` alone on its tokens), and, without sequence parallelism, equals `dp=4,ep=2` with
+capacity drops and the aux loss too (each tp rank's tokens are that plan's rank's rows); experts
+replicated by a balancing strategy keep the serial run."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from helpers import TINY_RUN, assert_grads_close, per_expert
+from interlace import comm
+from interlace.mesh import build_mesh
+from interlace.models.presets import get_preset
+from interlace.moe.balance import Prophet, Shadow
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+
+BASE = dataclasses.replace(TINY_RUN, grad_clip=0.0)
+EP_TP = "dp=2,ep=2,tp=2"
+EP_TP_SP = "dp=2,ep=2,tp=2,sequence_parallel=true"
+PARAM_ATOL = 2e-5  # as test_train's: Adam turns rounding of near-zero gradients into ~lr
+
+
+def _model_file(tmp_path, **changes) -> str:
+    spec = dataclasses.replace(get_preset("moe-tiny"), **changes)
+    path = tmp_path / f"moe-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    return str(path)
+
+
+def _run(config: TrainConfig, plan_text: str) -> dict:
+    """Every step's row and all-to-all bytes on "ep", the first step's synced gradients and the
+    weights at the end, whole (tensor-parallel pieces gathered, stacked experts `per_expert`)."""
+    from interlace.parallel.tensor.shard import gather_full, sharded_parameter_names
+
+    plan = Plan.parse(plan_text)
+    mesh = build_mesh(plan) if plan.world_size > 1 else None
+    trainer = Trainer(prepare_run(config, plan, plan.world_size), mesh)
+    specs = sharded_parameter_names(trainer.model)
+
+    def whole(named) -> dict[str, torch.Tensor]:
+        return per_expert(
+            {
+                n: gather_full(t, specs[n], mesh.group("tp")) if n in specs else t.detach().clone()
+                for n, t in named
+            }
+        )
+
+    rows, sent, grads = [], [], None
+    zero_grad = trainer.optimizer.zero_grad
+    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
+    while trainer.step < config.steps:
+        rows.append(trainer.train_step())
+        sent.append(comm.meter.snapshot().get("ep", {}).get("all_to_all", {}).get("bytes", 0))
+        if grads is None:
+            grads = whole((n, p.grad) for n, p in trainer.model.named_parameters())
+        zero_grad()
+    params = whole(trainer.model.named_parameters())
+    return {"rows": rows, "all_to_all": sent, "grads": grads, "params": params}
+
+
+def _ranks(config: TrainConfig, plan_text: str) -> list[dict]:
+    world_size = Plan.parse(plan_text).world_size
+    if world_size == 1:
+        return [_run(config, plan_text)]
+    return run_ranks(world_size, _run, config, plan_text)
+
+
+def _assert_same(result: dict, reference: dict, what: str) -> None:
+    """Same losses and norms per step; the gradients and weights `result` holds equal the
+    reference's of the same names."""
+    losses = [r["loss"] for r in result["rows"]]
+    assert losses == pytest.approx([r["loss"] for r in reference["rows"]], abs=1e-5), what
+    norms = [r["grad_norm"] for r in result["rows"]]
+    assert norms == pytest.approx([r["grad_norm"] for r in reference["rows"]], rel=1e-5), what
+    held = result["grads"].keys()
+    assert_grads_close(result["grads"], {n: reference["grads"][n] for n in held}, what=what)
+    for name, value in result["params"].items():
+        torch.testing.assert_close(value, reference["params"][name], atol=PARAM_ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def dropless(tmp_path_factory) -> TrainConfig:
+    folder = tmp_path_factory.mktemp("dropless")
+    return dataclasses.replace(BASE, model=_model_file(folder, dropless=True, aux_loss_coef=0.0))
+
+
+@pytest.fixture(scope="module")
+def serial(dropless):
+    run = _run(dropless, "dp=1")
+    for part in ("grads", "params"):
+        run[part].setdefault("lm_head.weight", run[part]["wte.weight"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def expert_only(dropless):
+    return _ranks(dropless, "dp=2,ep=2")
+
+
+@pytest.mark.parametrize("plan_text", [EP_TP, EP_TP_SP])
+def test_expert_and_tensor_parallel_training_equals_serial(
+    dropless, serial, expert_only, plan_text
+):
+    results = _ranks(dropless, plan_text)
+    for rank, result in enumerate(results):
+        _assert_same(result, serial, f"{plan_text}, rank {rank}")
+        assert any(".experts.0." in n for n in result["params"]) == (rank // 2 == 0)
+    # rank = dp index · 2 + tp index: the two tp ranks of a dp rank dispatch its tokens once
+    # between them, the rows `ep=2` alone dispatches from that dp rank (forward and backward)
+    for dp_index, alone in enumerate(expert_only):
+        tp_group = results[2 * dp_index : 2 * dp_index + 2]
+        per_step = [sum(steps) for steps in zip(*(r["all_to_all"] for r in tp_group), strict=True)]
+        assert per_step == alone["all_to_all"], plan_text
+        assert min(alone["all_to_all"]) > 0
+
+
+def test_without_sequence_parallelism_capacity_and_aux_loss_follow_dp_times_tp(tmp_path):
+    # each tp rank routes the rows a dp=4 rank gets: the same capacity drops and aux losses
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
+    twin = _ranks(config, "dp=4,ep=2")
+    assert twin[0]["rows"][0]["loss"] != pytest.approx(_run(config, "dp=1")["rows"][0]["loss"])
+    reference = {
+        "rows": twin[0]["rows"],
+        **{part: {k: v for r in twin for k, v in r[part].items()} for part in ("grads", "params")},
+    }
+    for rank, result in enumerate(_ranks(config, EP_TP)):
+        _assert_same(result, reference, f"rank {rank}")
+
+
+def _split_and_gather(n: int) -> tuple:
+    """Rows [n, 3] split over the 2 ranks, doubled, gathered back; and the rows' gradient."""
+    import torch.distributed as dist
+
+    from interlace.comm import Group
+    from interlace.parallel.expert.tp_tokens import gather_tokens, split_tokens
+
+    group = Group("tp", dist.group.WORLD, 2, dist.get_rank())
+    rows = torch.arange(3.0 * n).view(n, 3).requires_grad_()
+    chunk = split_tokens(rows, group)
+    out = gather_tokens(2 * chunk, group, n)
+    (out * rows.detach()).sum().backward()
+    return chunk.shape[0], out.detach(), rows.grad
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_token_chunks_split_and_gather_back_with_their_gradients(n):
+    ranks = run_ranks(2, _split_and_gather, n)
+    assert [length for length, _, _ in ranks] == [n - n // 2, n // 2]
+    rows = torch.arange(3.0 * n).view(n, 3)
+    for _, out, grad in ranks:
+        torch.testing.assert_close(out, 2 * rows)
+        torch.testing.assert_close(grad, 2 * rows)  # every chunk's gradient, gathered
+
+
+def _balanced_run(config: TrainConfig, plan_text: str, balancer) -> dict:
+    """`_run` with `balancer` in place of the plan's strategy of the same name."""
+    from interlace.parallel.expert import apply
+
+    apply.make_balancer = lambda name: balancer
+    return _run(config, plan_text)
+
+
+FAST_LINK = {"replan_every": 1, "bandwidth": 1e9, "flops": 1e6}  # compute-bound: replicas pay
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "balancer"),
+    [
+        (f"{EP_TP},moe_balance=shadow", Shadow(**FAST_LINK)),
+        (f"{EP_TP_SP},moe_balance=prophet", Prophet(**FAST_LINK)),
+    ],
+)
+def test_replicated_experts_keep_the_serial_run(dropless, serial, plan_text, balancer):
+    results = run_ranks(4, _balanced_run, dropless, plan_text, balancer)
+    for rank, result in enumerate(results):
+        _assert_same(result, serial, f"{plan_text}, rank {rank}")
+    replicated = [layer["replicated"] for r in results for row in r["rows"] for layer in row["moe"]]
+    assert any(replicated)

@@ -1,0 +1,69 @@
+"""The planner prices experts as the runtime lays them out: whole on their owner under ep × tp
+(each tp rank dispatching its share of the tokens, the shares all-gathered over tp without
+sequence parallelism), sharded over ep_dp under dp_shard except where balancing replicas keeps
+them whole, and reduced accordingly."""
+
+import dataclasses
+
+import pytest
+
+from interlace.models.presets import get_preset
+from interlace.plan import Plan
+from interlace.planner.cost import estimate
+from interlace.planner.cost_pipeline import pipeline_stages
+from interlace.planner.hardware import get_hardware
+from interlace.planner.profile import device_params, model_profile
+
+MOE = dataclasses.replace(get_preset("moe-gpt-12l"), dropless=True)
+HW = get_hardware("dgx-a100")
+
+
+def _params(plan_text: str) -> tuple[float, float]:
+    """(expert, non-expert) parameters one device of the first stage keeps."""
+    plan = Plan.parse(plan_text)
+    stage = pipeline_stages(model_profile(MOE), plan)[0]
+    held = device_params(stage, plan)
+    dense = (stage.params - stage.expert_params) / (plan.tp_size * plan.shard_ranks)
+    return held - dense, stage.expert_params
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "split"),
+    [
+        ("dp=4,ep=2", 2),
+        ("dp=2,ep=2,tp=2", 2),  # whole experts on every tp rank
+        ("dp_shard=4,ep=2", 4),  # sharded over ep_dp = 2
+        ("dp=2,dp_shard=2,ep=2", 4),
+        ("dp_shard=4,ep=2,moe_balance=prophet", 2),  # replicas keep them whole
+        ("tp=2", 2),  # ep = 1: each expert split along its width
+    ],
+)
+def test_expert_parameters_per_device_follow_the_runtime_split(plan_text, split):
+    held, total = _params(plan_text)
+    assert held == pytest.approx(total / split)
+
+
+def _cost(plan_text: str):
+    return estimate(Plan.parse(plan_text), MOE, HW, global_batch=64)
+
+
+def test_ep_times_tp_dispatches_a_share_per_tp_rank_and_gathers_it():
+    alone, with_tp = _cost("dp=4,ep=2"), _cost("dp=4,ep=2,tp=2")
+    # each tp rank sends half the rows the same ep group sends at tp = 1 (same tokens per rank)
+    a2a = with_tp.breakdown["ep.all_to_all"]
+    assert a2a < alone.breakdown["ep.all_to_all"]
+    assert with_tp.breakdown["tp.all_gather"] > 0
+    sequence = _cost("dp=4,ep=2,tp=2,sequence_parallel=true")
+    assert sequence.breakdown["ep.all_to_all"] == pytest.approx(a2a)
+
+
+def test_sharded_experts_reduce_scatter_and_gather_over_ep_dp():
+    sharded, whole = _cost("dp_shard=4,ep=2"), _cost("dp_shard=4,ep=2,moe_balance=dropless")
+    assert whole.breakdown.keys() == sharded.breakdown.keys()
+    assert sharded.breakdown["ep_dp.reduce_scatter"] > 0
+    assert sharded.breakdown["ep_dp.all_gather"] > 0
+    assert "ep_dp.all_reduce" not in sharded.breakdown
+    kept = _cost("dp_shard=4,ep=2,moe_balance=shadow")
+    assert kept.breakdown["ep_dp.all_reduce"] > 0
+    assert "ep_dp.reduce_scatter" not in kept.breakdown
+    assert kept.memory_bytes_per_device > sharded.memory_bytes_per_device

@@ -1,0 +1,93 @@
+"""Experts under sharded data parallelism, sharded by FSDP2 over the ranks holding the same
+experts (ep_dp): `ep=2,dp_shard=2` on 4 ranks (dp=2 × dp_shard=2, ep_dp of 2 ranks) trains step
+for step as its `ep=2,dp=4` twin, whose experts each of those ranks holds whole (fp32: losses,
+pre-clipping norms, the first step's gradients, the weights after four steps), holds half the
+experts' state per rank, and its checkpoints resume under the twin and back. Balancing
+strategies that send whole experts to other ranks keep them whole, and say so."""
+
+import dataclasses
+
+import pytest
+from torch.distributed.tensor import DTensor
+
+from helpers import TINY_RUN, per_expert
+from interlace.memory import storage_bytes
+from interlace.mesh import build_mesh
+from interlace.parallel.expert.grads import expert_parameters
+from interlace.parallel.expert.rules import replicated_because
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from interlace.train import Trainer, prepare_run
+from interlace.train_config import TrainConfig
+from test_fsdp import _assert_same, _full, _moe_file
+from test_reshard import BASE as RESUMED
+from test_reshard import _check_matrix
+
+SHARDED, TWIN = "dp=2,dp_shard=2,ep=2", "dp=4,ep=2"
+
+
+def _run(config: TrainConfig, plan_text: str) -> dict:
+    """Every step's row, the first step's synced gradients and the last weights (whole, per
+    expert), whether the experts are sharded, and the bytes of this rank's expert parameters,
+    gradients and AdamW states after the last step."""
+    plan = Plan.parse(plan_text)
+    trainer = Trainer(prepare_run(config, plan, plan.world_size), build_mesh(plan))
+    rows, grads, held = [], None, 0
+    zero_grad = trainer.optimizer.zero_grad
+    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
+    while trainer.step < config.steps:
+        rows.append(trainer.train_step())
+        if grads is None:
+            named = trainer.model.named_parameters()
+            grads = per_expert({n: _full(p.grad).clone() for n, p in named})
+        experts = expert_parameters(trainer.model)
+        states = [s for p in experts for s in trainer.optimizer.state[p].values() if s.dim()]
+        held = storage_bytes([*experts, *(p.grad for p in experts), *states])
+        zero_grad()
+    params = per_expert({n: _full(p).clone() for n, p in trainer.model.named_parameters()})
+    sharded = all(isinstance(p, DTensor) for p in expert_parameters(trainer.model))
+    return {"rows": rows, "grads": grads, "params": params, "sharded": sharded, "bytes": held}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> TrainConfig:
+    """Four steps of a dropless moe-tiny without the auxiliary loss (as test_fsdp's expert
+    tests), clipping off so that the gradients compared are the reduced ones."""
+    model = _moe_file(tmp_path_factory.mktemp("moe"))
+    return dataclasses.replace(TINY_RUN, steps=4, model=model, grad_clip=0.0)
+
+
+@pytest.fixture(scope="module")
+def twin(config) -> list[dict]:
+    return run_ranks(4, _run, config, TWIN)
+
+
+@pytest.mark.parametrize("plan_text", [SHARDED, "dp_shard=4,ep=2"])
+def test_sharded_experts_train_as_whole_ones_in_half_the_memory(config, twin, plan_text):
+    # dp_shard=4: no replicas of the rest of the model, whose gradients travel in the background
+    sharded = run_ranks(4, _run, config, plan_text)
+    for rank, (result, reference) in enumerate(zip(sharded, twin, strict=True)):
+        assert result["sharded"] and not reference["sharded"], rank
+        _assert_same(result, reference, f"rank {rank}")
+        # FSDP2 pads each expert tensor's first dimension to a multiple of 2: within 5 %
+        assert result["bytes"] == pytest.approx(reference["bytes"] / 2, rel=0.05), rank
+
+
+def test_sharded_experts_resume_under_whole_ones_and_back(tmp_path):
+    resumed = dataclasses.replace(RESUMED, model=_moe_file(tmp_path))
+    _check_matrix(tmp_path, resumed, [SHARDED, TWIN], [SHARDED, TWIN])
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "ep_dp", "reason"),
+    [
+        (SHARDED, 2, None),
+        (f"{SHARDED},moe_balance=dropless", 2, None),
+        (f"{SHARDED},moe_balance=shadow", 2, "moe_balance=shadow sends whole experts"),
+        (f"{SHARDED},moe_balance=prophet", 2, "moe_balance=prophet sends whole experts"),
+        ("dp_shard=2,ep=2", 1, "each expert is held by one rank"),
+    ],
+)
+def test_experts_are_kept_whole_only_where_they_must_be_and_say_why(plan_text, ep_dp, reason):
+    why = replicated_because(Plan.parse(plan_text), ep_dp)
+    assert why == reason if reason is None else reason in why
