@@ -12,7 +12,7 @@ from interlace.models.presets import get_preset
 from interlace.plan import Overlap, Plan
 from interlace.planner.calibrate import fit_half_rows
 from interlace.planner.cost import estimate
-from interlace.planner.hardware import PRESETS, local
+from interlace.planner.hardware import PRESETS, get_hardware, local
 from interlace.planner.profile import model_profile
 
 TINY = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4)
@@ -151,3 +151,28 @@ def test_bench_hardware_carries_the_fitted_curve():
     hardware = cluster_hardware(calibration, 2, 5e10)
     assert hardware.matmul_half_rows == 512.0 and hardware.matmul_efficiency == 0.7
     assert hardware.matmul_flops("fp32", 512) == pytest.approx(5e10 * 0.35)
+
+
+def test_the_h100_preset_prices_a_narrow_models_step_at_its_measured_efficiency():
+    # bf16 compiled steps measured on one H100: gpt2-124m (d 768) 34.8 %, gpt2-1.5b (d 1600)
+    # 40.6 % of the bf16 peak; fp32 has no width law
+    h100 = get_hardware("dgx-h100")
+    assert h100.efficiency(None, "bf16", 768) == pytest.approx(0.348, abs=0.002)
+    assert h100.efficiency(None, "bf16", 1600) == pytest.approx(0.406, abs=0.002)
+    assert h100.efficiency(None, "bf16", 20480) == pytest.approx(0.48 * 20480 / 20771)
+    assert h100.efficiency(None, "fp32", 768) == h100.efficiency(None, "fp32")
+    with pytest.raises(ConfigError, match="width_half_by_dtype"):
+        dataclasses.replace(h100, width_half_by_dtype={"bf16": -1.0})
+
+
+def test_a_steps_compute_is_priced_at_its_models_width():
+    from interlace.planner.cost_pipeline import pipeline_stages
+    from interlace.planner.cost_work import stage_work
+
+    h100, plan = get_hardware("dgx-h100"), Plan()
+    for name in ("gpt2-124m", "gpt2-1.5b"):
+        config = get_preset(name)
+        stage = pipeline_stages(model_profile(config), plan)[0]
+        work = stage_work(plan, config, stage, 8192, h100, "bf16")
+        assert work.rate == pytest.approx(989e12 * h100.efficiency(8192, "bf16", config.d_model))
+        assert work.compute == pytest.approx(3 * stage.flops * 8192 / work.rate)

@@ -10,6 +10,7 @@ from interlace.planner.cost import estimate
 from interlace.planner.hardware import get_hardware
 from interlace.planner.published import (
     SOURCE_FIELDS,
+    as_ran,
     compare,
     layouts,
     load_tables,
@@ -82,9 +83,14 @@ def test_a_hand_checked_row_is_what_the_cost_model_gives():
     assert list(layouts(row)) == [Plan(dp=48, sequence_parallel=False)]
     cost = estimate(Plan(dp=48), spec, get_hardware("dgx-h100"), 192)
     result = compare(row)
-    assert result["predicted_tokens_per_gpu_s"] == pytest.approx(
+    assert result["interlace_tokens_per_gpu_s"] == pytest.approx(
         192 * 4096 / cost.step_seconds / 48
     )
+    # as Megatron ran it: the gradient all-reduce hidden, the optimizer step of 1/48 of the
+    # parameters per rank
+    b = cost.breakdown
+    step = cost.step_seconds - b["dp.all_reduce"] - b["optimizer"] * (1 - 1 / 48)
+    assert result["predicted_tokens_per_gpu_s"] == pytest.approx(192 * 4096 / step / 48)
     # Megatron's count: 72·L·h² + 12·L·h·s + 6·h·V per token; 408.8 TFLOP/s per GPU published.
     flops = 72 * 24 * 2048**2 + 12 * 24 * 2048 * 4096 + 6 * 2048 * 131072
     assert megatron_flops_per_token(row) == pytest.approx(flops)
@@ -130,3 +136,22 @@ def test_the_benchmark_writes_rows_and_a_summary_per_table(tmp_path):
     assert "torchtitan" in bench.table(doc) and "median |error|" in bench.headline(doc)
     with pytest.raises(ConfigError, match="unknown"):
         bench.check({"tables": "nope"})
+
+
+def test_what_a_source_ran_differently_changes_its_terms_only():
+    row = next(r for r in TABLES["torchtitan"]["rows"] if r["name"] == "llama3.1-8b fsdp8 tp8")
+    cost = price(row)
+    b = cost.breakdown
+    assert as_ran(row, cost) == {"recomputed_matmuls": pytest.approx(0.5 * b["compute"] / 3)}
+    overlapped = {**row, "overlapped": ["tp"], "sharded_optimizer": True}
+    changes = as_ran(overlapped, cost)
+    assert changes["tp.all_gather"] == -b["tp.all_gather"]
+    assert changes["tp.reduce_scatter"] == -b["tp.reduce_scatter"]
+    assert changes["optimizer"] == pytest.approx(-b["optimizer"] * (1 - 1 / cost.plan.dp_size))
+    assert "dp_shard.all_gather" not in changes  # a group the source does not overlap
+
+
+def test_eager_rows_are_listed_but_left_out_of_the_summary():
+    result = get_benchmark("published").run_local({"tables": "torchtitan"})
+    eager = [r for r in result["rows"] if not r["compiled"]]
+    assert len(eager) == 2 and result["tables"]["torchtitan"]["rows"] == 4

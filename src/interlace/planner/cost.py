@@ -41,7 +41,8 @@ embedding and head only by z.
 
 Not modelled yet: gradient compression (priced as dense), routing that differs between
 devices or drifts between iterations (the skew is one fixed popularity), kernel efficiency
-falling with narrow matmuls (tensor parallelism's widths: only rows are modelled), and
+falling with narrow matmuls (tensor parallelism's widths: only rows, and on presets that
+measured it the model's width, are modelled), and
 contention between groups sharing a link.
 """
 

@@ -4,7 +4,8 @@ FLOPs per token of each layer, the embeddings and the head come from the stage's
 (`planner.profile`): forward F, backward 2F, a checkpointed layer's recomputed forward +F.
 Selective recomputation replays elementwise work only: priced as writing and reading once the
 tensors it recomputes at the hardware's memory bandwidth.
-Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows)`), at the rows each matmul sees:
+Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows, dtype, d_model)`), at the model's
+width (where the hardware knows how its non-matmul work scales) and the rows each matmul sees:
 
 - the micro-batch's tokens; under 3D tensor parallelism tokens / z, and the replicated
   embedding and head are split by z only;
@@ -49,7 +50,8 @@ def stage_work(
     (see the module docstring); experts at their balanced share of the tokens."""
     tp = plan.tp_size
     batch_split = plan.tp3d[2] if plan.tp3d is not None else 1  # 3D: z splits the tokens
-    rate = hardware.matmul_flops(dtype, tokens / batch_split)
+    width = config.d_model  # the model's width: how much non-matmul work each token carries
+    rate = hardware.matmul_flops(dtype, tokens / batch_split, width)
     compute = 3 * stage.flops * tokens / tp / rate
     recompute = stage.recompute_flops * tokens / tp / rate
     if plan.tp3d is not None:  # the embedding and head are replicated: only z splits them
@@ -57,13 +59,13 @@ def stage_work(
         compute = 3 * (stage.layer_flops / tp + ends / batch_split) * tokens / rate
     subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
     if subbatches > 1:  # each layer runs on tokens / s rows at a time
-        sub_rate = hardware.matmul_flops(dtype, tokens / subbatches)
+        sub_rate = hardware.matmul_flops(dtype, tokens / subbatches, width)
         compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)
         recompute += _slower(stage.recompute_flops * tokens / tp, sub_rate, rate)
     expert_rate = rate
     if stage.n_moe:  # an expert computes its share of the ep group's tokens
         expert_rate = hardware.matmul_flops(
-            dtype, tokens * config.top_k * plan.ep / config.n_experts
+            dtype, tokens * config.top_k * plan.ep / config.n_experts, width
         )
         expert = tokens * config.top_k * 4 * config.d_model * config.ffn_dim / tp  # per layer
         compute += _slower(3 * stage.n_moe * expert, expert_rate, rate)

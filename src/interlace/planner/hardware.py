@@ -22,6 +22,12 @@ the large-matmul efficiency (efficiency_by_dtype's value in place of matmul_effi
 dtypes it names). `matmul_half_rows` = 0 (every preset's value: datasheets publish no
 such figure) gives the constant matmul_efficiency at every m; `bench planner` fits it on this
 machine from the model's own step at several row counts (`calibrate.fit_half_rows`).
+
+**Efficiency by width.** A step's non-matmul work (norms, activations, residual adds, the
+loss) grows per token as the model's width d, its matmuls as d², so at a tensor core's matmul
+speed a narrow model spends a larger share of its step outside the matmuls. For the dtypes in
+`width_half_by_dtype` the efficiency is multiplied by d / (d + w), w the width at which both
+take as long (dgx-h100's bf16 and fp16, fitted on two measured steps: see its entry).
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class Hardware:
         (`efficiency`); 0: matmul_efficiency at every size.
     efficiency_by_dtype: matmul_efficiency of the dtypes named here, where a step in that
         dtype was measured to reach another fraction of its peak (each in (0, 1]).
+    width_half_by_dtype: for the dtypes named here, the model width d (d_model) at which a
+        step's non-matmul work takes as long as its matmuls (`efficiency`); 0 or absent: no
+        dependence on the width.
     """
 
     name: str
@@ -74,8 +83,15 @@ class Hardware:
     idle_speedup: float = 1.0
     matmul_half_rows: float = 0.0
     efficiency_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
+    width_half_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
+        for dtype, half in self.width_half_by_dtype.items():
+            if not 0 <= half < math.inf:
+                raise ConfigError(
+                    f"{self.name}: width_half_by_dtype[{dtype}]={half} must be a finite "
+                    "number >= 0 (model width at which non-matmul work equals the matmuls')"
+                )
         if not 0 <= self.matmul_half_rows < math.inf:
             raise ConfigError(
                 f"{self.name}: matmul_half_rows={self.matmul_half_rows} must be a finite number "
@@ -125,19 +141,28 @@ class Hardware:
             )
         return self.peak_flops[dtype]
 
-    def efficiency(self, rows: float | None = None, dtype: str | None = None) -> float:
-        """Fraction of peak a matmul on `rows` rows (tokens) in `dtype` reaches: E · rows /
-        (rows + matmul_half_rows), E = efficiency_by_dtype[dtype] where given, else
-        matmul_efficiency; E itself for `rows` None (a large matmul) or matmul_half_rows 0."""
+    def efficiency(
+        self, rows: float | None = None, dtype: str | None = None, width: float | None = None
+    ) -> float:
+        """Fraction of peak the matmuls of a step on `rows` rows (tokens) of a model `width`
+        wide (d_model) reach in `dtype`: E · rows / (rows + matmul_half_rows) · width /
+        (width + width_half), E = efficiency_by_dtype[dtype] where given, else
+        matmul_efficiency, width_half = width_half_by_dtype[dtype] (0 without); each factor
+        1 where its size is None (a large matmul, a wide model) or its half is 0."""
         large = self.efficiency_by_dtype.get(dtype, self.matmul_efficiency)
-        if rows is None or not self.matmul_half_rows:
-            return large
-        return large * rows / (rows + self.matmul_half_rows)
+        if rows is not None and self.matmul_half_rows:
+            large *= rows / (rows + self.matmul_half_rows)
+        half = self.width_half_by_dtype.get(dtype, 0.0)
+        if width is not None and half:
+            large *= width / (width + half)
+        return large
 
-    def matmul_flops(self, dtype: str, rows: float | None = None) -> float:
-        """FLOP/s a device sustains on matmuls of `rows` rows (tokens; None: large matmuls):
-        peak(dtype) · efficiency(rows, dtype)."""
-        return self.peak(dtype) * self.efficiency(rows, dtype)
+    def matmul_flops(
+        self, dtype: str, rows: float | None = None, width: float | None = None
+    ) -> float:
+        """FLOP/s a device sustains on the matmuls of a step on `rows` rows (tokens; None:
+        large matmuls) of a model `width` wide (None: wide): peak(dtype) · efficiency."""
+        return self.peak(dtype) * self.efficiency(rows, dtype, width)
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(α seconds per message, bandwidth bytes/s) of the intra- or inter-node link."""
@@ -179,9 +204,12 @@ PRESETS: dict[str, Hardware] = {
     ),
     # 8 × H100-SXM5-80GB, NVLink 4 (900 GB/s both directions), 8 × 400 Gb/s InfiniBand.
     # Efficiency measured on one H100 80GB (torch 2.11, T = 1024, vocabulary 4096, one device):
-    # bf16 autocast + torch.compile reaches 34.8 % of the bf16 peak for gpt2-124m (batch 16)
-    # and 40.6 % for gpt2-1.5b (batch 8); 0.39 prices them at 37.8 % and 36.5 % (+9 %, −10 %:
-    # non-matmul work weighs more on the narrower model). fp32 reaches 68 % of the fp32 peak
+    # bf16 autocast + torch.compile reaches 34.8 % of the bf16 peak for gpt2-124m (d 768,
+    # batch 16) and 40.6 % for gpt2-1.5b (d 1600, batch 8): non-matmul work (norms,
+    # activations, residuals; per token ∝ d against the matmuls' ∝ d²) weighs more on the
+    # narrower model. E · d / (d + w) through both points gives E = 0.48, w = 291; Megatron-LM's
+    # published H100 runs (41–49 % MFU at d 2048–20480, `bench published`) sit on the same
+    # curve. fp32 reaches 68 % of the fp32 peak
     # (4.6 % of bf16's), which 0.7 prices. tf32 is not measured. The optimizer step streams at
     # 2240 GB/s, not HBM3's 3350: on that H100 (torch profiler, moe-gpt-12l, 1.71 B parameters)
     # the fused AdamW took 21.9 ms and the gradient norm 2.6 ms, 32 bytes a parameter in 24.5 ms.
@@ -190,7 +218,8 @@ PRESETS: dict[str, Hardware] = {
         name="dgx-h100",
         peak_flops={"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
         matmul_efficiency=0.7,
-        efficiency_by_dtype={"bf16": 0.39, "fp16": 0.39},
+        efficiency_by_dtype={"bf16": 0.48, "fp16": 0.48},
+        width_half_by_dtype={"bf16": 291.0, "fp16": 291.0},
         memory_bytes=80 * GIB,
         devices_per_node=8,
         intra_node_bandwidth=450 * GB,

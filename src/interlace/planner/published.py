@@ -10,7 +10,17 @@ repository, and a note on where each field comes from and what the source leaves
   `PLAN_FIELDS`; the hardware preset (`planner.hardware`);
 - the published figure: `tokens_per_gpu_s`, or `tflops_per_gpu` with `flops` naming how the
   source counts FLOPs ("megatron": `megatron_flops_per_token`);
-- where it comes from: url, commit, section.
+- where it comes from: url, commit, section;
+- how the run differs from what interlace's runtime would run under that layout, where the
+  source says (`as_ran`, each term's change to the estimate): `recomputed_matmuls`, the share
+  of the forward's matmuls its backward runs again (torchtitan's op-level selective
+  checkpointing: 0.5; interlace's `selective` replays none), that share of the forward's
+  compute on top; `overlapped`, the groups whose collectives the run hides under compute
+  (Megatron-LM's --tp-comm-overlap: "tp"; --overlap-grad-reduce, with pp > 1 too: "dp"),
+  their exposed terms removed; `sharded_optimizer`, each data-parallel rank stepping 1/dp of
+  the parameters (Megatron-LM's distributed optimizer), the optimizer term divided by dp;
+  `compiled` (default true), false for a row run eagerly, which the summaries leave out (the
+  GPU presets price compiled steps).
 
 A row is priced by `cost.estimate` as `shape(row)` under its stated layout. Fields the source
 leaves unstated are the cost model's fastest choice: no recomputation, and with pp > 1 the
@@ -162,6 +172,22 @@ def price(row: dict[str, Any]) -> PlanCost:
     return min(costs, key=lambda c: c.step_seconds)
 
 
+def as_ran(row: dict[str, Any], cost: PlanCost) -> dict[str, float]:
+    """Seconds to add to `cost` (the estimate of interlace's runtime under `row`'s layout) per
+    way the source's run differs from it (module docstring; negative: the run saves them)."""
+    breakdown = cost.breakdown
+    changes = {}
+    if row.get("recomputed_matmuls"):
+        changes["recomputed_matmuls"] = row["recomputed_matmuls"] * breakdown["compute"] / 3
+    overlapped = set(row.get("overlapped", ()))
+    for name, seconds in breakdown.items():
+        if name.partition(".")[0] in overlapped:
+            changes[name] = -seconds
+    if row.get("sharded_optimizer") and "optimizer" in breakdown:
+        changes["optimizer"] = -breakdown["optimizer"] * (1 - 1 / cost.plan.dp_size)
+    return changes
+
+
 def relative_error(predicted: float, published: float) -> float:
     """predicted / published − 1 of two throughputs: > 0 when the prediction is faster."""
     return predicted / published - 1
@@ -169,9 +195,13 @@ def relative_error(predicted: float, published: float) -> float:
 
 def compare(row: dict[str, Any]) -> dict[str, Any]:
     """`row` priced: its plan, predicted and published tokens/s per GPU, the relative error
-    (`relative_error`), predicted MFU, memory (GiB per GPU) and whether it fits, and source."""
+    (`relative_error`), predicted MFU, memory (GiB per GPU) and whether it fits, whether it ran
+    compiled, the step's terms (with the matmuls a row recomputes beyond interlace's mode), and
+    its source."""
     cost = price(row)
-    predicted = row["global_batch"] * row["seq"] / cost.step_seconds / row["gpus"]
+    changes = as_ran(row, cost)
+    step = cost.step_seconds + sum(changes.values())
+    predicted = row["global_batch"] * row["seq"] / step / row["gpus"]
     published = published_tokens_per_gpu_s(row)
     return {
         "name": row["name"],
@@ -187,7 +217,13 @@ def compare(row: dict[str, Any]) -> dict[str, Any]:
         "predicted_mfu": cost.mfu,
         "memory_gib": cost.memory_bytes_per_device / GIB,
         "fits": cost.fits,
+        "compiled": row.get("compiled", True),
         "breakdown": dict(cost.breakdown),
+        "as_ran": changes,
+        "interlace_tokens_per_gpu_s": row["global_batch"]
+        * row["seq"]
+        / cost.step_seconds
+        / row["gpus"],
         "source": {k: row[k] for k in SOURCE_FIELDS},
     }
 
@@ -208,6 +244,7 @@ def summarize(errors: list[float]) -> dict[str, float]:
 __all__ = [
     "PLAN_FIELDS",
     "SOURCE_FIELDS",
+    "as_ran",
     "compare",
     "layouts",
     "load_tables",
