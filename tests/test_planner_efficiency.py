@@ -176,3 +176,21 @@ def test_a_steps_compute_is_priced_at_its_models_width():
         work = stage_work(plan, config, stage, 8192, h100, "bf16")
         assert work.rate == pytest.approx(989e12 * h100.efficiency(8192, "bf16", config.d_model))
         assert work.compute == pytest.approx(3 * stage.flops * 8192 / work.rate)
+
+
+def test_explain_gives_each_rate_with_where_it_came_from():
+    from helpers import fake_calibration
+    from interlace.planner.calibrate import hardware_from
+    from interlace.planner.search import explain
+
+    config = get_preset("gpt2-124m")
+    h100 = estimate(Plan(dp=8), config, get_hardware("dgx-h100"), 64)
+    rate = 989e12 * get_hardware("dgx-h100").efficiency(8 * 1024, "bf16", 768)
+    assert h100.rates["compute"]["flops"] == pytest.approx(rate)
+    text = explain(h100)
+    assert f"compute {rate / 1e12:.4g} TFLOP/s" in text
+    assert "measured on one H100" in text and "datasheet link rates" in text
+    local = estimate(Plan(dp=2), config, hardware_from(fake_calibration(), 2), 8, dtype="fp32")
+    assert set(local.rates) == {"compute", "links", "overlap", "memory"}
+    assert {r["source"] for r in local.rates.values()} == {"calibrated on this machine (cached)"}
+    assert "calibrated on this machine" in explain(local)

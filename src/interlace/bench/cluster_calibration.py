@@ -31,7 +31,7 @@ from interlace.planner.calibrate import (
     measure_overlap,
     memory_bytes,
 )
-from interlace.planner.hardware import Hardware, local
+from interlace.planner.hardware import RATE_KINDS, Hardware, local
 from interlace.planner.model_calibration import measure_model_efficiency
 
 
@@ -99,6 +99,7 @@ def cluster_hardware(calibration: dict[str, Any], ranks: int, matmul_flops: floa
             latency=calibration["link_latency_s"],
             memory_bandwidth=calibration["memory_bandwidth_Bps"],
             idle_speedup=calibration["idle_speedup"],
+            sources=dict.fromkeys(RATE_KINDS, "calibrated on the cluster's own ranks"),
         ),
         matmul_efficiency=calibration["matmul_efficiency"],
         matmul_half_rows=calibration["matmul_half_rows"],

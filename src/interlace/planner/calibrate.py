@@ -50,7 +50,7 @@ from interlace.mesh import default_device
 from interlace.optim import build_optimizer
 from interlace.parallel.grad_norm import GradNorm
 from interlace.planner.bytes import step_bytes_per_param
-from interlace.planner.hardware import Hardware, local
+from interlace.planner.hardware import RATE_KINDS, Hardware, local
 from interlace.precision import DTYPES
 from interlace.testing import run_ranks
 
@@ -474,6 +474,10 @@ def hardware_from(
         latency=calibration.link_latency,
         overlap_efficiency=calibration.overlap_efficiency,
         memory_bandwidth=calibration.bandwidth_for_threads(threads),
+        sources={
+            **dict.fromkeys(RATE_KINDS, "calibrated on this machine (cached)"),
+            **({"links": "given (--bandwidth); α calibrated"} if bandwidth is not None else {}),
+        },
     )
 
 

@@ -67,7 +67,8 @@ class PlanCost:
     seconds hidden under compute per term (`hidden`), throughput and memory per device, and
     the expert-parallel details (`moe`, see `step.StepTerms`); under context parallelism
     `context`: `cp`, `tokens_per_sequence` (T/cp, what a device holds of each sequence) and
-    `memory_without_cp` (bytes a device of the same layout would hold with whole sequences)."""
+    `memory_without_cp` (bytes a device of the same layout would hold with whole sequences);
+    `rates`: the figures the terms were priced with and where each came from (`priced_rates`)."""
 
     plan: Plan
     hardware: str
@@ -84,6 +85,7 @@ class PlanCost:
     memory_limit_bytes: float = 0.0
     moe: dict[str, float] = field(default_factory=dict)
     context: dict[str, float] = field(default_factory=dict)
+    rates: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -108,6 +110,7 @@ class PlanCost:
             "memory": dict(self.memory),
             "moe": dict(self.moe),
             "context": dict(self.context),
+            "rates": {kind: dict(rate) for kind, rate in self.rates.items()},
         }
 
 
@@ -155,7 +158,32 @@ def estimate(
         memory_limit_bytes=hardware.memory_bytes,
         moe=dict(terms.moe),
         context=_context_summary(terms, dtype, optimizer_state),
+        rates=priced_rates(hardware, dtype, terms),
     )
+
+
+def priced_rates(hardware: Hardware, dtype: str, terms: StepTerms) -> dict[str, dict[str, Any]]:
+    """Per kind of figure (`hardware.RATE_KINDS`), the values `terms` were priced with and
+    their `source`: compute (FLOP/s of the slowest stage's matmuls, its share of the `dtype`
+    peak), links (α seconds and bytes/s inside and between nodes), overlap (the share of a
+    hideable collective that hides), memory (bytes/s of the optimizer step)."""
+    intra, inter = hardware.link(True), hardware.link(False)
+    values: dict[str, dict[str, Any]] = {
+        "compute": {
+            "flops": terms.compute_rate,
+            "of_peak": terms.compute_rate / hardware.peak(dtype),
+            "dtype": dtype,
+        },
+        "links": {
+            "intra_latency": intra[0],
+            "intra_bandwidth": intra[1],
+            "inter_latency": inter[0],
+            "inter_bandwidth": inter[1],
+        },
+        "overlap": {"efficiency": hardware.overlap_efficiency},
+        "memory": {"bandwidth": hardware.memory_bandwidth},
+    }
+    return {kind: {**value, "source": hardware.source(kind)} for kind, value in values.items()}
 
 
 def plan_memory(

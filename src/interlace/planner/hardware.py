@@ -67,6 +67,8 @@ class Hardware:
     width_half_by_dtype: for the dtypes named here, the model width d (d_model) at which a
         step's non-matmul work takes as long as its matmuls (`efficiency`); 0 or absent: no
         dependence on the width.
+    sources: where each kind of figure comes from, by kind (`RATE_KINDS`: "compute",
+        "links", "overlap", "memory"), for `--explain`; `source(kind)` defaults to "assumed".
     """
 
     name: str
@@ -84,6 +86,7 @@ class Hardware:
     matmul_half_rows: float = 0.0
     efficiency_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
     width_half_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
+    sources: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for dtype, half in self.width_half_by_dtype.items():
@@ -132,6 +135,12 @@ class Hardware:
         if not self.peak_flops:
             raise ConfigError(f"{self.name}: peak_flops needs at least one dtype, e.g. bf16")
 
+    def source(self, kind: str) -> str:
+        """Where this hardware's `kind` figures (one of `RATE_KINDS`) come from."""
+        if kind not in RATE_KINDS:
+            raise ValueError(f"unknown kind of rate {kind!r}; one of {', '.join(RATE_KINDS)}")
+        return self.sources.get(kind, "assumed")
+
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s of one device in `dtype`; ConfigError naming the known dtypes."""
         if dtype not in self.peak_flops:
@@ -171,6 +180,18 @@ class Hardware:
         return self.inter_node_latency, self.inter_node_bandwidth
 
 
+RATE_KINDS = ("compute", "links", "overlap", "memory")
+"""The kinds of figure a Hardware prices with, each with its `source`."""
+
+DATASHEET = {
+    "compute": "datasheet peak × an assumed matmul efficiency, not measured",
+    "links": "datasheet link rates",
+    "overlap": "assumed: collectives hide fully under compute",
+    "memory": "datasheet memory bandwidth",
+}
+"""The sources of a preset's figures where nothing was measured."""
+
+
 def _a100_peaks() -> dict[str, float]:
     return {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
 
@@ -188,6 +209,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bandwidth=25 * GB,
         inter_node_latency=10e-6,
         memory_bandwidth=2039 * GB,
+        sources=DATASHEET,
     ),
     # 4 × A100-SXM4-40GB per node, NVLink 3, 4 × 25 GB/s Slingshot-11 NICs per node.
     "perlmutter": Hardware(
@@ -201,6 +223,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bandwidth=25 * GB,
         inter_node_latency=10e-6,
         memory_bandwidth=1555 * GB,
+        sources=DATASHEET,
     ),
     # 8 × H100-SXM5-80GB, NVLink 4 (900 GB/s both directions), 8 × 400 Gb/s InfiniBand.
     # Efficiency measured on one H100 80GB (torch 2.11, T = 1024, vocabulary 4096, one device):
@@ -227,6 +250,12 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bandwidth=50 * GB,
         inter_node_latency=8e-6,
         memory_bandwidth=2240 * GB,
+        sources={
+            **DATASHEET,
+            "compute": "datasheet peak × efficiency measured on one H100 (bf16: two compiled "
+            "steps, by model width)",
+            "memory": "measured on one H100 (the optimizer step, torch profiler)",
+        },
     ),
     # Frontier node: 4 × MI250X = 8 GCDs (each one device, 64 GB HBM), Infinity Fabric between
     # GCDs (50 GB/s per direction on a single link), 4 × 25 GB/s Slingshot-11 per node.
@@ -241,6 +270,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bandwidth=12.5 * GB,
         inter_node_latency=12e-6,
         memory_bandwidth=1600 * GB,
+        sources=DATASHEET,
     ),
     # 8 × RTX 3090 (24 GB) on PCIe 4.0 per node (no NVLink), one 100 Gb/s InfiniBand NIC.
     "rtx3090-ib": Hardware(
@@ -254,6 +284,7 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bandwidth=12.5 * GB / 8,
         inter_node_latency=15e-6,
         memory_bandwidth=936 * GB,
+        sources=DATASHEET,
     ),
 }
 
@@ -271,13 +302,15 @@ def local(
     overlap_efficiency: float = 1.0,
     memory_bandwidth: float = math.inf,
     idle_speedup: float = 1.0,
+    sources: dict[str, str] | None = None,
 ) -> Hardware:
     """A Hardware from measurements: `matmul_flops` sustained FLOP/s of a large matmul in
     `dtype`, or one such rate per dtype name (so matmul_efficiency is 1); `link_bandwidth`
     bytes/s per direction between two devices of a node; `inter_node_bandwidth` defaults to
     the same link, `latency` is α of both links; `overlap_efficiency`, `memory_bandwidth` and
     `idle_speedup` as measured (`calibrate.measure_overlap`,
-    `calibrate.measure_optimizer_bandwidth`)."""
+    `calibrate.measure_optimizer_bandwidth`); `sources` says where each kind came from
+    (default: every kind "measured")."""
     return Hardware(
         name=name,
         peak_flops=(
@@ -297,6 +330,7 @@ def local(
         overlap_efficiency=overlap_efficiency,
         memory_bandwidth=memory_bandwidth,
         idle_speedup=idle_speedup,
+        sources=sources or dict.fromkeys(RATE_KINDS, "measured"),
     )
 
 

@@ -159,4 +159,5 @@ def with_model_efficiency(hardware: Hardware, dtype: str, achieved_flops: float)
         hardware,
         efficiency_by_dtype={**hardware.efficiency_by_dtype, dtype: efficiency},
         matmul_half_rows=0.0,
+        sources={**hardware.sources, "compute": "the model's own step measured on this device"},
     )

@@ -25,6 +25,7 @@ composes it.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -271,6 +272,7 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
     for name, seconds in sorted(cost.hidden.items()):
         if seconds > 0:
             lines.append(f"{name}: {seconds:.3g} s hidden under computation.")
+    lines.append(explain_rates(cost))
     mem = cost.memory
     lines.append(
         f"Memory {cost.memory_bytes_per_device / GIB:.1f} of {cost.memory_limit_bytes / GIB:.0f}"
@@ -279,6 +281,21 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
         f"({mem.get('micro_batches_in_flight', 1):g} micro-batches in flight)."
     )
     return "\n".join(lines)
+
+
+def explain_rates(cost: PlanCost) -> str:
+    """One line on the figures `cost` was priced with, each with where it came from."""
+    r = cost.rates
+    compute, links, memory = r["compute"], r["links"], r["memory"]["bandwidth"]
+    optimizer = "not priced" if math.isinf(memory) else f"{memory / 1e9:.4g} GB/s"
+    return (
+        f"Rates: compute {compute['flops'] / 1e12:.4g} TFLOP/s ({compute['of_peak']:.1%} of the "
+        f"{compute['dtype']} peak; {compute['source']}); links {links['intra_bandwidth'] / 1e9:.4g}"
+        f" GB/s, {links['intra_latency'] * 1e6:.3g} µs in a node and "
+        f"{links['inter_bandwidth'] / 1e9:.4g} GB/s, {links['inter_latency'] * 1e6:.3g} µs "
+        f"between nodes ({links['source']}); overlap {r['overlap']['efficiency']:.0%} "
+        f"({r['overlap']['source']}); optimizer memory {optimizer} ({r['memory']['source']})."
+    )
 
 
 def explain_moe(cost: PlanCost) -> str:

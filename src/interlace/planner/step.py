@@ -54,7 +54,7 @@ class StepTerms:
     data-parallel collectives per term, exposed and hidden (`cost_data`: `dp.all_reduce`, or
     `dp_cp.all_reduce` under context parallelism, `ep_dp.all_reduce`, FSDP's `dp_shard.*` and
     `dp_replicate.all_reduce`); `optimizer` the optimizer step (with gradient clipping) of the
-    device's parameters.
+    device's parameters; `compute_rate` the FLOP/s the slowest stage's matmuls were priced at.
     """
 
     plan: Plan
@@ -76,6 +76,7 @@ class StepTerms:
     profile: ModelProfile
     stages: tuple[Stage, ...]
     moe: dict[str, float] = field(default_factory=dict)
+    compute_rate: float = 0.0
 
     @property
     def stage_micro_batch(self) -> float:
@@ -159,6 +160,7 @@ def step_terms(
         profile=profile,
         stages=stages,
         moe=expert.summary,
+        compute_rate=work.rate,
     )
 
 
