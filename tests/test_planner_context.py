@@ -170,7 +170,9 @@ def test_search_proposes_only_runnable_context_parallel_plans():
     for plan in splits:
         plan.validate(8, TINY)
     with pytest.raises(PlanError, match="not implemented yet"):
-        check_plan(Plan(pp=2, cp=2), 4, TINY)  # priced only as the runtime composes cp
+        check_plan(Plan(tp3d=(2, 1, 1), cp=2), 4, TINY)  # priced only as the runtime composes cp
+    pipelined = Plan(pp=2, cp=2, micro_batches=2)
+    check_plan(pipelined, 4, TINY)  # cp inside pipeline stages runs
 
 
 def test_a_sequence_too_long_for_one_device_gets_cp_for_memory():

@@ -168,7 +168,8 @@ class Parallelized:
         if self.scaler is not None:
             loss_scale = self.scaler.scale(torch.tensor(loss_scale, device=x.device))
         if self.pipeline is not None:
-            return self.pipeline.step(x, y, loss_scale=loss_scale, sync=sync).detach()
+            step = self.pipeline.step(self.rows(x), self.rows(y), loss_scale=loss_scale, sync=sync)
+            return step.detach()
         if not self.module.training:  # after `evaluate` (walking every module costs each step)
             self.module.train()
         deferred = self.data.no_sync() if self.data is not None and not sync else None
@@ -182,7 +183,7 @@ class Parallelized:
         """Mean loss of x [B, T] against y [B, T], forward only (B a multiple of
         `plan.batch_rows_unit`)."""
         if self.pipeline is not None:
-            return self.pipeline.evaluate(x, y)
+            return self.pipeline.evaluate(self.rows(x), self.rows(y))
         self.model.eval()
         return self.loss(self.model(self.rows(x)), self.rows(y))
 

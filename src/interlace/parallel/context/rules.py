@@ -28,7 +28,6 @@ def pending_with(plan: Any, tp3d: str) -> list[tuple[bool, str, str]]:
         return []
     cp = f"cp={plan.cp}"
     return [
-        (plan.pipelined, f"{cp} with pp={plan.pp}", "pp=1 or cp=1"),
         (bool(tp3d), f"{cp} with {tp3d}", "1D tensor parallelism (tp=N)"),
         (
             plan.expert_parallel,

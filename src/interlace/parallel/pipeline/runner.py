@@ -329,11 +329,15 @@ def check_pipelined(model: nn.Module, plan: Plan) -> DecoderParts | None:
     """PlanError if the runner cannot run `model` (the whole model, before any split; the
     meta device will do) under `plan`; a HF decoder's parts (None for the built-in GPT)."""
     if not isinstance(model, GPT):
-        if plan.tensor_parallel:
-            raise PlanError(
-                f"pipeline × tensor parallelism runs the built-in GPT only; got "
-                f"{type(model).__name__} with tp={plan.tp}: use tp=1 for Hugging Face models"
-            )
+        for active, what, fix in (
+            (plan.tensor_parallel, f"tensor parallelism (tp={plan.tp})", "tp=1"),
+            (plan.context_parallel, f"context parallelism (cp={plan.cp})", "cp=1"),
+        ):
+            if active:
+                raise PlanError(
+                    f"pipeline × {what} runs the built-in GPT only; got {type(model).__name__}: "
+                    f"use {fix} for Hugging Face models"
+                )
         return DecoderParts.read(model)
     return None
 

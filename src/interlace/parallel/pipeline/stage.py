@@ -1,6 +1,7 @@
 """Pipeline stage modules of the built-in GPT, and the tied embedding shared by the two ends.
 
-    first stage:  idx [b, T] → wte(idx) + wpe(0..T−1) → drop → its blocks → h [b, T, d]
+    first stage:  idx [b, T] → wte(idx) + wpe(positions) → drop → its blocks → h [b, T, d]
+                  (positions 0..T−1, or the global positions of a context-parallel rank's share)
     middle stage: h [b, T, d] → its blocks → h [b, T, d]
     last stage:   h [b, T, d] → its blocks → ln_f → lm_head → logits [b, T, V]
 
@@ -74,6 +75,7 @@ class GPTStage(nn.Module):
         self.width = model.config.d_model  # of the activations between stages
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+            self.positions = model.positions  # a rank's share's under context parallelism
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if last:
             self.ln_f = model.ln_f
@@ -110,7 +112,7 @@ class GPTStage(nn.Module):
         return lambda x: self.aux.carry(block(x), block.mlp)
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = self.positions(idx.shape[1], idx.device)
         return self.drop(self.wte(idx) + self.wpe(positions))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
