@@ -124,3 +124,14 @@ def test_recomputed_moe_blocks_compile_whole_and_follow_the_eager_run():
     )
     assert compiled["frames"] > 0 and compiled["breaks"] == []
     _assert_same(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_text", ["cp=2", "cp=2,cp_mode=alltoall"])
+def test_compiled_blocks_run_context_parallel_attention_eagerly_between_their_graphs(plan_text):
+    eager = run_ranks(2, _run, "off", plan_text)
+    for compiled, reference in zip(run_ranks(2, _run, "on", plan_text), eager, strict=True):
+        assert compiled["frames"] > 0
+        assert compiled["breaks"] and all("context_attend" in r for r in compiled["breaks"])
+        assert any("context-parallel attention" in line for line in compiled["report"])
+        _assert_same(compiled, reference)

@@ -40,8 +40,6 @@ def uncompilable(plan: Plan) -> str | None:
         return f"tp_subbatches={plan.overlap.tp_subbatches} (threads hand over inside a block)"
     if plan.tensor3d_parallel:
         return "tp3d (the weight prefetcher records gathers at run time)"
-    if plan.context_parallel:
-        return f"cp={plan.cp} (ring attention's transfers run inside each block's attention)"
     if plan.tensor_parallel and plan.recompute != "none" and not plan.pipelined:
         return (
             f"tp={plan.tp} and recompute={plan.recompute} (the replay of tensor-parallel "
@@ -75,6 +73,11 @@ def compile_blocks(model: nn.Module, layers: str, plan: Plan) -> list[str]:
     for block in blocks:
         block.compile()
     lines = [f"{layers}: {len(blocks)} blocks compiled (torch.compile, one per block)"]
+    if plan.context_parallel:
+        lines.append(
+            f"{layers}: context-parallel attention (cp_mode={plan.cp_mode}) runs eagerly "
+            "inside the compiled blocks (a graph break each)"
+        )
     if plan.expert_parallel:
         lines.append(
             f"{layers}: expert-parallel layers run eagerly inside their compiled blocks "

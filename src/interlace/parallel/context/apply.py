@@ -28,6 +28,7 @@ ATTENTIONS = {"ring": ring_attention, "alltoall": alltoall_attention}
 """Context-parallel attention by `cp_mode`: (q, k, v, group) → this rank's output."""
 
 
+@torch.compiler.disable  # a compiled block runs its other ops compiled around it
 def context_attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -37,7 +38,8 @@ def context_attend(
     mode: str,
 ) -> torch.Tensor:
     """The `attend` seam as `mode`'s attention over `group`: q [B, H, T/cp, hd], k, v
-    [B, Hk, T/cp, hd] (this rank's zig-zag share) → [B, H, T/cp, hd]."""
+    [B, Hk, T/cp, hd] (this rank's zig-zag share) → [B, H, T/cp, hd]. Never traced by
+    torch.compile: the ring's transfers and its chunk schedule run on the host."""
     if dropout_p:
         raise PlanError(f"cp_mode={mode} has no attention dropout (dropout_p={dropout_p})")
     return ATTENTIONS[mode](q, k, v, group)
