@@ -29,7 +29,18 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             f"ep={plan.ep} combined with tp={plan.tp} and dp_shard={plan.dp_shard}",
             "dp_shard=1 (dp=N), ep=1 or tp=1",
         ),
-        (bool(tp3d) and plan.pipelined, f"{tp3d} with pp={plan.pp}", "pp=1"),
+        (
+            bool(tp3d) and plan.pipelined and plan.tp3d[2] > 1,
+            f"{tp3d} (z > 1) with pp={plan.pp} (the last stage's copy of a tied embedding "
+            "would miss z's gradient reduction)",
+            "a grid with z = 1 (tp3d=XxYx1), or pp=1",
+        ),
+        (
+            bool(tp3d) and plan.pipelined and plan.schedule == "shifted",
+            f"{tp3d} with schedule=shifted (its executor sizes the stage boundary at d; "
+            "tp3d's residual stream between layers is d/x)",
+            "schedule=1f1b, gpipe or interleaved",
+        ),
         (
             plan.sharded_data_parallel and plan.pipelined and plan.schedule == "shifted",
             f"dp_shard={plan.dp_shard} with schedule=shifted (its executor runs a stage's "

@@ -105,8 +105,8 @@ class PipelineRunner:
         self.pp = mesh.group("pp")
         self.device = mesh.device
         self.seq_len = model.config.seq_len if self.hf is None else self.hf.seq_len
-        # the partitioner reads layer shapes; under tp or ep those of the unsplit model
-        split = plan.tensor_parallel or plan.expert_parallel
+        # the partitioner reads layer shapes; under tp (1D or 3D) or ep those of the unsplit model
+        split = plan.tp_size > 1 or plan.expert_parallel
         shapes = build_model(model.config, device="meta") if split and self.hf is None else model
         self.layout = pipeline_layout(
             shapes,

@@ -1,0 +1,45 @@
+"""3D tensor parallelism inside pipeline stages (z = 1): the Trainer's losses, gradient norms
+and every gradient over four steps equal one process's; the combinations still refused name
+their fix."""
+
+import pytest
+
+from interlace.errors import PlanError
+from interlace.plan import Plan
+from interlace.testing import run_ranks
+from test_context_parallel import _steps
+
+
+@pytest.fixture(scope="module")
+def serial() -> dict:
+    return _steps("dp=1", 1)
+
+
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "pp=2,tp3d=2x1x1,micro_batches=2",
+        pytest.param("pp=2,tp3d=1x2x1,micro_batches=4,schedule=gpipe", marks=pytest.mark.slow),
+    ],
+)
+def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
+    # the last stage's copy of the tied embedding holds the embedding's gradient
+    expected = {**serial["grads"], "lm_head.weight": serial["grads"]["wte.weight"]}
+    for rank, result in enumerate(run_ranks(4, _steps, plan_text, 4)):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        assert result["comm"]["pp"] > 0
+        assert {name for name in result["grads"]} <= set(expected)
+
+
+@pytest.mark.parametrize(
+    ("plan_text", "needle"),
+    [
+        ("pp=2,tp3d=1x1x2,micro_batches=2", "use a grid with z = 1"),
+        ("pp=2,tp3d=2x1x1,micro_batches=2,schedule=shifted", "its executor sizes the stage"),
+    ],
+)
+def test_3d_stages_not_built_yet_are_refused_with_the_fix(plan_text, needle):
+    plan = Plan.parse(plan_text)
+    with pytest.raises(PlanError, match=needle):
+        plan.validate(plan.world_size)
