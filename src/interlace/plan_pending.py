@@ -48,9 +48,10 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "schedule=1f1b, gpipe or interleaved",
         ),
         (
-            plan.sharded_data_parallel and bool(tp3d),
-            f"dp_shard={plan.dp_shard} with {tp3d}",
-            "dp_shard=1, or 1D tensor parallelism (tp=N)",
+            bool(tp3d) and plan.sharded_data_parallel and plan.tp3d[2] > 1,
+            f"dp_shard={plan.dp_shard} with {tp3d} (z > 1: z's gradient reduction and weight "
+            "prefetch act on the plain tensors FSDP2 replaces)",
+            "a grid with z = 1 (tp3d=XxYx1), or dp_shard=1",
         ),
         (
             bool(tp3d) and plan.tp3d[2] > 1 and plan.recompute == "selective",

@@ -1,6 +1,6 @@
-"""3D tensor parallelism inside pipeline stages (z = 1): the Trainer's losses, gradient norms
-and every gradient over four steps equal one process's; the combinations still refused name
-their fix."""
+"""3D tensor parallelism inside pipeline stages and under sharded data parallelism (z = 1): the
+Trainer's losses and gradient norms over four steps equal one process's; the combinations still
+refused name their fix."""
 
 import pytest
 
@@ -33,10 +33,25 @@ def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
 
 
 @pytest.mark.parametrize(
+    "plan_text",
+    ["dp_shard=2,tp3d=2x1x1", pytest.param("dp_shard=2,tp3d=1x2x1", marks=pytest.mark.slow)],
+)
+def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text):
+    for rank, result in enumerate(run_ranks(4, _steps, plan_text, 4)):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        axis = "tp_x" if plan_text.endswith("2x1x1") else "tp_y"
+        assert result["comm"][axis] > 0
+        assert any("sharded over dp_shard=2" in line for line in result["report"])
+        assert result["grads"].keys() == serial["grads"].keys()
+
+
+@pytest.mark.parametrize(
     ("plan_text", "needle"),
     [
         ("pp=2,tp3d=1x1x2,micro_batches=2", "use a grid with z = 1"),
         ("pp=2,tp3d=2x1x1,micro_batches=2,schedule=shifted", "its executor sizes the stage"),
+        ("dp_shard=2,tp3d=1x1x2", "dp_shard=2 with tp3d=1x1x2 .z > 1"),
     ],
 )
 def test_3d_stages_not_built_yet_are_refused_with_the_fix(plan_text, needle):
