@@ -123,6 +123,7 @@ CASES = [
     ("pp=4,micro_batches=4,schedule=interleaved,recompute=full", 8, None),
     ("pp=2,micro_batches=4,schedule=shifted", 4, None),
     ("pp=2,micro_batches=4,schedule=shifted,recompute=full", 4, None),
+    ("pp=2,micro_batches=4,schedule=shifted,recompute=selective", 4, None),
     ("pp=4,micro_batches=4,schedule=shifted,recompute=full", 4, None),
     ("pp=4,micro_batches=8,schedule=shifted,recompute=stage-aware", 8, None),
     ("pp=4,micro_batches=4,schedule=shifted", 8, (0.5, 0.5, 1.0, 0.0)),
@@ -150,7 +151,7 @@ def test_pipeline_loss_and_every_gradient_equal_serial(plan_text, n_layers, rati
         for rank in results[:-1]:
             trace = rank["trace"]
             for i in range(plan.micro_batches):
-                if rank["checkpointed"]:
+                if rank["checkpointed"] and plan.recompute != "selective":
                     assert trace.index(("R", i)) < trace.index(("recv_grad", i))
                 assert trace.index(("recv_grad", i)) < trace.index(("B", i))
     n_ckpt = sum(len(r["checkpointed"]) for r in results)

@@ -59,12 +59,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "recompute=full",
         ),
         (
-            plan.pipelined and plan.recompute == "selective" and plan.schedule == "shifted",
-            "recompute=selective with schedule=shifted (its executor replays a stage's "
-            "checkpointed blocks whole, outside torch's checkpoint)",
-            "recompute=full or stage-aware, or schedule=1f1b, gpipe or interleaved",
-        ),
-        (
             bool(tp3d) and plan.overlap.tp_subbatches > 1,
             f"{tp3d} with tp_subbatches={plan.overlap.tp_subbatches}",
             "tp_subbatches=1",

@@ -164,7 +164,7 @@ def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
         for schedule in SEARCH_SCHEDULES:
             for recompute in SEARCH_RECOMPUTE:
                 if schedule == "shifted" and recompute != "full":
-                    continue  # without recomputation it is 1F1B; selective is refused
+                    continue  # without full's early replay its order is 1F1B's
                 yield {"micro_batches": m, "schedule": schedule, "recompute": recompute}
 
 

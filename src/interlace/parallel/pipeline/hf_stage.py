@@ -198,11 +198,15 @@ class HFStage(nn.Module):
         last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
         with deferral_scope():
             for piece, recomputed in self.pieces():
-                if recomputed:  # no tensor parallelism here: no reduction to replay
-                    x = checkpointed(piece, self.recompute_mode, x, replay_reductions=False)
-                else:
-                    x = piece(x)
+                x = self.run_piece(piece, recomputed, x)
         return x
+
+    def run_piece(self, piece: Piece, recomputed: bool, x: torch.Tensor) -> torch.Tensor:
+        """`piece(x)`, under torch's checkpoint in `recompute_mode` when `recomputed` (no
+        tensor parallelism here: no reduction to replay)."""
+        if not recomputed:
+            return piece(x)
+        return checkpointed(piece, self.recompute_mode, x, replay_reductions=False)
 
     def pieces(self) -> list[tuple[Piece, bool]]:
         """The stage's computation in order, as (function, checkpointed) pairs: the embedding

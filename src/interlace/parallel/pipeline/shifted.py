@@ -74,8 +74,11 @@ class ShiftedSchedule:
     """Runs one stage (`GPTStage` or `HFStage`) per rank under the shifted critical-path order.
 
     `stage`'s checkpointed blocks (its first ones) form the recomputed prefix, with the
-    embedding on the first stage. `loss_fn(logits, targets)` returns the micro-batch's loss as
-    it should be differentiated (already divided by M). `trace` lists the last step's actions
+    embedding on the first stage; under `recompute_mode` "selective" there is none: those
+    blocks run under torch's checkpoint (`run_piece`), which keeps their matmul outputs and
+    replays the rest inside the backward, where it is cheap (elementwise work only).
+    `loss_fn(logits, targets)` returns the micro-batch's loss as it should be differentiated
+    (already divided by M). `trace` lists the last step's actions
     ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran. `on_compute`, when set,
     is called as on_compute(kind "F" | "R" | "B", micro-batch, start, end) with
     `time.perf_counter` seconds around each action's computation (receives excluded); the
@@ -100,6 +103,8 @@ class ShiftedSchedule:
         self.loss_fn, self.device = loss_fn, device
         self.wire = StageWire.of(stage, precision)
         pieces = [(self.wire.receive, False), *stage.pieces(), (self.wire.send, False)]
+        if stage.recompute_mode == "selective":  # torch's checkpoint keeps the matmul outputs
+            pieces = [(_checkpointed(stage, piece, ck), False) for piece, ck in pieces]
         # the prefix ends with the last checkpointed block; what comes before the checkpointed
         # blocks (the receive cast, the embedding on the first stage) is replayed with them
         n_prefix = max(
@@ -204,6 +209,13 @@ class ShiftedSchedule:
         tensor = tensor.contiguous()  # kept alive until the send completes
         work = dist.isend(tensor, group=self.group.pg, group_dst=peer)
         self._sends.append((work, tensor))
+
+
+def _checkpointed(
+    stage: GPTStage | HFStage, piece: Callable[[torch.Tensor], torch.Tensor], recomputed: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`piece` run as its stage runs it (`run_piece`): under torch's checkpoint if `recomputed`."""
+    return lambda x: stage.run_piece(piece, recomputed, x)
 
 
 def _run(pieces: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> torch.Tensor:

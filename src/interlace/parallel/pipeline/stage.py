@@ -87,10 +87,16 @@ class GPTStage(nn.Module):
         last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
         with deferral_scope():
             for piece, recomputed in self.pieces():
-                # the replay reuses the forward's tensor parallel reductions
-                x = checkpointed(piece, self.recompute_mode, x) if recomputed else piece(x)
+                x = self.run_piece(piece, recomputed, x)
         self.aux.record()
         return x
+
+    def run_piece(
+        self, piece: Callable[[torch.Tensor], torch.Tensor], recomputed: bool, x: torch.Tensor
+    ) -> torch.Tensor:
+        """`piece(x)`, under torch's checkpoint in `recompute_mode` when `recomputed` (its
+        replay reusing the forward's tensor parallel reductions)."""
+        return checkpointed(piece, self.recompute_mode, x) if recomputed else piece(x)
 
     def pieces(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:
         """The stage's computation in order, as (function, checkpointed) pairs: the embedding
