@@ -89,6 +89,8 @@ def serial():
         "dp=2,dp_shard=2",
         "dp_shard=2,pp=2,micro_batches=2",
         "dp_shard=2,pp=2,micro_batches=2,schedule=gpipe,recompute=full",
+        "dp_shard=2,pp=2,micro_batches=2,schedule=shifted,recompute=full",
+        pytest.param("dp_shard=2,pp=2,micro_batches=2,schedule=shifted", marks=pytest.mark.slow),
     ],
 )
 def test_sharded_data_parallel_equals_serial(serial, plan_text):
@@ -173,7 +175,6 @@ def test_bf16_sharded_plan_follows_the_serial_bf16_run(tmp_path, plan_text):
 @pytest.mark.parametrize(
     ("plan_text", "words"),
     [
-        ("dp_shard=2,pp=2,micro_batches=2,schedule=shifted", "with schedule=shifted"),
         ("dp_shard=2,grad_compression=sketch", "reduce-scatters its gradients instead"),
         ("dp=2,reshard_after_forward=false", "reshard_after_forward=false applies to sharded"),
     ],

@@ -42,12 +42,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "schedule=1f1b, gpipe or interleaved",
         ),
         (
-            plan.sharded_data_parallel and plan.pipelined and plan.schedule == "shifted",
-            f"dp_shard={plan.dp_shard} with schedule=shifted (its executor runs a stage's "
-            "pieces outside the stage's forward, where FSDP2 gathers)",
-            "schedule=1f1b, gpipe or interleaved",
-        ),
-        (
             bool(tp3d) and plan.sharded_data_parallel and plan.tp3d[2] > 1,
             f"dp_shard={plan.dp_shard} with {tp3d} (z > 1: z's gradient reduction and weight "
             "prefetch act on the plain tensors FSDP2 replaces)",

@@ -41,8 +41,7 @@ from interlace.errors import PlanError
 from interlace.parallel.detect import find_structure
 from interlace.parallel.pipeline.aux_loss import StageAuxLoss
 from interlace.parallel.pipeline.partition import seq_len_of
-from interlace.parallel.pipeline.stage import copy_head
-from interlace.parallel.tensor.interleave import deferral_scope
+from interlace.parallel.pipeline.stage import copy_head, run_span
 from interlace.recompute import checkpointed
 
 Piece = Callable[[torch.Tensor], torch.Tensor]
@@ -193,13 +192,11 @@ class HFStage(nn.Module):
         self._names = parts
         self.aux = StageAuxLoss([], 0.0)  # a HF decoder's loss here is its cross-entropy
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
-        last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
-        with deferral_scope():
-            for piece, recomputed in self.pieces():
-                x = self.run_piece(piece, recomputed, x)
-        return x
+    def forward(
+        self, x: torch.Tensor, start: int = 0, stop: int | None = None, checkpoint: bool = True
+    ) -> torch.Tensor:
+        """See the class docstring for the shapes; `stage.run_span` for the arguments."""
+        return run_span(self, x, start, stop, checkpoint)
 
     def run_piece(self, piece: Piece, recomputed: bool, x: torch.Tensor) -> torch.Tensor:
         """`piece(x)`, under torch's checkpoint in `recompute_mode` when `recomputed` (no

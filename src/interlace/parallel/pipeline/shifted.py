@@ -76,7 +76,9 @@ class ShiftedSchedule:
     `stage`'s checkpointed blocks (its first ones) form the recomputed prefix, with the
     embedding on the first stage; under `recompute_mode` "selective" there is none: those
     blocks run under torch's checkpoint (`run_piece`), which keeps their matmul outputs and
-    replays the rest inside the backward, where it is cheap (elementwise work only).
+    replays the rest inside the backward, where it is cheap (elementwise work only). Prefix
+    and suffix run as calls of the stage module (`run_span`), so its hooks run for each (FSDP2
+    gathers a sharded stage's parameters there).
     `loss_fn(logits, targets)` returns the micro-batch's loss as it should be differentiated
     (already divided by M). `trace` lists the last step's actions
     ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran. `on_compute`, when set,
@@ -102,16 +104,14 @@ class ShiftedSchedule:
         self.pp, self.micro_batches = group.size, micro_batches
         self.loss_fn, self.device = loss_fn, device
         self.wire = StageWire.of(stage, precision)
-        pieces = [(self.wire.receive, False), *stage.pieces(), (self.wire.send, False)]
-        if stage.recompute_mode == "selective":  # torch's checkpoint keeps the matmul outputs
-            pieces = [(_checkpointed(stage, piece, ck), False) for piece, ck in pieces]
         # the prefix ends with the last checkpointed block; what comes before the checkpointed
-        # blocks (the receive cast, the embedding on the first stage) is replayed with them
-        n_prefix = max(
-            (i + 1 for i, (_, checkpointed) in enumerate(pieces) if checkpointed), default=0
-        )
-        self.prefix = [piece for piece, _ in pieces[:n_prefix]]
-        self.suffix = [piece for piece, _ in pieces[n_prefix:]]
+        # blocks (the receive cast, the embedding on the first stage) is replayed with them.
+        # Under selective there is none: torch's checkpoint keeps the matmul outputs.
+        n = max((i + 1 for i, (_, ck) in enumerate(stage.pieces()) if ck), default=0)
+        n = 0 if stage.recompute_mode == "selective" else n
+        # every part runs as a call of the stage module, whose hooks (FSDP2's) then run
+        self.prefix = [self.wire.receive, lambda h: stage(h, 0, n, checkpoint=False)] if n else []
+        self.suffix = [*([] if n else [self.wire.receive]), lambda h: stage(h, n), self.wire.send]
         self.trace: list[tuple[str, int]] = []
         self.on_compute: Callable[[str, int, float, float], None] | None = None
         self._shape: tuple[int, int, int] = (0, 0, 0)  # [b, T, d] of this step's activations
@@ -166,7 +166,6 @@ class ShiftedSchedule:
             else:
                 h = _run(self.prefix, h)
             out = _run(self.suffix, h)
-            self.stage.aux.record()
             if self.stage.is_last:
                 out = self.loss_fn(out, y.to(self.device))
         if not self.stage.is_last:
@@ -209,13 +208,6 @@ class ShiftedSchedule:
         tensor = tensor.contiguous()  # kept alive until the send completes
         work = dist.isend(tensor, group=self.group.pg, group_dst=peer)
         self._sends.append((work, tensor))
-
-
-def _checkpointed(
-    stage: GPTStage | HFStage, piece: Callable[[torch.Tensor], torch.Tensor], recomputed: bool
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`piece` run as its stage runs it (`run_piece`): under torch's checkpoint if `recomputed`."""
-    return lambda x: stage.run_piece(piece, recomputed, x)
 
 
 def _run(pieces: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> torch.Tensor:

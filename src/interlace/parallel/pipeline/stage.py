@@ -82,14 +82,11 @@ class GPTStage(nn.Module):
             self.lm_head = copy_head(model.lm_head) if head_copy else model.lm_head
         self.aux = StageAuxLoss.of_blocks(self.blocks.values(), model.aux_loss_coef)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for the shapes. Inside, a sub-batched layer may leave its
-        last all-reduce to the next (`interleave.deferral_scope`); none is left on return."""
-        with deferral_scope():
-            for piece, recomputed in self.pieces():
-                x = self.run_piece(piece, recomputed, x)
-        self.aux.record()
-        return x
+    def forward(
+        self, x: torch.Tensor, start: int = 0, stop: int | None = None, checkpoint: bool = True
+    ) -> torch.Tensor:
+        """See the class docstring for the shapes; `run_span` for the arguments."""
+        return run_span(self, x, start, stop, checkpoint)
 
     def run_piece(
         self, piece: Callable[[torch.Tensor], torch.Tensor], recomputed: bool, x: torch.Tensor
@@ -123,6 +120,23 @@ class GPTStage(nn.Module):
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+
+def run_span(
+    stage: nn.Module, x: torch.Tensor, start: int, stop: int | None, checkpoint: bool
+) -> torch.Tensor:
+    """Run `stage`'s pieces [start, stop) (all by default) on x, each as `run_piece` runs it
+    (`checkpoint` False: the checkpointed ones plainly too, for an executor that replays them
+    itself); at the stage's end (`stop` None) record its aux losses. Called as the stage's
+    forward, so that hooks on the stage module (FSDP2's) run for every part. Inside, a
+    sub-batched layer may leave its last all-reduce to the next (`interleave.deferral_scope`);
+    none is left on return."""
+    with deferral_scope():
+        for piece, recomputed in stage.pieces()[start:stop]:
+            x = stage.run_piece(piece, recomputed and checkpoint, x)
+    if stop is None:
+        stage.aux.record()
+    return x
 
 
 def copy_head(head: nn.Module) -> nn.Module:
