@@ -36,12 +36,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "a grid with z = 1 (tp3d=XxYx1), or pp=1",
         ),
         (
-            bool(tp3d) and plan.pipelined and plan.schedule == "shifted",
-            f"{tp3d} with schedule=shifted (its executor sizes the stage boundary at d; "
-            "tp3d's residual stream between layers is d/x)",
-            "schedule=1f1b, gpipe or interleaved",
-        ),
-        (
             bool(tp3d) and plan.sharded_data_parallel and plan.tp3d[2] > 1,
             f"dp_shard={plan.dp_shard} with {tp3d} (z > 1: z's gradient reduction and weight "
             "prefetch act on the plain tensors FSDP2 replaces)",

@@ -78,7 +78,9 @@ class ShiftedSchedule:
     blocks run under torch's checkpoint (`run_piece`), which keeps their matmul outputs and
     replays the rest inside the backward, where it is cheap (elementwise work only). Prefix
     and suffix run as calls of the stage module (`run_span`), so its hooks run for each (FSDP2
-    gathers a sharded stage's parameters there).
+    gathers a sharded stage's parameters there). Each step's first activation crossing a
+    boundary is preceded by its width (d, or d/x under 3D tensor parallelism), so the receiver
+    sizes its buffers from it.
     `loss_fn(logits, targets)` returns the micro-batch's loss as it should be differentiated
     (already divided by M). `trace` lists the last step's actions
     ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran. `on_compute`, when set,
@@ -122,7 +124,8 @@ class ShiftedSchedule:
         and backward unless `backward` is False; gradients accumulate in the stage."""
         self.trace = []
         xs, ys = x.chunk(self.micro_batches), y.chunk(self.micro_batches)
-        self._shape = (xs[0].shape[0], xs[0].shape[1], self.stage_width())
+        self._shape = (xs[0].shape[0], xs[0].shape[1], 0)  # the width comes with the first
+        self._width_sent = False
         kept: dict[int, _InFlight] = {}
         if backward:
             order = shifted_order(self.index, self.pp, self.micro_batches)
@@ -137,16 +140,16 @@ class ShiftedSchedule:
             work.wait()
         self._sends = []
 
-    def stage_width(self) -> int:
-        """Width of the activations entering this stage (d_model)."""
-        return self.stage.width
-
     # ------------------------------------------------------------------ actions
     def _forward(self, x: torch.Tensor, y: torch.Tensor, i: int, keep_graph: bool) -> _InFlight:
         self.trace.append(("F", i))
         if self.stage.is_first:
             inputs = x.to(self.device)
         else:
+            if not self._shape[2]:  # the step's first activation: its width first (d, or a
+                width = torch.empty(1, dtype=torch.long, device=self.device)  # split's d/x)
+                dist.recv(width, group=self.group.pg, group_src=self.group.rank - 1)
+                self._shape = (*self._shape[:2], int(width))
             inputs = torch.empty(self._shape, device=self.device, dtype=self.wire.dtype)
             dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
             inputs.requires_grad_(keep_graph)
@@ -169,6 +172,10 @@ class ShiftedSchedule:
             if self.stage.is_last:
                 out = self.loss_fn(out, y.to(self.device))
         if not self.stage.is_last:
+            if not self._width_sent:
+                width = torch.tensor([out.shape[-1]], device=self.device)
+                self._send(width, self.group.rank + 1)
+                self._width_sent = True
             self._send(out.detach(), self.group.rank + 1)
         return _InFlight(inputs, out, boundary, rng, replay)
 
