@@ -32,6 +32,7 @@ def test_both_sources_are_there_with_their_rows():
     assert len(TABLES["torchtitan"]["rows"]) == 6
 
 
+@pytest.mark.slow  # a second each: the large models' profiles
 @pytest.mark.parametrize(("table", "row"), ROWS, ids=[f"{t}:{r['name']}" for t, r in ROWS])
 def test_every_row_names_its_source_and_prices_on_its_gpus(table, row):
     source = TABLES[table]["source"]

@@ -64,6 +64,7 @@ def test_expert_parallel_checkpoints_resume_under_other_plans(tmp_path):
     _check_matrix(tmp_path, config, MOE, MOE)
 
 
+@pytest.mark.slow
 def test_expert_and_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_path):
     # ep × tp: the tp ranks of an expert hold it whole and alike, stored under its own key
     config = dataclasses.replace(BASE, model=_moe_file(tmp_path))

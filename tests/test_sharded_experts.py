@@ -73,6 +73,7 @@ def test_sharded_experts_train_as_whole_ones_in_half_the_memory(config, twin, pl
         assert result["bytes"] == pytest.approx(reference["bytes"] / 2, rel=0.05), rank
 
 
+@pytest.mark.slow
 def test_sharded_experts_resume_under_whole_ones_and_back(tmp_path):
     resumed = dataclasses.replace(RESUMED, model=_moe_file(tmp_path))
     _check_matrix(tmp_path, resumed, [SHARDED, TWIN], [SHARDED, TWIN])
