@@ -101,7 +101,12 @@ def test_sharded_data_parallel_equals_serial(serial, plan_text):
 
 
 @pytest.mark.parametrize(
-    "plan_text", ["{}=2,tp=2", "{}=2,pp=2,tp=2,micro_batches=2,schedule=gpipe"]
+    "plan_text",
+    [
+        "{}=2,tp=2",
+        "{}=2,tp=2,sequence_parallel=true",  # the norms' gradients summed over tp after FSDP2
+        "{}=2,pp=2,tp=2,micro_batches=2,schedule=gpipe",
+    ],
 )
 def test_sharding_with_tensor_parallelism_equals_replicas_with_it(plan_text):
     # each rank's tensor-parallel pieces, whole over dp_shard, against the same plan with

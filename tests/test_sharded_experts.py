@@ -92,3 +92,15 @@ def test_sharded_experts_resume_under_whole_ones_and_back(tmp_path):
 def test_experts_are_kept_whole_only_where_they_must_be_and_say_why(plan_text, ep_dp, reason):
     why = replicated_because(Plan.parse(plan_text), ep_dp)
     assert why == reason if reason is None else reason in why
+
+
+@pytest.mark.slow
+def test_sharded_experts_under_expert_and_tensor_parallelism_follow_the_twin(config, twin):
+    # ep × tp × dp_shard on 8 ranks: each tp rank dispatches its share of the tokens, FSDP2
+    # reduces the experts over ep_dp and the router over dp_shard, both then summed over tp
+    reference = twin[0]["rows"]  # every rank of the twin logs the same rows
+    for rank, result in enumerate(run_ranks(8, _run, config, "dp_shard=4,ep=2,tp=2")):
+        losses = [r["loss"] for r in result["rows"]]
+        assert losses == pytest.approx([r["loss"] for r in reference], abs=1e-5), rank
+        norms = [r["grad_norm"] for r in result["rows"]]
+        assert norms == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5), rank

@@ -25,11 +25,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "ep=1, or 1D tensor parallelism (tp=N)",
         ),
         (
-            plan.ep > 1 and plan.tp > 1 and plan.sharded_data_parallel,
-            f"ep={plan.ep} combined with tp={plan.tp} and dp_shard={plan.dp_shard}",
-            "dp_shard=1 (dp=N), ep=1 or tp=1",
-        ),
-        (
             bool(tp3d) and plan.pipelined and plan.tp3d[2] > 1,
             f"{tp3d} (z > 1) with pp={plan.pp} (the last stage's copy of a tied embedding "
             "would miss z's gradient reduction)",

@@ -189,12 +189,17 @@ class Parallelized:
 
     def sync_gradients(self) -> None:
         """After a step's last backward: gradients averaged over the data parallel ranks where
-        backward did not (no DDP), expert gradients over their replicas (unless sharded)."""
+        backward did not (no DDP), expert gradients over their replicas (sharded ones: FSDP2
+        reduced them over ep_dp, and under ep × tp they are summed over tp here)."""
         if self.data is not None:
             self.data.sync_gradients()
-        if self.expert_groups is not None and not self.experts_sharded:
-            _, ep_dp = self.expert_groups
+        if self.expert_groups is None:
+            return
+        _, ep_dp = self.expert_groups
+        if not self.experts_sharded:
             reduce_expert_gradients(self.model, ep_dp, self.plan.dp_size, self.expert_tp)
+        elif self.expert_tp is not None:  # FSDP2 reduced them over ep_dp; tp's ranks too
+            reduce_expert_gradients(self.model, None, 1, self.expert_tp)
 
     def clip_grad_norm_(
         self, max_norm: float, optimizer: torch.optim.Optimizer | None = None

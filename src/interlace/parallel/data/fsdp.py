@@ -40,15 +40,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from interlace.comm import Group
 from interlace.parallel.data.ring import RingReduceScatter
 from interlace.parallel.grad_norm import NormShare
+from interlace.parallel.grad_sums import sum_replaced_gradients
 from interlace.plan import Plan
 from interlace.precision import DTYPES
 
 
 class ShardedDataParallel:
     """The model FSDP2 shards, with the data-parallel interface `Parallelized` uses (as
-    `DataParallel`): `module`, `no_sync()`, `sync_gradients()` (nothing: FSDP2 reduces during
-    backward), `compression` (None). `roots`: the modules sharded last (the model, or each
-    pipeline stage of this rank)."""
+    `DataParallel`): `module`, `no_sync()`, `sync_gradients()` (FSDP2 reduces during
+    backward; the gradients a split sums over its own group are summed after it),
+    `compression` (None). `roots`: the modules sharded last (the model, or each pipeline stage
+    of this rank)."""
 
     def __init__(self, module: nn.Module, roots: Sequence[nn.Module]) -> None:
         self.module = module
@@ -71,7 +73,9 @@ class ShardedDataParallel:
             root.set_reshard_after_backward(sync)
 
     def sync_gradients(self) -> None:
-        """Nothing: the gradients were reduce-scattered during the last backward."""
+        """The gradients were reduce-scattered during the last backward; those a split sums
+        over a group of its own (`grad_sums`) are summed there now, shard by shard."""
+        sum_replaced_gradients(self.module.parameters())
 
 
 def apply_fully_shard(

@@ -10,6 +10,7 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.grad_norm import NormShare
+from interlace.tensors import local_tensor
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -35,15 +36,17 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def reduce_expert_gradients(
-    model: nn.Module, ep_dp: Group, dp_size: int, tp: Group | None = None
+    model: nn.Module, ep_dp: Group | None, dp_size: int, tp: Group | None = None
 ) -> None:
     """Turn each local expert's gradient (the sum over the tokens its expert group dispatched)
     into data parallelism's average: sum over the ranks holding the same experts, `ep_dp` and,
     under ep × tp, `tp` (whose ranks dispatch different tokens, `tp_tokens`), divide by
     `dp_size` (the whole data parallel degree). One flat all-reduce per group; collective over
-    ep_dp (and tp)."""
-    grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
-    comm.all_reduce_flat_(grads, ep_dp, dp_size)
+    ep_dp (None: already reduced there, as FSDP2 does for sharded experts) and tp. A sharded
+    gradient is reduced by its local piece (the pieces lie alike on every tp rank)."""
+    grads = [local_tensor(p.grad) for p in expert_parameters(model) if p.grad is not None]
+    if ep_dp is not None:
+        comm.all_reduce_flat_(grads, ep_dp, dp_size)
     if tp is not None:
         comm.all_reduce_flat_(grads, tp)
 

@@ -39,7 +39,8 @@ from torch import nn
 from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.expert.layer import ExpertParallelMoE
-from interlace.parallel.tensor.comm import all_reduce_grad_hook, reduce_from_tp
+from interlace.parallel.grad_sums import sum_gradient_over
+from interlace.parallel.tensor.comm import reduce_from_tp
 
 
 def _lengths(n: int, group: Group) -> list[int]:
@@ -139,7 +140,7 @@ def share_tokens_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) -
         layer.tokens = TokenShare(tp, replicated=not sequence_parallel)
         if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
             for param in layer.router.parameters():
-                param.register_hook(all_reduce_grad_hook(tp))
+                sum_gradient_over(param, tp)
     how = "its own sequence shard" if sequence_parallel else f"1/{tp.size} of the tokens"
     return [
         f"ep × tp: each tp rank dispatches {how} in {len(layers)} expert-parallel layers; "

@@ -12,8 +12,9 @@ from interlace.comm import Group
 from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
 from interlace.parallel.detect import Attention, FeedForward, Structure, linear_shape
+from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.heads import heads_held, set_local_heads
-from interlace.parallel.tensor.comm import all_reduce_grad_hook, gather_sequence, scatter_sequence
+from interlace.parallel.tensor.comm import gather_sequence, scatter_sequence
 from interlace.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -190,7 +191,7 @@ def _shard_sequence(model: nn.Module, structure: Structure, group: Group) -> str
     for prefix, module in ((structure.layers, layers), (structure.final_norm, norm)):
         for name, param in module.named_parameters():
             if shard_spec(param) is None and param.requires_grad:
-                param.register_hook(all_reduce_grad_hook(group))
+                sum_gradient_over(param, group)
                 synced.append(f"{prefix}.{name}")
     return (
         f"sequence parallel: activations from {structure.layers}.0 to {structure.final_norm} "

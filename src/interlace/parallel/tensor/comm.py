@@ -194,17 +194,6 @@ def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _GatherLastDim.apply(x, group)
 
 
-def all_reduce_grad_hook(group: Group):
-    """A `Tensor.register_hook` function that sums a gradient over `group`: for replicated
-    parameters whose uses see only part of the data on each rank (sequence parallel LayerNorms
-    and row-parallel biases)."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return all_reduced(grad, group)
-
-    return hook
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of vocabulary-sharded logits; see the module docstring."""
 

@@ -37,7 +37,8 @@ from interlace.comm import Group
 from interlace.divisors import check_divides
 from interlace.errors import PlanError
 from interlace.parallel.detect import ExpertBlock, Structure
-from interlace.parallel.tensor.comm import all_reduce_grad_hook, reduce_scatter_sequence
+from interlace.parallel.grad_sums import sum_gradient_over
+from interlace.parallel.tensor.comm import reduce_scatter_sequence
 from interlace.parallel.tensor.layers import enter_block, leave_tp
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter
 
@@ -98,7 +99,7 @@ def shard_expert_block(
     if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
         for part in replicated:
             for param in part.parameters():
-                param.register_hook(all_reduce_grad_hook(group))
+                sum_gradient_over(param, group)
     enter_block(module, block.d_model, group, sequence_parallel)
     leave = reduce_scatter_sequence if sequence_parallel else leave_tp
 

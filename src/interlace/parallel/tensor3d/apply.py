@@ -9,8 +9,8 @@ from torch import nn
 from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.parallel.detect import Attention, Structure
+from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.heads import heads_held, set_local_heads
-from interlace.parallel.tensor.comm import all_reduce_grad_hook
 from interlace.parallel.tensor.layers import replace_hidden
 from interlace.parallel.tensor3d.comm import (
     gather_last,
@@ -84,7 +84,7 @@ def apply_tensor3d(
         for param in model.parameters():
             spec = shard3d_spec(param)
             if param.requires_grad and (spec is None or "z" not in spec.axes):
-                param.register_hook(all_reduce_grad_hook(grid.z))
+                sum_gradient_over(param, grid.z)
                 synced += 1
         lines.append(
             f"batch rows split over z (the loop feeds this rank's rows, `z_rows`); gradients "

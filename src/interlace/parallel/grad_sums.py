@@ -1,0 +1,51 @@
+"""Gradients summed over a group, for replicated parameters whose uses see only part of the data
+on each rank of a split (sequence-parallel norms, a router fed one tp rank's share of the
+tokens, row-parallel biases): a hook sums the gradient as backward produces it, and the group
+is recorded on the parameter so that the sum survives a wrapper that replaces parameters.
+
+FSDP2 replaces each parameter by a sharded one and computes the gradient of an unsharded copy:
+a hook on the original never runs. Summing over the group commutes with FSDP2's reduce-scatter
+(each rank of the group holds its shard in the same place), so `sum_replaced_gradients` sums
+the sharded gradients after it instead.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from interlace import comm
+from interlace.comm import Group
+
+SUMMED_OVER = "grad_summed_over"
+"""Attribute of a parameter naming the group its gradient is summed over."""
+
+
+def sum_gradient_over(param: torch.Tensor, group: Group) -> None:
+    """Make `param`'s gradient its sum over `group`: a hook now, and the group recorded for
+    `sum_replaced_gradients`."""
+    param.register_hook(lambda grad: _summed(grad, group))
+    setattr(param, SUMMED_OVER, group)
+
+
+def _summed(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    """Σ over `group` of `grad`, as a new tensor (a hook must not change its input)."""
+    out = grad.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, group)
+    return out
+
+
+def sum_replaced_gradients(parameters: Iterable[torch.Tensor]) -> None:
+    """Sum over its recorded group the gradient of each parameter that replaced one with a
+    hook (a DTensor: FSDP2's shard), one flat all-reduce per group; collective over each."""
+    groups: dict[str, tuple[Group, list[torch.Tensor]]] = defaultdict(lambda: (None, []))
+    for param in parameters:
+        group = getattr(param, SUMMED_OVER, None)
+        if group is None or not isinstance(param, DTensor) or param.grad is None:
+            continue
+        groups[group.name] = (group, [*groups[group.name][1], param.grad.to_local()])
+    for group, grads in groups.values():
+        comm.all_reduce_flat_(grads, group)
