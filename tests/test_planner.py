@@ -249,13 +249,15 @@ def test_search_returns_valid_plans_fastest_first():
 
 
 def test_runnable_only_keeps_to_plan_validate():
-    moe = get_preset("moe-tiny")  # pp with ep (and ep with tp) are not implemented
+    moe = get_preset("moe-tiny")
     results = search(moe, hw(devices_per_node=4), 8, global_batch=16, runnable_only=True)
     for cost in results:
         cost.plan.validate(8, moe)
+    # every layout the search tries for an MoE model runs now, pp × ep and ep × tp among them
     everything = search(moe, hw(devices_per_node=4), 8, global_batch=16)
-    assert len(everything) > len(results)
-    assert any(c.plan.pp > 1 and c.plan.ep > 1 for c in everything)
+    assert {str(c.plan) for c in everything} == {str(c.plan) for c in results}
+    assert any(c.plan.pp > 1 and c.plan.ep > 1 for c in results)
+    assert any(c.plan.tp > 1 and c.plan.ep > 1 for c in results)
 
 
 def test_search_prunes_by_memory():
