@@ -60,7 +60,11 @@ from interlace.parallel.data.fsdp import (
 )
 from interlace.parallel.data.ring import ring_group
 from interlace.parallel.detect import Structure, find_structure
-from interlace.parallel.expert.apply import link_within, parallelize_experts
+from interlace.parallel.expert.apply import (
+    link_within,
+    parallelize_experts,
+    share_tokens_over_tp,
+)
 from interlace.parallel.expert.grads import (
     expert_norm_share,
     expert_parameter_names,
@@ -71,7 +75,6 @@ from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.rules import replicated_because
 from interlace.parallel.expert.shard import shard_experts
-from interlace.parallel.expert.tp_tokens import share_tokens_over_tp
 from interlace.parallel.grad_norm import GradNorm, NormShare
 from interlace.parallel.pieces import Weights, load_pieces
 from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined

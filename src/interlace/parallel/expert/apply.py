@@ -1,6 +1,7 @@
 """`parallelize_experts`: replace every MoE layer of a model (built-in `MoELayer`, or a block
 with fused experts found by structure) by its expert-parallel form, linked in forward order;
-`link_within` links them again per pipeline stage."""
+`link_within` links them again per pipeline stage; `share_tokens_over_tp` makes them dispatch
+each token once per tensor-parallel group (ep × tp, `tp_tokens`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from interlace.moe.layer import MoELayer
 from interlace.parallel.detect import find_expert_blocks
 from interlace.parallel.expert.fused import parallelize_fused_experts
 from interlace.parallel.expert.layer import ExpertParallelMoE, schedule_transfers
+from interlace.parallel.expert.tp_tokens import TokenShare
+from interlace.parallel.grad_sums import sum_gradient_over
 
 
 def parallelize_experts(
@@ -61,3 +64,19 @@ def link_within(stages: Iterable[nn.Module]) -> None:
     that layer runs on the same stage (the stage's last issues none)."""
     for stage in stages:
         schedule_transfers([m for m in stage.modules() if isinstance(m, ExpertParallelMoE)])
+
+
+def share_tokens_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) -> list[str]:
+    """Make every `ExpertParallelMoE` of `model` dispatch each token once per `tp` group (see the
+    module docstring); returns the report line."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    for layer in layers:
+        layer.tokens = TokenShare(tp, replicated=not sequence_parallel)
+        if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
+            for param in layer.router.parameters():
+                sum_gradient_over(param, tp)
+    how = "its own sequence shard" if sequence_parallel else f"1/{tp.size} of the tokens"
+    return [
+        f"ep × tp: each tp rank dispatches {how} in {len(layers)} expert-parallel layers; "
+        "expert gradients summed over ep_dp and tp"
+    ]

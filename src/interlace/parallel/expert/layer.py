@@ -136,7 +136,7 @@ class ExpertParallelMoE(nn.Module):
     `last_tokens_per_expert` ([E], this rank's routed counts) as in `MoELayer`; in training mode
     `routing_history` gains the [D, E] count matrix (tokens routed from rank s to expert e,
     before capacity drops, on the CPU), at most `history` of them, newest last. `placement` is
-    the expert placement in use. `tokens` (ep × tp, set by `tp_tokens.share_tokens_over_tp`):
+    the expert placement in use. `tokens` (ep × tp, set by `apply.share_tokens_over_tp`):
     which of the input's tokens this rank routes and dispatches; None: all of them.
 
     `overlap` (default) issues Trans and Agg asynchronously (module docstring, "Overlap");

@@ -19,7 +19,8 @@ A rank's routing therefore sees its token set alone, as a data parallel rank doe
 - capacity counts that set (ceil(capacity_factor · N_set · k / E), `ExpertParallelMoE`);
 - the aux loss is the mean over the tp group of each set's own (`TokenShare.aux_loss`: equal on
   every tp rank, so is the loss; backward 1/p to each set's), as data parallelism averages it;
-- router gradients come from this rank's set only: summed over tp by a hook (registered here;
+- router gradients come from this rank's set only: summed over tp by a hook (registered by
+  `apply.share_tokens_over_tp`;
   under sequence parallelism the sequence pass of `tensor.apply` hooks the router already);
 - an expert's gradient comes from the sets its tp rank dispatched: summed over the ranks
   holding the same experts, ep_dp and tp, then divided by dp (`grads.reduce_expert_gradients`).
@@ -34,12 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from interlace import comm
 from interlace.comm import Group
-from interlace.parallel.expert.layer import ExpertParallelMoE
-from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.tensor.comm import reduce_from_tp
 
 
@@ -130,19 +128,3 @@ class TokenShare:
     def aux_loss(self, aux: torch.Tensor) -> torch.Tensor:
         """This rank's aux loss (0-d) → the mean over the group (backward: 1/p each)."""
         return reduce_from_tp(aux / self.group.size, self.group)
-
-
-def share_tokens_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) -> list[str]:
-    """Make every `ExpertParallelMoE` of `model` dispatch each token once per `tp` group (see the
-    module docstring); returns the report line."""
-    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    for layer in layers:
-        layer.tokens = TokenShare(tp, replicated=not sequence_parallel)
-        if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
-            for param in layer.router.parameters():
-                sum_gradient_over(param, tp)
-    how = "its own sequence shard" if sequence_parallel else f"1/{tp.size} of the tokens"
-    return [
-        f"ep × tp: each tp rank dispatches {how} in {len(layers)} expert-parallel layers; "
-        "expert gradients summed over ep_dp and tp"
-    ]
