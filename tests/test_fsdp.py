@@ -31,15 +31,18 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None) -> dict:
+def _run(
+    config: TrainConfig, plan_text: str, world_size: int, resume_from=None, observe=None
+) -> dict:
     """Every step's row, the first step's unclipped synced gradients (whole) and the weights at
-    the end (whole), stacked experts as expert parallelism names them (`per_expert`)."""
+    the end (whole), stacked experts as expert parallelism names them (`per_expert`), and
+    `observe(trainer)` after the last step, before its gradients are dropped ("observed")."""
     plan = Plan.parse(plan_text)
     mesh = build_mesh(plan) if world_size > 1 else None
     trainer = Trainer(prepare_run(config, plan, world_size), mesh)
     if resume_from is not None:
         trainer.resume(resume_from)
-    rows, grads = [], None
+    rows, grads, observed = [], None, None
     zero_grad = trainer.optimizer.zero_grad
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
     while trainer.step < config.steps:
@@ -47,11 +50,12 @@ def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None)
         if grads is None:
             named = trainer.model.named_parameters()
             grads = per_expert({n: _full(p.grad).clone() for n, p in named})
+        observed = observe(trainer) if observe is not None else None
         zero_grad()
         if config.out and trainer.step % config.ckpt_every == 0:
             trainer.save()
     params = per_expert({n: _full(p).clone() for n, p in trainer.model.named_parameters()})
-    return {"rows": rows, "grads": grads, "params": params}
+    return {"rows": rows, "grads": grads, "params": params, "observed": observed}
 
 
 def _tied_copy(run: dict) -> dict:

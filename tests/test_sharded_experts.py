@@ -10,43 +10,39 @@ import dataclasses
 import pytest
 from torch.distributed.tensor import DTensor
 
-from helpers import TINY_RUN, per_expert
+from helpers import TINY_RUN
 from interlace.memory import storage_bytes
-from interlace.mesh import build_mesh
 from interlace.parallel.expert.grads import expert_parameters
 from interlace.parallel.expert.rules import replicated_because
 from interlace.plan import Plan
 from interlace.testing import run_ranks
-from interlace.train import Trainer, prepare_run
+from interlace.train import Trainer
 from interlace.train_config import TrainConfig
-from test_fsdp import _assert_same, _full, _moe_file
+from test_fsdp import _assert_same, _moe_file
+from test_fsdp import _run as _fsdp_run
 from test_reshard import BASE as RESUMED
 from test_reshard import _check_matrix
 
 SHARDED, TWIN = "dp=2,dp_shard=2,ep=2", "dp=4,ep=2"
 
 
+def _expert_state(trainer: Trainer) -> dict:
+    """Whether the experts are sharded, and the bytes of this rank's expert parameters,
+    gradients and AdamW states."""
+    experts = expert_parameters(trainer.model)
+    states = [s for p in experts for s in trainer.optimizer.state[p].values() if s.dim()]
+    return {
+        "sharded": all(isinstance(p, DTensor) for p in experts),
+        "bytes": storage_bytes([*experts, *(p.grad for p in experts), *states]),
+    }
+
+
 def _run(config: TrainConfig, plan_text: str) -> dict:
-    """Every step's row, the first step's synced gradients and the last weights (whole, per
-    expert), whether the experts are sharded, and the bytes of this rank's expert parameters,
-    gradients and AdamW states after the last step."""
-    plan = Plan.parse(plan_text)
-    trainer = Trainer(prepare_run(config, plan, plan.world_size), build_mesh(plan))
-    rows, grads, held = [], None, 0
-    zero_grad = trainer.optimizer.zero_grad
-    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
-    while trainer.step < config.steps:
-        rows.append(trainer.train_step())
-        if grads is None:
-            named = trainer.model.named_parameters()
-            grads = per_expert({n: _full(p.grad).clone() for n, p in named})
-        experts = expert_parameters(trainer.model)
-        states = [s for p in experts for s in trainer.optimizer.state[p].values() if s.dim()]
-        held = storage_bytes([*experts, *(p.grad for p in experts), *states])
-        zero_grad()
-    params = per_expert({n: _full(p).clone() for n, p in trainer.model.named_parameters()})
-    sharded = all(isinstance(p, DTensor) for p in expert_parameters(trainer.model))
-    return {"rows": rows, "grads": grads, "params": params, "sharded": sharded, "bytes": held}
+    """`test_fsdp._run` of `plan_text` on its world, with the experts' state after the last
+    step (`_expert_state`): "sharded" and "bytes"."""
+    world_size = Plan.parse(plan_text).world_size
+    result = _fsdp_run(config, plan_text, world_size, observe=_expert_state)
+    return {**result, **result.pop("observed")}
 
 
 @pytest.fixture(scope="module")
