@@ -200,8 +200,8 @@ def compare(row: dict[str, Any]) -> dict[str, Any]:
     its source."""
     cost = price(row)
     changes = as_ran(row, cost)
-    step = cost.step_seconds + sum(changes.values())
-    predicted = row["global_batch"] * row["seq"] / step / row["gpus"]
+    tokens_per_gpu = row["global_batch"] * row["seq"] / row["gpus"]  # per step
+    predicted = tokens_per_gpu / (cost.step_seconds + sum(changes.values()))
     published = published_tokens_per_gpu_s(row)
     return {
         "name": row["name"],
@@ -220,10 +220,7 @@ def compare(row: dict[str, Any]) -> dict[str, Any]:
         "compiled": row.get("compiled", True),
         "breakdown": dict(cost.breakdown),
         "as_ran": changes,
-        "interlace_tokens_per_gpu_s": row["global_batch"]
-        * row["seq"]
-        / cost.step_seconds
-        / row["gpus"],
+        "interlace_tokens_per_gpu_s": tokens_per_gpu / cost.step_seconds,
         "source": {k: row[k] for k in SOURCE_FIELDS},
     }
 
