@@ -176,7 +176,6 @@ class HFStage(nn.Module):
         self.is_first, self.is_last = first, last
         self.checkpointed, self.recompute_mode = checkpointed, recompute_mode
         self.config = model.config
-        self.width = model.get_submodule(parts.embedding).embedding_dim
         names: list[str] = []
         if first:
             names += [parts.embedding, *filter(None, [parts.positions]), *parts.dropouts]

@@ -72,7 +72,6 @@ class GPTStage(nn.Module):
         super().__init__()
         self.is_first, self.is_last = first, last
         self.checkpointed, self.recompute_mode = checkpointed, recompute_mode
-        self.width = model.config.d_model  # of the activations between stages
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
             self.positions = model.positions  # a rank's share's under context parallelism
