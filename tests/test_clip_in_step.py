@@ -11,10 +11,11 @@ from torch import nn
 from helpers import tiny_config
 from interlace.mesh import build_mesh
 from interlace.models.gpt import GPT
-from interlace.optim import build_optimizer, reads_amp_hooks
+from interlace.optim import build_optimizer
 from interlace.parallel.grad_norm import GradNorm
 from interlace.parallel.parallelize import parallelize
 from interlace.plan import Plan
+from interlace.precision import reads_amp_hooks
 from interlace.testing import run_ranks
 
 MAX_NORM = 0.5

@@ -21,9 +21,9 @@ from interlace.mesh import DEVICE_ENV
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.moe.grouped import grouped_mlp
-from interlace.optim import reads_amp_hooks
 from interlace.parallel.grad_norm import GradNorm
 from interlace.plan import Plan
+from interlace.precision import reads_amp_hooks
 from interlace.throughput import device_peak_tflops, model_flops_per_token
 from interlace.train import Trainer, prepare_run
 from interlace.train_config import TrainConfig

@@ -15,7 +15,6 @@ from torch import nn
 
 from helpers import TINY_RUN, train_steps
 from interlace.checkpoint import checkpoint_name
-from interlace.cli import main
 from interlace.memory import state_bytes
 from interlace.models.presets import get_preset
 from interlace.optim import build_optimizer
@@ -163,30 +162,6 @@ def test_a_checkpoint_resumes_with_the_other_optimizer_state_saying_so(tmp_path,
         assert resumed["moments"] == {torch.bfloat16 if state == "bf16" else torch.float32}
         note = f"interlace: resuming {saved_state} AdamW moments as {state} ones"
         assert note in capsys.readouterr().err
-
-
-def test_fp8_on_the_cpu_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
-    out = tmp_path / "run"
-    argv = ["train", "--model", "tiny", "--steps", "1", "--out", str(out), "--no-progress"]
-    code = main([*argv, "--precision", "fp8"])
-    err = capsys.readouterr().err.splitlines()
-    assert code == 2
-    assert err == [
-        "interlace: error: precision=fp8 needs a CUDA GPU with float8 matmuls (compute "
-        "capability 8.9 or newer: Ada, Hopper); this run's device is the CPU; use bf16 or fp32"
-    ]
-    assert not out.exists()
-
-
-@pytest.mark.cuda
-def test_fp8_on_a_gpu_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
-    # a GPU before compute capability 8.9 lacks float8; on a newer one fp8 is not built yet
-    out = tmp_path / "run"
-    argv = ["train", "--model", "tiny", "--steps", "1", "--out", str(out), "--no-progress"]
-    assert main([*argv, "--precision", "fp8"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("interlace: error: precision=fp8 ")
-    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from torch import nn
 
 from helpers import assert_grads_close
 from interlace import comm
-from interlace.checkpoint import Storage, checkpoint_name
+from interlace.checkpoint import checkpoint_name
 from interlace.cli import main
 from interlace.errors import PlanError
 from interlace.loss import cross_entropy
@@ -29,6 +29,7 @@ from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
 from interlace.parallel.parallelize import parallelize
 from interlace.parallel.pieces import load_pieces
+from interlace.parallel.storage import Storage
 from interlace.parallel.tensor3d.apply import check_tensor3d
 from interlace.parallel.tensor3d.layers import layer_wire_bytes
 from interlace.parallel.tensor3d.shard import (

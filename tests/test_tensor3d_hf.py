@@ -17,7 +17,8 @@ from hf_models import needs_hf, tiny_hf_model, transformers
 from interlace import comm
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.parallel.parallelize import check_fits, parallelize
+from interlace.parallel.fits import check_fits
+from interlace.parallel.parallelize import parallelize
 from interlace.parallel.tensor3d.layers import rms_norm_eps
 from interlace.parallel.tensor3d.shard import Grid, shard3d_of, shard3d_spec
 from interlace.plan import Plan

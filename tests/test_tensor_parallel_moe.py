@@ -12,7 +12,8 @@ from hf_models import needs_hf, tiny_hf_model
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
 from interlace.parallel.detect import find_expert_blocks, find_structure
-from interlace.parallel.parallelize import check_fits, parallelize
+from interlace.parallel.fits import check_fits
+from interlace.parallel.parallelize import parallelize
 from interlace.parallel.tensor.moe import check_expert_blocks
 from interlace.parallel.tensor.shard import shard_spec
 from interlace.plan import Plan

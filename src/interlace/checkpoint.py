@@ -27,7 +27,6 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +36,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from interlace.errors import CheckpointError
+from interlace.parallel.storage import Storage
 from interlace.plan import Plan
 from interlace.run_folder import fsync_path, write_atomic
 from interlace.safe_load import check_dcp_metadata, load_rng_state
@@ -76,30 +75,6 @@ def _every_ranks(entries: dict[str, Any]) -> dict[str, Any]:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-Layout = tuple[DeviceMesh, tuple[Placement, ...]]
-"""Where a parameter's piece lies in the full tensor: the mesh its split runs over and the
-placement along each of the mesh's dimensions."""
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How this rank's parameters are named and placed in a checkpoint: `aliases` {name: the
-    name it is stored as} (a pipeline's copy of the tied embedding, stored as the embedding);
-    `keys` {name: key of this rank's piece} for pieces only the same split can read; `layouts`
-    {name: where its piece lies in the full tensor} for pieces stored as full tensors, which
-    any split can read. `keys` and `layouts` are looked up under the stored name.
-    `assembly` {name: how the pieces of its split make the full tensor}: 1D tensor
-    parallelism's `ShardSpec` fields (dim, segments, replicas) or 3D's `Shard3D` fields,
-    recorded in the checkpoint's
-    meta.json (every rank's, under the stored names) so that one process can rebuild a tensor
-    stored as pieces (`interlace export`)."""
-
-    aliases: dict[str, str] = field(default_factory=dict)
-    keys: dict[str, str] = field(default_factory=dict)
-    layouts: dict[str, Layout] = field(default_factory=dict)
-    assembly: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _stored(

@@ -4,7 +4,7 @@ update, and the run stops when the policy says so.
 The loss and the gradient norm are the same on every rank (the loss averaged over the
 data-parallel ranks, the norm summed over every split, and NaN survives both sums), so every rank
 takes the same decision without another collective. Where the optimizer skips an update itself
-(`optim.reads_amp_hooks`: torch's fused AdamW on CUDA and the CPU) the decision stays on the
+(`precision.reads_amp_hooks`: torch's fused AdamW on CUDA and the CPU) the decision stays on the
 device: `skip_if_nonfinite` hands the step that verdict as `optimizer.found_inf`, and the host
 reads the loss and norm in the step's one sync at its end, once the update is queued. Waiting for
 them before the step instead left the device idle while the host prepared the update (with the
@@ -41,7 +41,7 @@ def finite_step(loss: float, grad_norm: float) -> bool:
 def skip_if_nonfinite(optimizer: torch.optim.Optimizer, watched: torch.Tensor) -> Iterator[None]:
     """Within: `optimizer.found_inf` (a 0-d fp32 tensor on `watched`'s device) is 1 where any
     entry of `watched` (the loss and the gradient norm, [2]) is not finite, else 0, so that a
-    step of an optimizer reading it (`optim.reads_amp_hooks`) applies no update, without the host
+    step of an optimizer reading it (`reads_amp_hooks`) applies no update, without the host
     waiting for the verdict."""
     optimizer.found_inf = (~torch.isfinite(watched).all()).float()
     try:

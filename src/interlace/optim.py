@@ -49,17 +49,6 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
 
 
-def reads_amp_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` reads the two 0-d tensors torch's GradScaler hands a step,
-    inside its kernel: it divides every gradient by `optimizer.grad_scale` and leaves weights,
-    moments and step counts as they were where `optimizer.found_inf` is 1. True for torch's
-    fused optimizers (Adam, AdamW, SGD, Adagrad) with every group still fused
-    (`load_state_dict` takes the groups' settings from the state it loads)."""
-    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
-        group.get("fused") for group in optimizer.param_groups
-    )
-
-
 def lr_at(
     step: int, total_steps: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float
 ) -> float:

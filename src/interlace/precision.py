@@ -7,7 +7,8 @@ forward — tensor-parallel reductions, pipeline activations, expert tokens — 
 The loss and softmax statistics stay fp32 (autocast's fp32 list; `interlace.loss` upcasts the
 logits). fp16 also scales the loss against underflow (`grad_scaler`); bf16 has fp32's range and
 needs no scaler. (AdamW's moments are the one exception, bf16 under `optimizer_state=bf16`:
-`optim_lowbit`.) fp8 is a name a run may give, refused before launch (`fp8_refusal`).
+`optim_lowbit`.) fp8 computes in bf16 with the blocks' linear layers multiplying in float8
+(`interlace.float8`), on GPUs with float8 tensor cores only (`fp8_refusal` elsewhere).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,9 +32,11 @@ REDUCE_DTYPES = ("fp32", "bf16")
 """The dtypes the data-parallel gradient all-reduce can send (`grad_reduce_dtype`)."""
 
 FP8 = "fp8"
-"""float8 matmuls: a `precision` a run may name, refused before launch (`resolve_precision`):
-it needs a CUDA GPU with float8 tensor cores (`FP8_CAPABILITY`), and training in it is not
-built yet."""
+"""bf16 with float8 linear layers: a `precision` a run may name on a CUDA GPU with float8
+tensor cores (`FP8_CAPABILITY`), refused before launch elsewhere (`resolve_precision`)."""
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+"""How fp8 scales each float8 operand of a matmul (`interlace.float8`)."""
 
 FP8_CAPABILITY = (8, 9)
 """The CUDA compute capability from which a GPU multiplies float8 matrices (Ada, Hopper)."""
@@ -40,22 +44,57 @@ FP8_CAPABILITY = (8, 9)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+@dataclass(frozen=True)
+class Precision:
+    """A run's number formats, one value for every step that needs them.
+
+    compute: the dtype the forward runs in by autocast ("bf16", "fp16", "fp32");
+    float8: the scaling recipe when the blocks' linear layers multiply in float8, None when
+        they do not (`interlace.float8`);
+    reduce: the dtype data-parallel gradient reductions send ("fp32", "bf16").
+    """
+
+    compute: str = "fp32"
+    float8: str | None = None
+    reduce: str = "fp32"
+
+    @classmethod
+    def of(cls, name: str, float8_recipe: str, reduce: str = "fp32") -> Precision:
+        """A resolved precision `name` (`resolve_precision`: one of PRECISIONS or fp8) as a
+        value: fp8 computes in bf16 with `float8_recipe` for the linear layers."""
+        if name == FP8:
+            return cls("bf16", float8_recipe, reduce)
+        return cls(name, None, reduce)
+
+    @property
+    def name(self) -> str:
+        """The name a run gives and reports: "fp8" under float8, else `compute`."""
+        return FP8 if self.float8 is not None else self.compute
+
+
+FP32 = Precision()
+"""fp32 everywhere: what a model computes in unless told otherwise."""
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """`precision` ("auto" or one of PRECISIONS) for a run on `device`: auto → bf16 on CUDA,
-    fp32 elsewhere. Raises ConfigError for an unknown name, and for fp8 (`fp8_refusal`)."""
+    fp32 elsewhere. Raises ConfigError for an unknown name, and for fp8 on a device without
+    float8 matmuls (`fp8_refusal`)."""
     if precision == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     if precision == FP8:
-        raise ConfigError(fp8_refusal(device))
+        refusal = fp8_refusal(device)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        return FP8
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not one of auto, {', '.join(PRECISIONS)}")
     return precision
 
 
-def fp8_refusal(device: torch.device) -> str:
-    """Why a run on `device` cannot train in fp8, in one line: the device is not a CUDA GPU,
-    or one older than `FP8_CAPABILITY`, or, on one that has float8, fp8 training is not built
-    yet."""
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why a run on `device` cannot train in fp8, in one line (None where it can): the device
+    is not a CUDA GPU, or one older than `FP8_CAPABILITY`."""
     need = (
         "precision=fp8 needs a CUDA GPU with float8 matmuls (compute capability "
         f"{'.'.join(map(str, FP8_CAPABILITY))} or newer: Ada, Hopper)"
@@ -66,7 +105,7 @@ def fp8_refusal(device: torch.device) -> str:
     if capability < FP8_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         return f"{need}; this {name} has {'.'.join(map(str, capability))}; use bf16"
-    return "precision=fp8 is not built yet (this GPU has float8 matmuls); use bf16"
+    return None
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
@@ -128,6 +167,17 @@ def scaled_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
     finally:
         hook.remove()
     scaler.update()
+
+
+def reads_amp_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` reads the two 0-d tensors torch's GradScaler hands a step,
+    inside its kernel: it divides every gradient by `optimizer.grad_scale` and leaves weights,
+    moments and step counts as they were where `optimizer.found_inf` is 1. True for torch's
+    fused optimizers (Adam, AdamW, SGD, Adagrad) with every group still fused
+    (`load_state_dict` takes the groups' settings from the state it loads)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
+        group.get("fused") for group in optimizer.param_groups
+    )
 
 
 def _scalar_found_inf(optimizer: torch.optim.Optimizer, *_: object) -> None:

@@ -7,6 +7,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+Runs = list[list[tuple[int, int]]]
+"""Per dimension of a full tensor, the [start, stop) index runs a piece holds, in order."""
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `tensor` (a DTensor's local shard, same storage), or `tensor`."""

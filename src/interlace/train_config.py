@@ -15,7 +15,7 @@ from interlace.errors import ConfigError
 from interlace.finite import check_finite_fields
 from interlace.memory import MEASURED_STEP
 from interlace.planner.bytes import OPTIMIZER_STATES
-from interlace.precision import FP8, PRECISIONS, REDUCE_DTYPES
+from interlace.precision import FLOAT8_RECIPES, FP8, PRECISIONS, REDUCE_DTYPES
 from interlace.profiling import profile_window
 from interlace.tracking.check import check_trackers
 
@@ -59,9 +59,15 @@ class TrainConfig:
     precision: str = option(
         "auto",
         "the dtype the forward computes in, by autocast over fp32 weights and optimizer states "
-        "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU; fp8 needs a CUDA "
-        "GPU with float8 (compute capability 8.9 or newer) and is not built yet",
+        "(fp16 adds a gradient scaler); auto: bf16 on CUDA, fp32 on the CPU; fp8: bf16 with the "
+        "blocks' linear layers in float8, on a CUDA GPU of compute capability 8.9 or newer",
         choices=("auto", *PRECISIONS, FP8),
+    )
+    fp8_recipe: str = option(
+        "tensorwise",
+        "how precision=fp8 scales each float8 operand: tensorwise (one scale per tensor) or "
+        "rowwise (one per row of the product, more accurate, slower)",
+        choices=FLOAT8_RECIPES,
     )
     grad_reduce_dtype: str = option(
         "fp32",

@@ -1,7 +1,7 @@
 """The whole model of a checkpoint, read on one process without a process group.
 
 A checkpoint stores each parameter either whole (one key, the full shape: any split reads it)
-or, where only the same split can read it, as one key per piece (`checkpoint.Storage`). Pieces
+or, where only the same split can read it, as one key per piece (`parallel.storage.Storage`). Pieces
 of 1D tensor parallelism, `<name>.tp<rank>` (a fused q|k|v cut per head, grouped-query kv heads
 shared by several ranks, or pieces FSDP made DTensors under dp_shard with tp), are assembled
 by the rule the checkpoint recorded for them (meta.json's `assembly`: the parameter's

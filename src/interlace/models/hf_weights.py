@@ -15,15 +15,12 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from interlace.tensors import state_tensors
-
-if TYPE_CHECKING:
-    from interlace.parallel.pieces import Runs
+from interlace.tensors import Runs, state_tensors
 
 
 def open_weights(folder: Path, model: nn.Module) -> FolderWeights | None:

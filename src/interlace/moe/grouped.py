@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from interlace.matmul import PLAIN, Matmul
 from interlace.precision import compute_dtype
 
 
@@ -142,6 +143,7 @@ def grouped_mlp(
     b_down: torch.Tensor | None,
     act: Callable[[torch.Tensor], torch.Tensor],
     rows: int | None = None,
+    matmul: Matmul = PLAIN,
 ) -> torch.Tensor:
     """Each expert's feed-forward on its rows: x [M, d] sorted by expert, `counts` [E] rows each
     (Σ counts ≤ M: the rows past it come back zero, with zero gradient), w_up [E, f_up, d],
@@ -149,7 +151,8 @@ def grouped_mlp(
 
     Computes in autocast's dtype when it is on, as nn.Linear would. `rows`: a bound on every
     count known without looking (the capacity), for the padded fallback; None: it syncs once
-    for the largest count."""
+    for the largest count. `matmul` computes the products
+    (`interlace.matmul`)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
     w_up, w_down = [w if w.dtype == dtype else cast_weight(w, dtype) for w in (w_up, w_down)]
@@ -163,9 +166,9 @@ def grouped_mlp(
         offs = ends.to(torch.int32)
         # F.grouped_mm leaves the rows past the last group unset, and their gradient: cut both
         # (the bias's one-hot matmul would carry that garbage into every expert's gradient)
-        up = _grouped_linear(torch.where(valid, x, 0), w_up, b_up, offs, expert)
+        up = _grouped_linear(matmul, torch.where(valid, x, 0), w_up, b_up, offs, expert)
         h = act(torch.where(valid, up, 0))
-        return torch.where(valid, _grouped_linear(h, w_down, b_down, offs, expert), 0)
+        return torch.where(valid, _grouped_linear(matmul, h, w_down, b_down, offs, expert), 0)
 
     if rows is None:
         rows = int(counts.max())  # the one host sync
@@ -173,12 +176,13 @@ def grouped_mlp(
     first = F.pad(ends - counts, (0, 1))  # each group's first row
     flat = torch.where(valid.squeeze(1), expert * rows + position - first[expert], trash)
     padded = x.new_zeros(trash + 1, x.shape[1]).index_copy(0, flat, x)
-    h = act(_padded_linear(padded[:trash].view(n_experts, rows, x.shape[1]), w_up, b_up))
-    y = _padded_linear(h, w_down, b_down).reshape(trash, w_down.shape[1])
+    h = act(_padded_linear(matmul, padded[:trash].view(n_experts, rows, x.shape[1]), w_up, b_up))
+    y = _padded_linear(matmul, h, w_down, b_down).reshape(trash, w_down.shape[1])
     return F.pad(y, (0, 0, 0, 1)).index_select(0, flat)
 
 
 def _grouped_linear(
+    matmul: Matmul,
     x: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
@@ -187,7 +191,7 @@ def _grouped_linear(
 ) -> torch.Tensor:
     """x [M, n] · w[e]ᵀ + b[e] [M, m] for the rows of each group e (`expert` [M]); the rows past
     the last group (expert E) are unset, and b's gradient from them falls on a spare zero row."""
-    y = F.grouped_mm(x, w.mT, offs=offs)
+    y = matmul.grouped(x, w, offs)
     return y if b is None else _BiasPerRow.apply(y, F.pad(b, (0, 0, 0, 1)), expert)
 
 
@@ -211,8 +215,10 @@ class _BiasPerRow(torch.autograd.Function):
         return grad, (one_hot.mT @ grad)[: ctx.rows], None
 
 
-def _padded_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    y = torch.bmm(x, w.mT)
+def _padded_linear(
+    matmul: Matmul, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    y = matmul.batched(x, w)
     return y if b is None else y + b.unsqueeze(1)
 
 

@@ -37,7 +37,7 @@ from torch.nn.utils import get_total_norm
 
 from interlace import comm
 from interlace.comm import Group
-from interlace.optim import reads_amp_hooks
+from interlace.precision import reads_amp_hooks
 from interlace.tensors import local_tensor
 
 
@@ -75,7 +75,7 @@ class GradNorm:
     ) -> torch.Tensor:
         """Scale the gradients by c = min(1, max_norm / ‖g‖), as `torch.nn.utils.clip_grad_norm_`
         does for one process; returns ‖g‖ before clipping (max_norm = inf: only measure it).
-        Where `optimizer` divides gradients in its own step (`optim.reads_amp_hooks`), `.grad` stays
+        Where `optimizer` divides gradients in its own step (`reads_amp_hooks`), `.grad` stays
         unscaled and its next `step()` applies c: step it before clipping again."""
         self._withdraw()
         grads = self._grads()

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from interlace.checkpoint import Storage
 from interlace.comm import Group
 from interlace.compile import compile_blocks, compile_loss, uncompilable
 from interlace.errors import PlanError
+from interlace.float8 import convert_to_float8
 from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
 from interlace.mesh import Mesh, data_group_name
 from interlace.parallel.context.apply import apply_context
@@ -59,7 +59,7 @@ from interlace.parallel.data.fsdp import (
     sharded_norm_share,
 )
 from interlace.parallel.data.ring import ring_group
-from interlace.parallel.detect import Structure, find_structure
+from interlace.parallel.detect import find_structure
 from interlace.parallel.expert.apply import (
     link_within,
     parallelize_experts,
@@ -75,20 +75,21 @@ from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.rules import replicated_because
 from interlace.parallel.expert.shard import shard_experts
+from interlace.parallel.fits import check_mesh, tensor3d_structure, tensor_structure
 from interlace.parallel.grad_norm import GradNorm, NormShare
 from interlace.parallel.pieces import Weights, load_pieces
-from interlace.parallel.pipeline.runner import PipelineRunner, check_pipelined
-from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
+from interlace.parallel.pipeline.runner import PipelineRunner
+from interlace.parallel.storage import Storage
+from interlace.parallel.tensor.apply import apply_tensor_parallel
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
-from interlace.parallel.tensor.moe import check_expert_blocks
-from interlace.parallel.tensor.overlap import apply_tp_overlap, check_tp_overlap
+from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.parallel.tensor.shard import (
     parameters_split_by,
     sharded_parameter_names,
     tensor_layouts,
     tensor_norm_share,
 )
-from interlace.parallel.tensor3d.apply import apply_tensor3d, check_tensor3d, z_rows
+from interlace.parallel.tensor3d.apply import apply_tensor3d, z_rows
 from interlace.parallel.tensor3d.comm import mean_over
 from interlace.parallel.tensor3d.shard import (
     Grid,
@@ -98,7 +99,7 @@ from interlace.parallel.tensor3d.shard import (
     tensor3d_norm_shares,
 )
 from interlace.plan import Plan
-from interlace.precision import forward_in_precision, grad_scaler, scaled_step
+from interlace.precision import FP32, Precision, forward_in_precision, grad_scaler, scaled_step
 from interlace.recompute import recompute_blocks
 
 logger = logging.getLogger("interlace.parallel")
@@ -111,7 +112,7 @@ class Parallelized:
     for the optimizer and checkpoints. `module`: what to call (`model`, or its DDP wrapper).
     `report`: one line per split module. `layers`: the name of the model's list of blocks, if
     it has one, and `blocks` the blocks themselves (the same modules after every step).
-    `storage`: how checkpoints name and place this rank's pieces (`interlace.checkpoint.Storage`):
+    `storage`: how checkpoints name and place this rank's pieces (`parallel.storage.Storage`):
     a key per piece that differs between ranks of a split (`.tp1`, `.x0.y1`), and for the pieces
     that are one block of the full tensor their place in it (mesh and placements), so that they
     are stored as the full tensor any other split can read (where the parameter is not
@@ -120,7 +121,7 @@ class Parallelized:
 
     def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
         self.model = model
-        self.precision = "fp32"
+        self.precision = FP32
         self.scaler: torch.amp.GradScaler | None = None
         self.module = model
         self.plan = plan
@@ -136,6 +137,7 @@ class Parallelized:
         self.z: Group | None = None
         self.context: Group | None = None
         self.layers: str | None = None
+        self.moe_layers: list[str] = []  # left out of float8
         self.blocks: list[nn.Module] = []
         self._grad_norm: GradNorm | None = None
         self._expert_layers: list[ExpertParallelMoE] | None = None
@@ -251,9 +253,8 @@ def parallelize(
     gather_logits: bool = False,
     split_points: Sequence[str] | None = None,
     layers_per_stage: Sequence[int] | None = None,
-    precision: str = "fp32",
+    precision: Precision = FP32,
     compile: bool = False,
-    grad_reduce_dtype: str = "fp32",
     weights: Weights | None = None,
 ) -> Parallelized:
     """Apply `plan` to `model` on `mesh` (None: one process, nothing to split) in the fixed
@@ -263,9 +264,10 @@ def parallelize(
     plan's; `gather_logits`: a 1D-split head all-gathers full logits [..., V] (for a model's own
     loss or `generate`) instead of leaving this rank's [..., V/tp] to the vocabulary-parallel
     loss; `split_points` / `layers_per_stage` override the pipeline partitioner; `precision`:
-    "bf16", "fp16" or "fp32" (`interlace.precision`); `compile`: each block compiled
+    the number formats (`interlace.precision.Precision`: autocast's dtype, float8 linears, the
+    data-parallel gradient reduction's wire dtype); `compile`: each block compiled
     (`interlace.compile`; check the plan with `resolve_compile` first);
-    `grad_reduce_dtype`: the data-parallel gradient all-reduce's wire dtype. Raises
+    Raises
     PlanError before modifying anything if the plan does not fit the mesh or the model.
 
     `weights`: `model` was built on the meta device and is split as such; once this rank's
@@ -279,6 +281,7 @@ def parallelize(
     if weights is not None and mesh is None:
         raise ValueError("pieces of a meta-device model are placed on a mesh; give one")
     result = Parallelized(model, plan, cross_entropy)
+    result.moe_layers = find_structure(model).experts if precision.float8 else []
     result.layers = _layer_list(model)
     result.blocks = list(model.get_submodule(result.layers)) if result.layers else []
     if mesh is None:
@@ -286,7 +289,7 @@ def parallelize(
         apply_precision(result, precision, next(model.parameters()).device.type)
         apply_compile(result, compile)
         return result
-    _check_mesh(plan, mesh)
+    check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
     if plan.context_parallel:
         result.context = mesh.group("cp")
@@ -296,7 +299,7 @@ def parallelize(
     apply_precision(result, precision, mesh.device.type)
     apply_compile(result, compile)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
-    apply_data(result, mesh, grad_reduce_dtype, weights)
+    apply_data(result, mesh, weights)
     for line in result.report:
         logger.info(line)
     return result
@@ -308,7 +311,7 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     model, plan = result.model, result.plan
     sequence_parallel = plan.sequence_parallel
     if plan.tensor_parallel:
-        structure = _check_tensor(model, plan)
+        structure = tensor_structure(model, plan)
         tp = mesh.group("tp")
         result.report += apply_tensor_parallel(
             model, structure, tp, sequence_parallel, gather_logits, plan.expert_parallel
@@ -333,7 +336,7 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
             assembly={name: dataclasses.asdict(spec) for name, spec in specs.items()},
         )
     if plan.tensor3d_parallel:
-        structure = _check_tensor3d(model, plan)
+        structure = tensor3d_structure(model, plan)
         grid = Grid.from_mesh(mesh)
         result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
         if grid.z.size > 1:
@@ -381,15 +384,20 @@ def apply_recompute(result: Parallelized) -> None:
     result.report += recompute_blocks(result.model, layers, mode, replay)
 
 
-def apply_precision(result: Parallelized, precision: str, device_type: str) -> None:
-    """Step 4: the model's forward runs under autocast to `precision` on `device_type` (a
+def apply_precision(result: Parallelized, precision: Precision, device_type: str) -> None:
+    """Step 4: the model's forward runs under autocast to `precision.compute` on `device_type` (a
     pipeline's stages, built next, run under it too); fp16 adds a gradient scaler that agrees
     over all ranks whether any gradient overflowed."""
     result.precision = precision
-    forward_in_precision(result.model, precision, device_type)
-    result.scaler = grad_scaler(precision, device_type)
-    if precision != "fp32":
-        result.report.append(f"precision: {precision} autocast over fp32 weights")
+    forward_in_precision(result.model, precision.compute, device_type)
+    result.scaler = grad_scaler(precision.compute, device_type)
+    if precision.compute != "fp32":
+        result.report.append(f"precision: {precision.compute} autocast over fp32 weights")
+    if precision.float8:
+        within = _layers(result, "precision=fp8")
+        result.report += convert_to_float8(
+            result.model, precision.float8, within, result.moe_layers
+        )
 
 
 def apply_compile(result: Parallelized, compile: bool) -> None:
@@ -423,7 +431,7 @@ def apply_pipeline(
         result.scores,
         split_points=split_points,
         layers_per_stage=layers_per_stage,
-        precision=result.precision,
+        precision=result.precision.compute,
     )
     result.pipeline = runner
     result.model = result.module = runner.module
@@ -440,14 +448,13 @@ def apply_pipeline(
     result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
 
 
-def apply_data(
-    result: Parallelized, mesh: Mesh, reduce_dtype: str = "fp32", weights: Weights | None = None
-) -> None:
+def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None) -> None:
     """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp"); with
     dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), experts over "ep_dp" where
     they can be (`expert/shard.py`), the gradient norm counting each shard once. A meta-device
     model's pieces are read from `weights` once they are this rank's: after FSDP2 shards them,
     before DDP broadcasts them."""
+    reduce_dtype = result.precision.reduce
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
@@ -461,7 +468,7 @@ def apply_data(
             pipeline.stages if pipeline is not None else [result.model],
             result.blocks,
             mesh.data_mesh,
-            result.precision,
+            result.precision.compute,
             reduce_dtype,
             result.plan.reshard_after_forward,
             ignored=whole,
@@ -502,7 +509,7 @@ def _shard_experts(result: Parallelized, mesh: Mesh, reduce_dtype: str) -> set[n
     if reason is not None:
         result.report.append(f"experts: kept whole over ep_dp={ep_dp.size} ({reason})")
         return set(expert_parameters(result.model))
-    policy = precision_policy(result.precision, reduce_dtype)
+    policy = precision_policy(result.precision.compute, reduce_dtype)
     result.report.append(
         shard_experts(
             result.model,
@@ -539,59 +546,3 @@ def _layers(result: Parallelized, what: str) -> str:
     if result.layers is None:
         raise PlanError(f"{what}: the model has no layer list (an nn.ModuleList of blocks)")
     return result.layers
-
-
-def check_fits(model: nn.Module, plan: Plan) -> None:
-    """PlanError, naming what blocks it, if `plan`'s tensor and pipeline splits cannot run on
-    `model` (which may live on the meta device): the checks `parallelize` makes before it
-    splits anything, without a mesh, so a launcher can run them before starting ranks."""
-    if plan.tensor_parallel:
-        _check_tensor(model, plan)
-    if plan.tensor3d_parallel:
-        _check_tensor3d(model, plan)
-    if plan.pipelined:
-        check_pipelined(model, plan)
-
-
-def _check_tensor(model: nn.Module, plan: Plan) -> Structure:
-    structure = _structure(model, f"tp={plan.tp}")
-    subbatches = plan.overlap.tp_subbatches
-    check_divisible(structure, plan.tp)
-    check_expert_blocks(model, structure, plan.tp, subbatches)
-    if plan.expert_parallel and structure.expert_blocks:
-        raise PlanError(
-            f"ep={plan.ep} with tp={plan.tp} is implemented for MoE layers whose experts are whole "
-            f"modules; the fused experts of {[b.name for b in structure.expert_blocks]} would be "
-            "split by both: use ep=1 (tensor-split experts) or tp=1"
-        )
-    check_tp_overlap(structure, subbatches, plan.sequence_parallel)
-    return structure
-
-
-def _check_tensor3d(model: nn.Module, plan: Plan) -> Structure:
-    structure = _structure(model, "tp3d")
-    check_tensor3d(model, structure, plan.tp3d)  # type: ignore[arg-type]
-    return structure
-
-
-def _structure(model: nn.Module, what: str) -> Structure:
-    try:
-        return find_structure(model)
-    except ValueError as exc:
-        raise PlanError(f"{what}: {exc}") from None
-
-
-def _check_mesh(plan: Plan, mesh: Mesh) -> None:
-    """The mesh must be the plan's (`build_mesh(plan)`)."""
-    sizes = {"pp": plan.pp, "dp": plan.dp_size, "cp": plan.cp}
-    if plan.tp3d is not None:
-        sizes |= dict(zip(("tp_x", "tp_y", "tp_z"), plan.tp3d, strict=True))
-    else:
-        sizes["tp"] = plan.tp
-    for name, size in sizes.items():
-        have = mesh.size(name) if name in mesh.dims else 1
-        if have != size:
-            raise PlanError(
-                f"plan {name}={size} but the mesh's {name} group has {have} ranks; build the "
-                "mesh from the same plan (build_mesh(plan))"
-            )

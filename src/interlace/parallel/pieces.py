@@ -25,15 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from interlace.checkpoint import Storage
 from interlace.comm import Group
 from interlace.parallel.expert.fused import fused_expert_slices
+from interlace.parallel.storage import Storage
 from interlace.parallel.tensor.shard import narrow_runs, shard_runs, shard_spec
 from interlace.parallel.tensor3d.shard import Grid, full_shape3d, shard3d_runs, shard3d_spec
-from interlace.tensors import local_tensor, materialise, state_tensors
-
-Runs = list[list[tuple[int, int]]]
-"""Per dimension of a full tensor, the [start, stop) index runs a piece holds, in order."""
+from interlace.tensors import Runs, local_tensor, materialise, state_tensors
 
 
 class Weights(Protocol):

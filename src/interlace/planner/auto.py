@@ -18,7 +18,7 @@ from interlace.planner.calibrate import local_hardware
 from interlace.planner.cost import PlanCost
 from interlace.planner.hardware import Hardware
 from interlace.planner.search import explain, search
-from interlace.precision import resolve_precision
+from interlace.precision import Precision, resolve_precision
 from interlace.train_config import TrainConfig
 
 AUTO = "auto"
@@ -36,7 +36,8 @@ def choose_plan(
     spec = get_preset(config.model)
     if config.seq_len:
         spec = replace(spec, seq_len=config.seq_len)
-    dtype = resolve_precision(config.precision, default_device())
+    name = resolve_precision(config.precision, default_device())
+    dtype = Precision.of(name, config.fp8_recipe).compute  # fp8 priced as bf16
     ranked = search(
         spec,
         hardware,

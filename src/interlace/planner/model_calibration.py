@@ -41,6 +41,7 @@ from interlace.planner.calibrate import (
     memory_bytes,
 )
 from interlace.planner.hardware import Hardware
+from interlace.precision import Precision
 from interlace.run_folder import write_atomic
 from interlace.throughput import model_flops_per_token, synchronize
 
@@ -68,7 +69,11 @@ def measure_model_flops(
     try:
         torch.manual_seed(0)
         model = parallelize(
-            build_model(config, device=device), Plan(), None, precision=dtype, compile=compiled
+            build_model(config, device=device),
+            Plan(),
+            None,
+            precision=Precision(dtype),
+            compile=compiled,
         )
         ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), device=device)
         x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()

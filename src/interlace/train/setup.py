@@ -28,7 +28,7 @@ from interlace.models.config import GPTConfig
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.data.apply import check_reduce_dtype
-from interlace.parallel.parallelize import check_fits
+from interlace.parallel.fits import check_fits
 from interlace.parallel.pieces import Weights
 from interlace.parallel.pipeline.layout import check_split
 from interlace.plan import Plan

@@ -37,10 +37,11 @@ from interlace.errors import NonFiniteError, OutputError
 from interlace.memory import MEASURED_STEP, measure_step
 from interlace.mesh import Mesh, data_group_name, default_device
 from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step, skip_if_nonfinite
-from interlace.optim import build_optimizer, lr_at, reads_amp_hooks
+from interlace.optim import build_optimizer, lr_at
 from interlace.parallel.parallelize import parallelize
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.planner.cost import plan_memory
+from interlace.precision import Precision, reads_amp_hooks
 from interlace.profiling import PROFILE_FOLDER, StepProfiler, profile_window
 from interlace.report import METRICS, read_metrics, summarize, write_report
 from interlace.run_folder import holds_checkpoint, remove_stale
@@ -88,15 +89,16 @@ class Trainer:
         self.accum = self.config.accumulation(self.dp_size)
         torch.manual_seed(self.config.seed)  # the same initial weights on every rank
         model, weights = model_to_split(setup, mesh, self.device)
+        reduce = self.config.grad_reduce_dtype
+        self.precision = Precision.of(setup.precision, self.config.fp8_recipe, reduce)
         self.parallel = parallelize(
             model,
             self.plan,
             mesh,
             split_points=self.config.split_points or None,
             layers_per_stage=self.config.layers_per_stage or None,
-            precision=setup.precision,
+            precision=self.precision,
             compile=setup.compile,
-            grad_reduce_dtype=self.config.grad_reduce_dtype,
             weights=weights,
         )
         self.model = self.parallel.model  # this rank's parameters, under the full model's names
@@ -120,7 +122,7 @@ class Trainer:
         )
         self.flops_per_token = model_flops_per_token(setup.model_config)
         self.peak_tflops = self.config.peak_tflops or device_peak_tflops(
-            self.device, setup.precision
+            self.device, self.precision.compute
         )
         self._retries_before = allocator_retries(self.device) or 0  # this run's own, in rows
 
@@ -344,7 +346,7 @@ class Trainer:
             self.plan,
             self.setup.model_config,
             rows,
-            self.setup.precision,
+            self.precision.compute,
             self.config.optimizer_state,
         )
         self.memory = {"step": row["step"], "per_rank": ranks, "predicted": predicted}

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from interlace.comm import Group
 from interlace.errors import PlanError
+from interlace.matmul import PLAIN, Matmul
 from interlace.moe.balance import Balancer
 from interlace.moe.gating import Routing
 from interlace.moe.grouped import grouped_mlp
@@ -43,6 +43,9 @@ from interlace.parallel.expert.layer import ExpertParallelMoE
 class FusedExpert(nn.Module):
     """One expert of a fused experts module: x [n, d] → down · (act(gate · x) ⊙ (up · x)) [n, d],
     with parameters `<gate_up_name>` [2F, d] (gate rows, then up rows) and `<down_name>` [d, F]."""
+
+    matmul: Matmul = PLAIN
+    """Computes the products (`interlace.matmul`); a converter may set another."""
 
     def __init__(
         self,
@@ -60,7 +63,7 @@ class FusedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] → [n, d]."""
         gate_up, down = (getattr(self, name) for name in self.names)
-        return F.linear(self.glu(F.linear(x, gate_up)), down)
+        return self.matmul.linear(self.glu(self.matmul.linear(x, gate_up)), down)
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) ⊙ up of the hidden [n, 2F] (gate columns, then up columns) → [n, F]."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from interlace.comm import Group
 from interlace.errors import PlanError
+from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.tensor.comm import (
     copy_to_tp,
     gather_last_dim,
@@ -53,6 +54,9 @@ class RowParallelLinear(nn.Module):
     reduce-scattered along the sequence: output [B, T/p, out].
     """
 
+    matmul: Matmul = PLAIN
+    """Computes the products (`interlace.matmul`); a converter may set another."""
+
     def __init__(
         self,
         weight: nn.Parameter,
@@ -71,7 +75,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in/p] → [..., out] (sequence parallel: [B, T, in/p] → [B, T/p, out])."""
-        partial = F.linear(x, self.weight.t() if self.conv1d else self.weight)
+        partial = self.matmul.linear(x, self.weight.t() if self.conv1d else self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, self.group, replayed_reduce_scatter)
         else:
@@ -125,6 +129,9 @@ class VocabParallelHead(nn.Module):
     """LM head x [..., d] → logits for this rank's vocabulary rows [..., V/p], or all of them
     [..., V] with `gather_output`. `weight` [V/p, d] may be the embedding's own Parameter."""
 
+    matmul: Matmul = PLAIN
+    """Computes the products (`interlace.matmul`); a converter may set another."""
+
     def __init__(
         self,
         weight: nn.Parameter,
@@ -146,7 +153,7 @@ class VocabParallelHead(nn.Module):
         """[..., d] → [..., V/p] (or [..., V] when gathering)."""
         if not self.sequence_parallel:  # sequence parallel: the final norm's gather did it
             x = enter_tp(x, self.group)
-        logits = F.linear(x, self.weight, self.bias)
+        logits = self.matmul.linear(x, self.weight, self.bias)
         return gather_last_dim(logits, self.group) if self.gather_output else logits
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from interlace import comm
 from interlace.comm import Group
+from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.tensor.comm import gather_last_dim
 from interlace.precision import autocast_in_force, compute_dtype
 
@@ -96,7 +97,7 @@ def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _Linear3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook, gather):
+    def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook, gather, matmul):
         ctx.save_for_backward(x)
         # the parameter itself, not a saved tensor: activation checkpointing hands back saved
         # tensors detached, and the Z reduce-scatter adds dW to this parameter's `.grad`
@@ -104,9 +105,10 @@ class _Linear3D(torch.autograd.Function):
         ctx.groups = (in_group, out_group, z)
         ctx.block_grad_hook = block_grad_hook
         ctx.gather = gather
+        ctx.matmul = matmul
         ctx.autocast = autocast_in_force(x.device.type)
         block = gather_weight(weight, z) if gather is None else gather()
-        return _summed(torch.matmul(x, block.t()), in_group)
+        return _summed(matmul.output(x, block), in_group)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -118,13 +120,13 @@ class _Linear3D(torch.autograd.Function):
         (x,), weight = ctx.saved_tensors, ctx.weight
         _, out_group, z = ctx.groups
         block = gather_weight(weight, z) if ctx.gather is None else ctx.gather()
-        grad_x = torch.matmul(grad_out, block)
+        grad_x = ctx.matmul.input_grad(grad_out, block)
         work = None
         if out_group.size > 1:
             work = comm.all_reduce(grad_x, out_group, async_op=True)
         grad_w = None
         if weight.requires_grad:  # overlaps the dX all-reduce
-            grad_w = grad_out.flatten(0, -2).t().matmul(x.flatten(0, -2))
+            grad_w = ctx.matmul.weight_grad(grad_out, x)
             if ctx.block_grad_hook is not None:
                 grad_w = ctx.block_grad_hook(grad_w)
             if z.size > 1:
@@ -132,7 +134,7 @@ class _Linear3D(torch.autograd.Function):
                 grad_w = None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def linear3d(
@@ -143,14 +145,16 @@ def linear3d(
     z: Group,
     block_grad_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     gather: Callable[[], torch.Tensor] | None = None,
+    matmul: Matmul = PLAIN,
 ) -> torch.Tensor:
     """x [..., in/|in_group|] (this rank's input features and tokens) and this rank's weight
-    piece [out/(|out_group|·z), in/|in_group|] → O [..., out/|out_group|], summed over
-    `in_group` (no bias). `block_grad_hook` maps the gradient of the whole block
-    [out/|out_group|, in/|in_group|] before its Z reduce-scatter. `gather` returns the whole
-    block [out/|out_group|, in/|in_group|] each time forward or backward needs it (default: a
-    synchronous all-gather of `weight` over Z). See the module docstring."""
-    return _Linear3D.apply(x, weight, in_group, out_group, z, block_grad_hook, gather)
+        piece [out/(|out_group|·z), in/|in_group|] → O [..., out/|out_group|], summed over
+        `in_group` (no bias). `block_grad_hook` maps the gradient of the whole block
+        [out/|out_group|, in/|in_group|] before its Z reduce-scatter. `gather` returns the whole
+        block [out/|out_group|, in/|in_group|] each time forward or backward needs it (default: a
+        synchronous all-gather of `weight` over Z). `matmul` computes the three products
+    (`interlace.matmul`). See the module docstring."""
+    return _Linear3D.apply(x, weight, in_group, out_group, z, block_grad_hook, gather, matmul)
 
 
 class _SplitLastDim(torch.autograd.Function):

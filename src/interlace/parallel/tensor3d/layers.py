@@ -8,6 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.detect import linear_shape
 from interlace.parallel.tensor.shard import ShardSpec, replica_sum_hook
 from interlace.parallel.tensor3d.comm import (
@@ -33,6 +34,9 @@ class Linear3D(nn.Module):
     (fused q|k|v; kv heads held by `replicas` ranks, their gradients summed over them).
     `prefetcher` (set by `apply_tensor3d` when z > 1) serves its Z all-gathers one layer ahead.
     """
+
+    matmul: Matmul = PLAIN
+    """Computes the products (`interlace.matmul`); a converter may set another."""
 
     def __init__(
         self,
@@ -62,7 +66,14 @@ class Linear3D(nn.Module):
         """[..., in/|in_group|] → [..., out/|out_group|]."""
         gather = None if self.prefetcher is None else self.gather_block
         y = linear3d(
-            x, self.weight, self.in_group, self.out_group, self.z, self.block_grad_hook, gather
+            x,
+            self.weight,
+            self.in_group,
+            self.out_group,
+            self.z,
+            self.block_grad_hook,
+            gather,
+            self.matmul,
         )
         return y if self.bias is None else y + self.bias
 
