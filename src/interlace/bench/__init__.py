@@ -29,6 +29,7 @@ REGISTRY: dict[str, str] = {
     "memory": "interlace.bench.memory",
     "restart": "interlace.bench.restart",
     "cp": "interlace.bench.cp",
+    "precision": "interlace.bench.precision",
 }
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,6 +117,11 @@ class Parallelized:
     that are one block of the full tensor their place in it (mesh and placements), so that they
     are stored as the full tensor any other split can read (where the parameter is not
     already a DTensor; the key otherwise).
+
+    What the steps add to a training step, run in the order they were added: `row_cuts`, each
+    taking this rank's part of a batch (tp3d's z rows, cp's tokens); `gradient_syncs`, the
+    reductions after a step's last backward (the data split's, the experts' over their
+    replicas); `metric_sources`, each giving entries of the step's metrics row.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
@@ -129,27 +134,22 @@ class Parallelized:
         self.report: list[str] = []
         self.storage = Storage()
         self.norm_shares: list[NormShare] = []
-        self.expert_groups: tuple[Group, Group] | None = None
-        self.experts_sharded = False  # by FSDP2 over ep_dp, which reduces their gradients
-        self.expert_tp: Group | None = None  # ep × tp: its ranks dispatch different tokens
+        self.expert_groups: tuple[Group, Group, Group | None] | None = None  # ep, ep_dp, tp
         self.pipeline: PipelineRunner | None = None
         self.data: DataParallel | ShardedDataParallel | None = None
-        self.z: Group | None = None
-        self.context: Group | None = None
+        self.row_cuts: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        self.gradient_syncs: list[Callable[[], None]] = []
+        self.metric_sources: list[Callable[[], dict[str, Any]]] = []
         self.layers: str | None = None
-        self.moe_layers: list[str] = []  # left out of float8
         self.blocks: list[nn.Module] = []
         self._grad_norm: GradNorm | None = None
-        self._expert_layers: list[ExpertParallelMoE] | None = None
 
     # ------------------------------------------------------------------ one step
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch-major tensor [B, T, ...]: its rows (tp3d: its slice
         over z) and its tokens (cp: its zig-zag share of T)."""
-        if self.z is not None:
-            batch = z_rows(batch, self.z)
-        if self.context is not None:
-            batch = shard_sequence(batch, self.context.size, self.context.rank, dim=1)
+        for cut in self.row_cuts:
+            batch = cut(batch)
         return batch
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -196,15 +196,8 @@ class Parallelized:
         """After a step's last backward: gradients averaged over the data parallel ranks where
         backward did not (no DDP), expert gradients over their replicas (sharded ones: FSDP2
         reduced them over ep_dp, and under ep × tp they are summed over tp here)."""
-        if self.data is not None:
-            self.data.sync_gradients()
-        if self.expert_groups is None:
-            return
-        _, ep_dp = self.expert_groups
-        if not self.experts_sharded:
-            reduce_expert_gradients(self.model, ep_dp, self.plan.dp_size, self.expert_tp)
-        elif self.expert_tp is not None:  # FSDP2 reduced them over ep_dp; tp's ranks too
-            reduce_expert_gradients(self.model, None, 1, self.expert_tp)
+        for sync in self.gradient_syncs:
+            sync()
 
     def clip_grad_norm_(
         self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
@@ -233,14 +226,8 @@ class Parallelized:
         """What the plan's dimensions log per step: the gradient compression ratio so far,
         each expert-parallel layer's balance summary."""
         row: dict[str, Any] = {}
-        if self.data is not None and self.data.compression is not None:
-            row["compression_ratio"] = self.data.compression.summary()["ratio"]
-        if self._expert_layers is None:
-            self._expert_layers = [
-                m for m in self.model.modules() if isinstance(m, ExpertParallelMoE)
-            ]
-        if self._expert_layers:
-            row["moe"] = [m.balance_summary() for m in self._expert_layers]
+        for source in self.metric_sources:
+            row |= source()
         return row
 
 
@@ -266,9 +253,8 @@ def parallelize(
     loss; `split_points` / `layers_per_stage` override the pipeline partitioner; `precision`:
     the number formats (`interlace.precision.Precision`: autocast's dtype, float8 linears, the
     data-parallel gradient reduction's wire dtype); `compile`: each block compiled
-    (`interlace.compile`; check the plan with `resolve_compile` first);
-    Raises
-    PlanError before modifying anything if the plan does not fit the mesh or the model.
+    (`interlace.compile`; check the plan with `resolve_compile` first). Raises PlanError
+    before modifying anything if the plan does not fit the mesh or the model.
 
     `weights`: `model` was built on the meta device and is split as such; once this rank's
     parameters are its own (after the pipeline keeps its stages and FSDP2 shards them, before
@@ -281,22 +267,23 @@ def parallelize(
     if weights is not None and mesh is None:
         raise ValueError("pieces of a meta-device model are placed on a mesh; give one")
     result = Parallelized(model, plan, cross_entropy)
-    result.moe_layers = find_structure(model).experts if precision.float8 else []
+    moe_layers = find_structure(model).experts if precision.float8 else []  # kept in bf16
     result.layers = _layer_list(model)
     result.blocks = list(model.get_submodule(result.layers)) if result.layers else []
     if mesh is None:
         apply_recompute(result)
-        apply_precision(result, precision, next(model.parameters()).device.type)
+        apply_precision(result, precision, next(model.parameters()).device.type, moe_layers)
         apply_compile(result, compile)
         return result
     check_mesh(plan, mesh)
     apply_tensor(result, mesh, gather_logits)
     if plan.context_parallel:
-        result.context = mesh.group("cp")
-        result.report += apply_context(model, result.context, plan.cp_mode)
+        cp = mesh.group("cp")
+        result.report += apply_context(model, cp, plan.cp_mode)
+        result.row_cuts.append(lambda b: shard_sequence(b, cp.size, cp.rank, dim=1))
     apply_expert(result, mesh)
     apply_recompute(result)
-    apply_precision(result, precision, mesh.device.type)
+    apply_precision(result, precision, mesh.device.type, moe_layers)
     apply_compile(result, compile)
     apply_pipeline(result, mesh, split_points, layers_per_stage)
     apply_data(result, mesh, weights)
@@ -340,7 +327,8 @@ def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
         grid = Grid.from_mesh(mesh)
         result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
         if grid.z.size > 1:
-            z = result.z = grid.z
+            z = grid.z
+            result.row_cuts.append(lambda b: z_rows(b, z))
             result.scores = lambda logits, targets: mean_over(cross_entropy(logits, targets), z)
         result.norm_shares += tensor3d_norm_shares(grid)
         grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
@@ -363,12 +351,10 @@ def apply_expert(result: Parallelized, mesh: Mesh) -> None:
         return
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance)
-    result.expert_groups = (ep, ep_dp)
-    if plan.tensor_parallel:
-        result.expert_tp = mesh.group("tp")
-        result.report += share_tokens_over_tp(
-            result.model, result.expert_tp, plan.sequence_parallel
-        )
+    tp = mesh.group("tp") if plan.tensor_parallel else None  # its ranks dispatch other tokens
+    result.expert_groups = (ep, ep_dp, tp)
+    if tp is not None:
+        result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
         result.norm_shares.append(expert_norm_share(result.model, ep))
 
@@ -384,10 +370,13 @@ def apply_recompute(result: Parallelized) -> None:
     result.report += recompute_blocks(result.model, layers, mode, replay)
 
 
-def apply_precision(result: Parallelized, precision: Precision, device_type: str) -> None:
+def apply_precision(
+    result: Parallelized, precision: Precision, device_type: str, moe_layers: list[str]
+) -> None:
     """Step 4: the model's forward runs under autocast to `precision.compute` on `device_type` (a
     pipeline's stages, built next, run under it too); fp16 adds a gradient scaler that agrees
-    over all ranks whether any gradient overflowed."""
+    over all ranks whether any gradient overflowed; fp8 gives the linear layers of the blocks
+    float8 products, those under `moe_layers` (routers, experts) excepted."""
     result.precision = precision
     forward_in_precision(result.model, precision.compute, device_type)
     result.scaler = grad_scaler(precision.compute, device_type)
@@ -395,9 +384,7 @@ def apply_precision(result: Parallelized, precision: Precision, device_type: str
         result.report.append(f"precision: {precision.compute} autocast over fp32 weights")
     if precision.float8:
         within = _layers(result, "precision=fp8")
-        result.report += convert_to_float8(
-            result.model, precision.float8, within, result.moe_layers
-        )
+        result.report += convert_to_float8(result.model, precision.float8, within, moe_layers)
 
 
 def apply_compile(result: Parallelized, compile: bool) -> None:
@@ -453,7 +440,22 @@ def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None)
     dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), experts over "ep_dp" where
     they can be (`expert/shard.py`), the gradient norm counting each shard once. A meta-device
     model's pieces are read from `weights` once they are this rank's: after FSDP2 shards them,
-    before DDP broadcasts them."""
+    before DDP broadcasts them. Then what the data and expert dimensions add to a step: their
+    gradient reductions after the last micro-batch and their metrics."""
+    experts_sharded = _apply_data_split(result, mesh, weights)
+    data = result.data
+    assert data is not None
+    result.gradient_syncs.append(data.sync_gradients)
+    if data.compression is not None:
+        ratio = data.compression.summary
+        result.metric_sources.append(lambda: {"compression_ratio": ratio()["ratio"]})
+    if result.expert_groups is not None:
+        _add_expert_steps(result, experts_sharded)
+
+
+def _apply_data_split(result: Parallelized, mesh: Mesh, weights: Weights | None) -> bool:
+    """DDP or FSDP2 around the model (`apply_data`); whether FSDP2 sharded the experts too
+    (then it reduces their gradients over ep_dp)."""
     reduce_dtype = result.precision.reduce
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
@@ -462,7 +464,7 @@ def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None)
         pipeline = result.pipeline
         overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
         replicas = mesh.group(data_group_name(result.plan))  # every rank of the sharding
-        whole = _shard_experts(result, mesh, reduce_dtype)
+        whole, experts_sharded = _shard_experts(result, mesh, reduce_dtype)
         result.data = apply_fully_shard(
             result.model,
             pipeline.stages if pipeline is not None else [result.model],
@@ -479,7 +481,7 @@ def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None)
         if pipeline is not None:
             pipeline.rebind_parameters()
         plan = result.plan
-        holders = 1 if result.experts_sharded else plan.dp_size // plan.ep
+        holders = 1 if experts_sharded else plan.dp_size // plan.ep
         experts = expert_parameters(result.model)
         result.norm_shares.append(sharded_norm_share(replicas, plan.dp, experts, holders))
         over = f" × cp={plan.cp}" if plan.context_parallel else ""
@@ -488,27 +490,47 @@ def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None)
             f"{result.plan.dp_shard}{over} (FSDP2"
             + (f", replicated over dp={result.plan.dp})" if result.plan.dp > 1 else ")")
         )
-        return
+        return experts_sharded
     _load(result, mesh, weights)
     skip = expert_parameter_names(result.model)
     result.data = apply_data_parallel(
         result.model, result.plan, mesh.group(data_group_name(result.plan)), skip, reduce_dtype
     )
     result.module = result.data.module
+    return False
 
 
-def _shard_experts(result: Parallelized, mesh: Mesh, reduce_dtype: str) -> set[nn.Parameter]:
+def _add_expert_steps(result: Parallelized, experts_sharded: bool) -> None:
+    """After the data step: expert gradients reduced over their replicas (FSDP2 did it over
+    ep_dp for sharded experts; under ep × tp they are summed over tp here), and each
+    expert-parallel layer's balance summary as a metric."""
+    assert result.expert_groups is not None
+    _, ep_dp, tp = result.expert_groups
+    model = result.model
+    if not experts_sharded:
+        dp_size = result.plan.dp_size
+        result.gradient_syncs.append(lambda: reduce_expert_gradients(model, ep_dp, dp_size, tp))
+    elif tp is not None:
+        result.gradient_syncs.append(lambda: reduce_expert_gradients(model, None, 1, tp))
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    result.metric_sources.append(lambda: {"moe": [m.balance_summary() for m in layers]})
+
+
+def _shard_experts(
+    result: Parallelized, mesh: Mesh, reduce_dtype: str
+) -> tuple[set[nn.Parameter], bool]:
     """Under sharded data parallelism, the experts sharded over their ep_dp group where they
     can be (`shard_experts`), else reported as kept whole; returns the expert parameters the
-    rest of the model's sharding must leave alone (those kept whole)."""
+    rest of the model's sharding must leave alone (those kept whole) and whether they were
+    sharded."""
     if result.expert_groups is None:
-        return set()
-    _, ep_dp = result.expert_groups
+        return set(), False
+    _, ep_dp, _ = result.expert_groups
     plan = result.plan
     reason = replicated_because(plan, ep_dp.size)
     if reason is not None:
         result.report.append(f"experts: kept whole over ep_dp={ep_dp.size} ({reason})")
-        return set(expert_parameters(result.model))
+        return set(expert_parameters(result.model)), False
     policy = precision_policy(result.precision.compute, reduce_dtype)
     result.report.append(
         shard_experts(
@@ -520,8 +542,7 @@ def _shard_experts(result: Parallelized, mesh: Mesh, reduce_dtype: str) -> set[n
             plan.reshard_after_forward,
         )
     )
-    result.experts_sharded = True
-    return set()
+    return set(), True
 
 
 def _load(result: Parallelized, mesh: Mesh, weights: Weights | None) -> None:
