@@ -18,7 +18,8 @@ from helpers import TINY_RUN
 from hf_models import needs_hf, saved_tiny_model, tiny_hf_model, transformers
 from interlace.mesh import build_mesh
 from interlace.models import hf, hf_weights
-from interlace.parallel.parallelize import Parallelized, parallelize
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.tensor.shard import shard_spec
 from interlace.parallel.tensor3d.shard import shard3d_spec
 from interlace.plan import Plan

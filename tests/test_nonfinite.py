@@ -17,7 +17,7 @@ from interlace.checkpoint import checkpoint_name
 from interlace.cli import main
 from interlace.mesh import build_mesh
 from interlace.nonfinite import NonFiniteGuard
-from interlace.parallel.parallelize import Parallelized
+from interlace.parallel.parallelized import Parallelized
 from interlace.plan import Plan
 from interlace.precision import reads_amp_hooks
 from interlace.tensors import local_tensor

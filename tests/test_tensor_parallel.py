@@ -26,7 +26,8 @@ from interlace.models.gpt import CausalSelfAttention, build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
 from interlace.parallel.grad_norm import grad_norm
-from interlace.parallel.parallelize import Parallelized, parallelize
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.tensor.apply import apply_tensor_parallel, check_divisible
 from interlace.parallel.tensor.shard import gather_full, shard_of, shard_spec, tensor_norm_share
 from interlace.plan import Plan

@@ -21,7 +21,8 @@ from interlace.mesh import build_mesh
 from interlace.models.gpt import build_model
 from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
-from interlace.parallel.parallelize import Parallelized, parallelize
+from interlace.parallel.parallelize import parallelize
+from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.tensor import interleave as tp_interleave
 from interlace.parallel.tensor import overlap
 from interlace.parallel.tensor import reduction as tp_reduction

@@ -1,17 +1,23 @@
 """`parallelize(model, plan, mesh)`: a model in its parallel form for a Plan, and everything the
 training loop needs to run it.
 
-Every plan goes through the same steps in the same order, each one `apply_*` of its dimension:
+Every plan goes through the same steps in the same order; a dimension's step lives in its
+package and writes what it adds to a training step into the one `Parallelized` result
+(`parallel/parallelized.py`):
 
-    1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/
-                or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/
-       context  (`cp`: ring attention, zig-zag positions)      parallel/context/
-    2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/
-    3. recompute (`recompute`: every block, when no pipeline)     interlace/recompute.py
-    4. precision (`precision`: bf16, fp16 or fp32)                interlace/precision.py
-    5. compile  (`compile`: each block `torch.compile`d)          interlace/compile.py
-    6. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/
-    7. data     (`dp`, `dp_overlap`, `grad_compression`)         parallel/data/
+    1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/step.py
+                or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/step.py
+       context  (`cp`: ring attention, zig-zag positions)      parallel/context/step.py
+    2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    here, `apply_expert`
+    3. recompute (`recompute`: every block, when no pipeline)     here, interlace/recompute.py
+    4. precision (`precision`: bf16, fp16, fp32, fp8)             here, interlace/precision.py
+    5. compile  (`compile`: each block `torch.compile`d)          here, interlace/compile.py
+    6. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/step.py
+    7. data     (`dp`, `dp_overlap`, `grad_compression`)         here, `apply_data`
+
+The expert and data steps stay here because they compose: FSDP2 shards the experts over their
+own replicas before the rest of the model, and their gradient reductions follow the data
+split's; the pipeline's stages link their expert layers here too.
 
 Steps 1 and 2 change the model in place; 3 makes each block recompute its activations in
 backward (a pipeline's stages choose their own checkpointed blocks instead); 4 runs the model's
@@ -33,26 +39,20 @@ module, what was split and what was left replicated and why.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import torch
 from torch import nn
 
-from interlace.comm import Group
 from interlace.compile import compile_blocks, compile_loss, uncompilable
 from interlace.errors import PlanError
 from interlace.float8 import convert_to_float8
-from interlace.loss import CrossEntropy, causal_lm_loss, cross_entropy
+from interlace.loss import cross_entropy
 from interlace.mesh import Mesh, data_group_name
-from interlace.parallel.context.apply import apply_context
-from interlace.parallel.context.zigzag import shard_sequence
-from interlace.parallel.data.apply import DataParallel, apply_data_parallel, check_reduce_dtype
+from interlace.parallel.context.step import context_step
+from interlace.parallel.data.apply import apply_data_parallel, check_reduce_dtype
 from interlace.parallel.data.fsdp import (
-    ShardedDataParallel,
     apply_fully_shard,
     overlaps_reduce_scatter,
     precision_policy,
@@ -75,160 +75,18 @@ from interlace.parallel.expert.groups import build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.rules import replicated_because
 from interlace.parallel.expert.shard import shard_experts
-from interlace.parallel.fits import check_mesh, tensor3d_structure, tensor_structure
-from interlace.parallel.grad_norm import GradNorm, NormShare
+from interlace.parallel.fits import check_mesh
+from interlace.parallel.parallelized import Parallelized, layer_list
 from interlace.parallel.pieces import Weights, load_pieces
-from interlace.parallel.pipeline.runner import PipelineRunner
-from interlace.parallel.storage import Storage
-from interlace.parallel.tensor.apply import apply_tensor_parallel
-from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
-from interlace.parallel.tensor.overlap import apply_tp_overlap
-from interlace.parallel.tensor.shard import (
-    parameters_split_by,
-    sharded_parameter_names,
-    tensor_layouts,
-    tensor_norm_share,
-)
-from interlace.parallel.tensor3d.apply import apply_tensor3d, z_rows
-from interlace.parallel.tensor3d.comm import mean_over
-from interlace.parallel.tensor3d.shard import (
-    Grid,
-    shard3d_keys,
-    shard3d_spec,
-    tensor3d_layouts,
-    tensor3d_norm_shares,
-)
+from interlace.parallel.pipeline.step import pipeline_step
+from interlace.parallel.tensor.step import tensor_step
+from interlace.parallel.tensor3d.shard import Grid
+from interlace.parallel.tensor3d.step import tensor3d_step
 from interlace.plan import Plan
-from interlace.precision import FP32, Precision, forward_in_precision, grad_scaler, scaled_step
+from interlace.precision import FP32, Precision, forward_in_precision, grad_scaler
 from interlace.recompute import recompute_blocks
 
 logger = logging.getLogger("interlace.parallel")
-
-
-class Parallelized:
-    """A model split by `parallelize`, with what the training loop needs to run it.
-
-    `model`: this rank's part under the full model's parameter names (a pipeline rank's stages),
-    for the optimizer and checkpoints. `module`: what to call (`model`, or its DDP wrapper).
-    `report`: one line per split module. `layers`: the name of the model's list of blocks, if
-    it has one, and `blocks` the blocks themselves (the same modules after every step).
-    `storage`: how checkpoints name and place this rank's pieces (`parallel.storage.Storage`):
-    a key per piece that differs between ranks of a split (`.tp1`, `.x0.y1`), and for the pieces
-    that are one block of the full tensor their place in it (mesh and placements), so that they
-    are stored as the full tensor any other split can read (where the parameter is not
-    already a DTensor; the key otherwise).
-
-    What the steps add to a training step, run in the order they were added: `row_cuts`, each
-    taking this rank's part of a batch (tp3d's z rows, cp's tokens); `gradient_syncs`, the
-    reductions after a step's last backward (the data split's, the experts' over their
-    replicas); `metric_sources`, each giving entries of the step's metrics row.
-    """
-
-    def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
-        self.model = model
-        self.precision = FP32
-        self.scaler: torch.amp.GradScaler | None = None
-        self.module = model
-        self.plan = plan
-        self.scores = scores
-        self.report: list[str] = []
-        self.storage = Storage()
-        self.norm_shares: list[NormShare] = []
-        self.expert_groups: tuple[Group, Group, Group | None] | None = None  # ep, ep_dp, tp
-        self.pipeline: PipelineRunner | None = None
-        self.data: DataParallel | ShardedDataParallel | None = None
-        self.row_cuts: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        self.gradient_syncs: list[Callable[[], None]] = []
-        self.metric_sources: list[Callable[[], dict[str, Any]]] = []
-        self.layers: str | None = None
-        self.blocks: list[nn.Module] = []
-        self._grad_norm: GradNorm | None = None
-
-    # ------------------------------------------------------------------ one step
-    def rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a batch-major tensor [B, T, ...]: its rows (tp3d: its slice
-        over z) and its tokens (cp: its zig-zag share of T)."""
-        for cut in self.row_cuts:
-            batch = cut(batch)
-        return batch
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of this rank's logits against its targets [b, T]: mean cross-entropy (over
-        the split vocabulary, the mean over tp3d's z) plus the model's auxiliary loss."""
-        return causal_lm_loss(logits, targets, self.model, self.scores)
-
-    def forward_backward(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        loss_scale: float | torch.Tensor = 1.0,
-        sync: bool = True,
-    ) -> torch.Tensor:
-        """Forward and backward of token ids x [B, T] against targets y [B, T] (this rank's
-        data-parallel rows); gradients of `loss_scale` · loss accumulate in `.grad`. `sync` on
-        the last micro-batch of a step (data parallel reduction, tied embeddings). Returns the
-        loss, detached, equal on every rank of the model-parallel groups. Under fp16 the
-        gradients are those of the loss times the gradient scaler's scale until
-        `clip_grad_norm_` unscales them."""
-        if self.scaler is not None:
-            loss_scale = self.scaler.scale(torch.tensor(loss_scale, device=x.device))
-        if self.pipeline is not None:
-            step = self.pipeline.step(self.rows(x), self.rows(y), loss_scale=loss_scale, sync=sync)
-            return step.detach()
-        if not self.module.training:  # after `evaluate` (walking every module costs each step)
-            self.module.train()
-        deferred = self.data.no_sync() if self.data is not None and not sync else None
-        with deferred or contextlib.nullcontext():
-            loss = self.loss(self.module(self.rows(x)), self.rows(y))
-            (loss * loss_scale).backward()
-        return loss.detach()
-
-    @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean loss of x [B, T] against y [B, T], forward only (B a multiple of
-        `plan.batch_rows_unit`)."""
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(self.rows(x), self.rows(y))
-        self.model.eval()
-        return self.loss(self.model(self.rows(x)), self.rows(y))
-
-    def sync_gradients(self) -> None:
-        """After a step's last backward: gradients averaged over the data parallel ranks where
-        backward did not (no DDP), expert gradients over their replicas (sharded ones: FSDP2
-        reduced them over ep_dp, and under ep × tp they are summed over tp here)."""
-        for sync in self.gradient_syncs:
-            sync()
-
-    def clip_grad_norm_(
-        self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
-    ) -> torch.Tensor:
-        """Clip to `max_norm` by the whole model's gradient norm, counted once over every split;
-        returns that norm before clipping (equal on every rank). Under fp16 `optimizer`'s
-        gradients are first divided by the scaler's scale (required then). Otherwise a fused
-        `optimizer` applies the clip coefficient in its next step (`GradNorm.clip_`)."""
-        if self.scaler is not None:
-            if optimizer is None:
-                raise ValueError("fp16: clip_grad_norm_ needs the optimizer to unscale")
-            self.scaler.unscale_(optimizer)
-        if self._grad_norm is None:  # the split is final once a step runs
-            self._grad_norm = GradNorm(self.model.parameters(), self.norm_shares)
-        return self._grad_norm.clip_(max_norm, optimizer if self.scaler is None else None)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer.step()`; under fp16 through the gradient scaler, which skips the step on
-        every rank when any rank's gradients overflowed, and adapts its scale."""
-        if self.scaler is None:
-            optimizer.step()
-        else:
-            scaled_step(self.scaler, optimizer)
-
-    def metrics(self) -> dict[str, Any]:
-        """What the plan's dimensions log per step: the gradient compression ratio so far,
-        each expert-parallel layer's balance summary."""
-        row: dict[str, Any] = {}
-        for source in self.metric_sources:
-            row |= source()
-        return row
 
 
 def parallelize(
@@ -276,70 +134,24 @@ def parallelize(
         apply_compile(result, compile)
         return result
     check_mesh(plan, mesh)
-    apply_tensor(result, mesh, gather_logits)
+    if plan.tensor_parallel:
+        tensor_step(result, mesh, gather_logits)
+    if plan.tensor3d_parallel:
+        tensor3d_step(result, mesh)
     if plan.context_parallel:
-        cp = mesh.group("cp")
-        result.report += apply_context(model, cp, plan.cp_mode)
-        result.row_cuts.append(lambda b: shard_sequence(b, cp.size, cp.rank, dim=1))
+        context_step(result, mesh)
     apply_expert(result, mesh)
     apply_recompute(result)
     apply_precision(result, precision, mesh.device.type, moe_layers)
     apply_compile(result, compile)
-    apply_pipeline(result, mesh, split_points, layers_per_stage)
+    if plan.pipelined:
+        pipeline_step(result, mesh, split_points, layers_per_stage)
+        if plan.expert_parallel:
+            link_within(result.pipeline.stages)  # Trans is issued ahead within a stage only
     apply_data(result, mesh, weights)
     for line in result.report:
         logger.info(line)
     return result
-
-
-def apply_tensor(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
-    """Step 1: 1D tensor parallelism over "tp" (with sub-batch overlap), or 3D over
-    "tp_x", "tp_y", "tp_z"; sets the loss's scorer and the norm's shares."""
-    model, plan = result.model, result.plan
-    sequence_parallel = plan.sequence_parallel
-    if plan.tensor_parallel:
-        structure = tensor_structure(model, plan)
-        tp = mesh.group("tp")
-        result.report += apply_tensor_parallel(
-            model, structure, tp, sequence_parallel, gather_logits, plan.expert_parallel
-        )
-        result.report += apply_tp_overlap(
-            model,
-            structure,
-            plan.overlap.tp_subbatches,
-            sequence_parallel,
-            plan.overlap.tp_block_boundary,
-        )
-        if not gather_logits:
-            result.scores = lambda logits, targets: vocab_parallel_cross_entropy(
-                logits, targets, tp
-            )
-        result.norm_shares.append(tensor_norm_share(tp))
-        tp_mesh = mesh.device_mesh["tp"]
-        specs = sharded_parameter_names(model)
-        result.storage = Storage(
-            keys={name: f"{name}.tp{tp.rank}" for name in specs},
-            layouts={name: (tp_mesh, p) for name, p in tensor_layouts(model, tp_mesh).items()},
-            assembly={name: dataclasses.asdict(spec) for name, spec in specs.items()},
-        )
-    if plan.tensor3d_parallel:
-        structure = tensor3d_structure(model, plan)
-        grid = Grid.from_mesh(mesh)
-        result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
-        if grid.z.size > 1:
-            z = grid.z
-            result.row_cuts.append(lambda b: z_rows(b, z))
-            result.scores = lambda logits, targets: mean_over(cross_entropy(logits, targets), z)
-        result.norm_shares += tensor3d_norm_shares(grid)
-        grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
-        result.storage = Storage(
-            keys=shard3d_keys(model, grid),
-            layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
-            assembly={
-                name: dataclasses.asdict(spec)
-                for name, spec in parameters_split_by(model, shard3d_spec).items()
-            },
-        )
 
 
 def apply_expert(result: Parallelized, mesh: Mesh) -> None:
@@ -365,7 +177,7 @@ def apply_recompute(result: Parallelized) -> None:
     mode = result.plan.recompute
     if mode == "none" or result.plan.pipelined:
         return
-    layers = _layers(result, f"recompute={mode}")
+    layers = layer_list(result, f"recompute={mode}")
     replay = result.plan.tensor_parallel  # the replay context keeps torch.compile out
     result.report += recompute_blocks(result.model, layers, mode, replay)
 
@@ -383,7 +195,7 @@ def apply_precision(
     if precision.compute != "fp32":
         result.report.append(f"precision: {precision.compute} autocast over fp32 weights")
     if precision.float8:
-        within = _layers(result, "precision=fp8")
+        within = layer_list(result, "precision=fp8")
         result.report += convert_to_float8(result.model, precision.float8, within, moe_layers)
 
 
@@ -395,44 +207,9 @@ def apply_compile(result: Parallelized, compile: bool) -> None:
     reason = uncompilable(result.plan)
     if reason is not None:
         raise PlanError(f"compiled blocks cannot run with {reason}; leave compile off")
-    result.report += compile_blocks(result.model, _layers(result, "compile"), result.plan)
+    result.report += compile_blocks(result.model, layer_list(result, "compile"), result.plan)
     result.scores, lines = compile_loss(result.scores)
     result.report += lines
-
-
-def apply_pipeline(
-    result: Parallelized,
-    mesh: Mesh,
-    split_points: Sequence[str] | None,
-    layers_per_stage: Sequence[int] | None,
-) -> None:
-    """Step 6: keep this rank's pipeline stages over "pp"; the model becomes those stages
-    (expert-parallel layers issue each other's transfers within a stage only)."""
-    plan = result.plan
-    if not plan.pipelined:
-        return
-    runner = PipelineRunner(
-        result.model,
-        plan,
-        mesh,
-        result.scores,
-        split_points=split_points,
-        layers_per_stage=layers_per_stage,
-        precision=result.precision.compute,
-    )
-    result.pipeline = runner
-    result.model = result.module = runner.module
-    link_within(runner.stages)  # Trans is issued ahead within a stage only
-    result.norm_shares.append(runner.norm_share())
-    held = dict(runner.module.named_parameters(remove_duplicate=False))
-    storage = result.storage
-    result.storage = Storage(
-        aliases=runner.checkpoint_aliases(),
-        keys={n: k for n, k in storage.keys.items() if n in held},
-        layouts={n: layout for n, layout in storage.layouts.items() if n in held},
-        assembly={n: spec for n, spec in storage.assembly.items() if n in held},
-    )
-    result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")
 
 
 def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None) -> None:
@@ -460,7 +237,7 @@ def _apply_data_split(result: Parallelized, mesh: Mesh, weights: Weights | None)
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
-        _layers(result, f"dp_shard={result.plan.dp_shard}")  # FSDP shards block by block
+        layer_list(result, f"dp_shard={result.plan.dp_shard}")  # FSDP shards block by block
         pipeline = result.pipeline
         overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
         replicas = mesh.group(data_group_name(result.plan))  # every rank of the sharding
@@ -561,9 +338,3 @@ def _layer_list(model: nn.Module) -> str | None:
         return find_structure(model).layers
     except ValueError:
         return None
-
-
-def _layers(result: Parallelized, what: str) -> str:
-    if result.layers is None:
-        raise PlanError(f"{what}: the model has no layer list (an nn.ModuleList of blocks)")
-    return result.layers

@@ -30,6 +30,7 @@ layer ahead, and `start_gather` is the async all-gather it issues.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -41,27 +42,21 @@ from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.tensor.comm import gather_last_dim
 from interlace.precision import autocast_in_force, compute_dtype
 
-_pending: list[tuple[dist.Work, torch.Tensor, torch.nn.Parameter]] = []
-"""Weight gradients being reduce-scattered over Z: (work, output buffer, parameter)."""
-
-
-def _finish_weight_gradients() -> None:
-    """Wait for every pending Z reduce-scatter and add its result to its parameter's `.grad`."""
-    while _pending:
-        work, shard, param = _pending.pop(0)
-        work.wait()
-        param.grad = shard if param.grad is None else param.grad.add_(shard)
-
 
 def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z: Group) -> None:
     """Start the async reduce-scatter of a full block gradient `grad` [rows, cols] over Z into
-    the gradient of `param` [rows/z, cols], finished at the end of this backward pass."""
+    the gradient of `param` [rows/z, cols], added to it when this backward pass ends."""
     shard = torch.empty_like(param)
     work = comm.reduce_scatter(shard, grad.to(param.dtype).contiguous(), z, async_op=True)
     assert work is not None
-    if not _pending:
-        torch.autograd.Variable._execution_engine.queue_callback(_finish_weight_gradients)
-    _pending.append((work, shard, param))
+    finish = functools.partial(_add_reduced_gradient, work, shard, param)
+    torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+
+def _add_reduced_gradient(work: dist.Work, shard: torch.Tensor, param: torch.nn.Parameter) -> None:
+    """Wait for a Z reduce-scatter and add its result `shard` to `param`'s `.grad`."""
+    work.wait()
+    param.grad = shard if param.grad is None else param.grad.add_(shard)
 
 
 def _gathered(shard: torch.Tensor, z: Group, async_op: bool):

@@ -1,0 +1,46 @@
+"""What 3D tensor parallelism adds to `parallelize` (step 1): the split, and its share of each
+step (rows over z, loss averaged over z, gradient norm, checkpoint layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from interlace.loss import cross_entropy
+from interlace.mesh import Mesh
+from interlace.parallel.fits import tensor3d_structure
+from interlace.parallel.parallelized import Parallelized
+from interlace.parallel.storage import Storage
+from interlace.parallel.tensor.shard import parameters_split_by
+from interlace.parallel.tensor3d.apply import apply_tensor3d, z_rows
+from interlace.parallel.tensor3d.comm import mean_over
+from interlace.parallel.tensor3d.shard import (
+    Grid,
+    shard3d_keys,
+    shard3d_spec,
+    tensor3d_layouts,
+    tensor3d_norm_shares,
+)
+
+
+def tensor3d_step(result: Parallelized, mesh: Mesh) -> None:
+    """Step 1 of `parallelize` under `tp3d`: 3D tensor parallelism over "tp_x", "tp_y",
+    "tp_z"; with z > 1 each rank's rows of a batch and the loss averaged over z, the norm's
+    shares and the checkpoint layout of the split parameters."""
+    model, plan = result.model, result.plan
+    structure = tensor3d_structure(model, plan)
+    grid = Grid.from_mesh(mesh)
+    result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
+    if grid.z.size > 1:
+        z = grid.z
+        result.row_cuts.append(lambda b: z_rows(b, z))
+        result.scores = lambda logits, targets: mean_over(cross_entropy(logits, targets), z)
+    result.norm_shares += tensor3d_norm_shares(grid)
+    grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
+    result.storage = Storage(
+        keys=shard3d_keys(model, grid),
+        layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
+        assembly={
+            name: dataclasses.asdict(spec)
+            for name, spec in parameters_split_by(model, shard3d_spec).items()
+        },
+    )
