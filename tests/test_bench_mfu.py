@@ -7,7 +7,7 @@ import torch
 from interlace.bench import get_benchmark, mfu_estimate
 from interlace.bench.mfu import _afresh
 from interlace.bench.mfu_estimate import EFFICIENCY, model_costs
-from interlace.bench.mfu_runs import batches, dense_equivalent, shape
+from interlace.bench.mfu_runs import batches, dense_equivalent, mode_precision, modes, shape
 from interlace.bench.runner import announce, parse_options
 from interlace.errors import ConfigError
 from interlace.mesh import DEVICE_ENV
@@ -22,6 +22,7 @@ OPTIONS = {
     "warmup": 0,
     "compile": False,
     "moe_micro_batches": 2,
+    "fp8": False,
 }
 
 
@@ -141,3 +142,12 @@ def test_a_big_shape_on_the_cpu_is_called_out_with_its_time_and_memory(monkeypat
         "about 3 h, ~44 GiB at most; warning: gpt2-1.5b on the CPU takes about 3 h and needs "
         "~44 GiB, more than this machine's 16 GiB"
     )
+
+
+def test_fp8_rows_are_refused_where_there_is_no_float8_and_priced_against_bf16():
+    """fp8=true on the CPU stops before any run, saying what it needs; on a GPU the fp8
+    Trainer row is measured beside the others, its MFU against the bf16 peak."""
+    with pytest.raises(ConfigError, match="fp8=true: needs a CUDA GPU with float8 matmuls"):
+        BENCH.check({**BENCH.defaults(), "fp8": True})
+    assert "trainer_fp8" in modes({**BENCH.options, "fp8": True}, moe=False)
+    assert mode_precision(torch.device("cuda"), "trainer_fp8") == "bf16"

@@ -20,8 +20,10 @@ def test_every_mode_trains_the_same_start_and_is_compared_with_bf16(tmp_path):
         assert row["vs_bf16"] == pytest.approx(row["final"] / modes["bf16"]["final"] - 1)
         assert mode == "bf16" or row["losses"] != modes["bf16"]["losses"]  # another format ran
     assert modes["bf16"]["losses"][-1] < first  # it trains
-    BENCHMARK.plot(result, tmp_path / "precision.png")
-    assert "fp8 emulated" in BENCHMARK.table(result)
+    doc = {"result": result}
+    BENCHMARK.plot(doc, tmp_path / "precision.png")
+    assert "fp8 emulated" in BENCHMARK.table(doc)
+    assert "fp8_tensorwise" in BENCHMARK.headline(doc)
 
 
 def test_a_tail_longer_than_half_the_run_is_refused():

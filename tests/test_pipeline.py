@@ -17,6 +17,7 @@ from interlace.models.gpt import build_model
 from interlace.optim import build_optimizer
 from interlace.parallel.grad_norm import clip_grad_norm_
 from interlace.parallel.parallelize import parallelize
+from interlace.parallel.pipeline.options import check_schedule
 from interlace.parallel.pipeline.partition import (
     partition,
 )
@@ -24,7 +25,6 @@ from interlace.parallel.pipeline.recompute import (
     ratio_for_budget,
 )
 from interlace.parallel.pipeline.runner import PipelineRunner
-from interlace.parallel.pipeline.schedule_rules import check_schedule
 from interlace.parallel.pipeline.shifted import shifted_order
 from interlace.plan import Plan
 from interlace.testing import run_ranks

@@ -26,6 +26,7 @@ from interlace.models.presets import get_preset
 from interlace.parallel.detect import find_structure
 from interlace.parallel.parallelize import parallelize
 from interlace.parallel.parallelized import Parallelized
+from interlace.parallel.replay import ReductionReplay
 from interlace.parallel.tensor import reduction as tp_reduction
 from interlace.parallel.tensor.interleave import run_interleaved
 from interlace.parallel.tensor.overlap import apply_tp_overlap
@@ -282,7 +283,7 @@ def _checkpointed_step(model: nn.Module, loss_ref, grads_ref, k: int) -> dict:
     for block in model.blocks:  # checkpointed as pipeline stages do
         block.attn.register_forward_pre_hook(lambda *_: calls.append(1))
         block.forward = lambda x, run=block.forward: checkpoint(
-            run, x, use_reentrant=False, context_fn=tp_reduction.ReductionReplay.contexts
+            run, x, use_reentrant=False, context_fn=ReductionReplay.contexts
         )
     comm.meter.reset()
     loss = _loss("gpt", model, _tokens(), par)
@@ -322,7 +323,7 @@ def _dropout_step(model: nn.Module, checkpointed: bool) -> dict[str, torch.Tenso
     if checkpointed:
         for block in model.blocks:
             block.forward = lambda x, run=block.forward: checkpoint(
-                run, x, use_reentrant=False, context_fn=tp_reduction.ReductionReplay.contexts
+                run, x, use_reentrant=False, context_fn=ReductionReplay.contexts
             )
     torch.manual_seed(5)
     loss = _loss("gpt", model.train(), _tokens(), par)

@@ -31,6 +31,10 @@ class Group:
     rank: int
 
 
+Reduce = Callable[[torch.Tensor, Group], torch.Tensor]
+"""How a sum over a group is computed: (x, group) → Σ_ranks x, a new tensor."""
+
+
 def wire_bytes(op: str, payload: int, group_size: int) -> float:
     """Bytes one rank sends under the ring algorithm for `op` on `payload` input bytes.
 

@@ -25,14 +25,14 @@ from typing import Any
 from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
 from interlace.finite import check_finite_fields
-from interlace.parallel.context import rules as context_rules
-from interlace.parallel.context.rules import CP_MODES
-from interlace.parallel.pipeline.schedule_rules import (
+from interlace.parallel.context import options as context_options
+from interlace.parallel.context.options import CP_MODES
+from interlace.parallel.pipeline.options import (
     PIPELINE_SCHEDULES,
     check_schedule,
     virtual_stages_for,
 )
-from interlace.parallel.tensor3d.grid_rules import check_grid
+from interlace.parallel.tensor3d.options import check_grid
 from interlace.plan_pending import fmt_tp3d, pending_rows
 
 RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
@@ -382,7 +382,7 @@ class Plan:
         if self.pp > 1:
             self._check_pipeline(spec)
         if self.context_parallel:
-            context_rules.check_model(self, spec)
+            context_options.check_model(self, spec)
         if self.overlap.tp_subbatches > 1 and spec.n_experts:
             raise PlanError(
                 f"tp_subbatches={self.overlap.tp_subbatches} with a Mixture-of-Experts model "
@@ -400,7 +400,7 @@ class Plan:
             )
 
     def _check_tp3d(self, spec: Any) -> None:
-        """The grid (x, y, z) splits this model (`grid_rules.check_grid`, the runtime's rule);
+        """The grid (x, y, z) splits this model (`tensor3d.options.check_grid`, the runtime's rule);
         experts are not split."""
         assert self.tp3d is not None
         if spec.n_experts:

@@ -1,13 +1,13 @@
 """The table of plan combinations that are valid but not implemented yet, in one place: each
 row is (active for this plan, what, the fix to name). `Plan.validate` raises the first active
 row's "<what> is not implemented yet; use <fix>", and `parallelize` relies on it. The rows of
-context parallelism come from its own rules (`parallel/context/rules.py`). No torch here."""
+context parallelism come from its own rules (`parallel/context/options.py`). No torch here."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from interlace.parallel.context import rules as context_rules
+from interlace.parallel.context import options as context_options
 
 
 def fmt_tp3d(dims: tuple[int, ...]) -> str:
@@ -51,5 +51,5 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             f"{tp3d} with sequence_parallel=true",
             "sequence_parallel=false",
         ),
-        *context_rules.pending_with(plan, tp3d),
+        *context_options.pending_with(plan, tp3d),
     ]

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from interlace.parallel.tensor.reduction import ReductionReplay
+from interlace.parallel.replay import ReductionReplay
 
 KEPT_BY_SELECTIVE = frozenset(
     getattr(torch.ops.aten, name).default

@@ -31,6 +31,7 @@ from interlace.bench.mfu_runs import (
     LOOP_COMPILED,
     LOOP_MODES,
     TRAINER_ACCUMULATING,
+    TRAINER_FP8,
     batches,
     micro_batches,
     mode_precision,
@@ -44,6 +45,7 @@ from interlace.models.gpt import build_model
 from interlace.models.presets import PRESETS
 from interlace.optim import build_optimizer
 from interlace.plan import Plan
+from interlace.precision import FP8, fp8_refusal
 from interlace.throughput import (
     allocator_retries,
     device_peak_tflops,
@@ -84,11 +86,16 @@ def time_loop(
 
 
 def time_trainer(
-    config: GPTConfig, batch: int, options: dict[str, Any], folder: Path, micro_batches: int = 1
+    config: GPTConfig,
+    batch: int,
+    options: dict[str, Any],
+    folder: Path,
+    micro_batches: int = 1,
+    precision: str = "auto",
 ) -> float:
-    """Tokens/s of interlace's Trainer (precision and compile at their defaults for the
-    device) on the same shape, each step `micro_batches` forward-backward passes of `batch`
-    sequences: median over the timed steps."""
+    """Tokens/s of interlace's Trainer (compile at its default for the device, `precision`
+    as `--precision`) on the same shape, each step `micro_batches` forward-backward passes of
+    `batch` sequences: median over the timed steps."""
     path = folder / "model.json"
     path.write_text(json.dumps(config.to_dict()))
     steps = options["warmup"] + options["steps"]
@@ -101,6 +108,7 @@ def time_trainer(
         eval_every=0,
         out=None,
         progress=False,
+        precision=precision,
     )
     trainer = Trainer(prepare_run(run, Plan(), 1))
     rows = [trainer.train_step() for _ in range(steps)]
@@ -121,8 +129,15 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
                     if mode in loops:
                         run = functools.partial(time_loop, cfg, *loops[mode], batch, options)
                     else:
+                        precision = FP8 if mode == TRAINER_FP8 else "auto"
                         run = functools.partial(
-                            time_trainer, cfg, batch, options, Path(tmp), micro_batches(mode)
+                            time_trainer,
+                            cfg,
+                            batch,
+                            options,
+                            Path(tmp),
+                            micro_batches(mode),
+                            precision,
                         )
                     measured = _afresh(device, run)
                     peak = device_peak_tflops(device, mode_precision(device, mode))
@@ -180,6 +195,9 @@ def check(options: dict[str, Any]) -> None:
         raise ConfigError(
             f"moe_micro_batches={options['moe_micro_batches']} must be >= 1 (1: no extra rows)"
         )
+    refusal = fp8_refusal(default_device()) if options["fp8"] else None
+    if refusal is not None:
+        raise ConfigError(f"fp8=true: {refusal.removeprefix('precision=fp8 ')}; set fp8=false")
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -272,6 +290,8 @@ BENCHMARK = Benchmark(
         "PyTorch loop over the same module (fp32; bf16 autocast; bf16 autocast + "
         "torch.compile) for each model shape at its own vocabulary (padded to a multiple of "
         "128), on uniform random tokens; a MoE preset also beside its dense equivalent. "
+        "With `fp8` (a GPU with float8 matmuls) the Trainer also runs at `--precision fp8` "
+        "(tensorwise), its MFU against the bf16 peak as torchtitan reports it. "
         "Each model runs at its own batch (`batch`, one count per model: by default 16 "
         "sequences for gpt2-124m and the MoE preset, 8 for gpt2-1.5b). "
         "A MoE preset and its dense equivalent also run through the Trainer at "
@@ -297,6 +317,7 @@ BENCHMARK = Benchmark(
         "warmup": 3,
         "compile": True,
         "moe_micro_batches": 4,
+        "fp8": True,
     },
     option_help={
         "models": "model presets, comma-separated",
@@ -307,6 +328,7 @@ BENCHMARK = Benchmark(
         "compile": "also time the loop under bf16 autocast + torch.compile",
         "moe_micro_batches": "MoE shapes also through the Trainer at this many micro-batches a "
         "step (1: not)",
+        "fp8": "also the Trainer at --precision fp8 (a GPU with float8 matmuls)",
     },
     cpu_options={
         "models": "demo,moe-demo",
@@ -315,6 +337,7 @@ BENCHMARK = Benchmark(
         "warmup": 1,
         "compile": False,
         "moe_micro_batches": 2,
+        "fp8": False,
     },
     preview=preview,
 )

@@ -16,6 +16,8 @@ from interlace.models.presets import get_preset
 LOOP_MODES = {"loop_fp32": ("fp32", False), "loop_bf16": ("bf16", False)}
 LOOP_COMPILED = {"loop_bf16_compile": ("bf16", True)}
 TRAINER_ACCUMULATING = "trainer_micro_batches_"
+TRAINER_FP8 = "trainer_fp8"
+"""The Trainer at `--precision fp8` (tensorwise), its MFU against the bf16 peak as peers report."""
 DENSE_SUFFIX = "(dense equivalent)"
 
 
@@ -68,7 +70,8 @@ def modes(options: dict[str, Any], moe: bool) -> list[str]:
     k = options["moe_micro_batches"]
     accumulating = [f"{TRAINER_ACCUMULATING}{k}"] if moe and k > 1 else []
     loops = [*LOOP_MODES, *(LOOP_COMPILED if options["compile"] else {})]
-    return ["trainer", *accumulating, *loops]
+    fp8 = [TRAINER_FP8] if options["fp8"] else []
+    return ["trainer", *fp8, *accumulating, *loops]
 
 
 def micro_batches(mode: str) -> int:
@@ -81,6 +84,8 @@ def micro_batches(mode: str) -> int:
 def mode_precision(device: torch.device, mode: str) -> str:
     """The precision `mode` computes in on `device`: the Trainer's default for the device
     (bf16 on CUDA, fp32 elsewhere), a loop's own."""
+    if mode == TRAINER_FP8:
+        return "bf16"
     if mode.startswith("trainer"):
         return "bf16" if device.type == "cuda" else "fp32"
     return {**LOOP_MODES, **LOOP_COMPILED}[mode][0]

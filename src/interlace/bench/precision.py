@@ -82,8 +82,9 @@ def check(options: dict[str, Any]) -> None:
         )
 
 
-def table(result: dict[str, Any]) -> str:
+def table(doc: dict[str, Any]) -> str:
     """One row per mode: final loss, its difference from bf16's."""
+    result = doc["result"]
     emulated = " (fp8 emulated by torch on this device)" if result["fp8_emulated"] else ""
     lines = [f"{'mode':22s} {'final loss':>10s} {'vs bf16':>8s}{emulated}"]
     for mode, row in result["modes"].items():
@@ -91,10 +92,11 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(doc: dict[str, Any], path: Path) -> None:
     """Every mode's loss curve on one axis."""
     from interlace.plotting import new_figure, save_figure
 
+    result = doc["result"]
     fig, ax = new_figure()
     for mode, row in result["modes"].items():
         ax.plot(range(1, len(row["losses"]) + 1), row["losses"], label=mode, linewidth=1)
@@ -107,9 +109,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
-def headline(result: dict[str, Any]) -> str:
+def headline(doc: dict[str, Any]) -> str:
     """Each low-precision mode's final loss against bf16's."""
-    modes = result["modes"]
+    modes = doc["result"]["modes"]
     steps = len(modes["bf16"]["losses"])
     parts = [f"{mode} {row['vs_bf16']:+.2%}" for mode, row in modes.items() if mode != "bf16"]
     return f"final loss after {steps} steps against bf16's: " + ", ".join(parts)

@@ -38,7 +38,9 @@ class Parallelized:
     What the steps add to a training step, run in the order they were added: `row_cuts`, each
     taking this rank's part of a batch (tp3d's z rows, cp's tokens); `gradient_syncs`, the
     reductions after a step's last backward (the data split's, the experts' over their
-    replicas); `metric_sources`, each giving entries of the step's metrics row.
+    replicas); `metric_sources`, each giving entries of the step's metrics row;
+    `forward_scopes`, contexts a forward that runs the blocks outside the model's own forward
+    (a pipeline stage's) enters (1D tensor parallelism's deferral scope).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
@@ -57,6 +59,7 @@ class Parallelized:
         self.row_cuts: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.gradient_syncs: list[Callable[[], None]] = []
         self.metric_sources: list[Callable[[], dict[str, Any]]] = []
+        self.forward_scopes: list[Callable[[], contextlib.AbstractContextManager]] = []
         self.layers: str | None = None
         self.blocks: list[nn.Module] = []
         self._grad_norm: GradNorm | None = None

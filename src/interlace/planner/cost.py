@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from interlace.models.config import GPTConfig
-from interlace.parallel.pipeline.schedule_rules import virtual_stages_for
+from interlace.parallel.pipeline.options import virtual_stages_for
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
 from interlace.planner.cost_pipeline import pipeline_stages

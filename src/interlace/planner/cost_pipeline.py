@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from interlace.parallel.pipeline.options import virtual_stages_for
 from interlace.parallel.pipeline.recompute import recompute_ratios
-from interlace.parallel.pipeline.schedule_rules import virtual_stages_for
 from interlace.plan import Plan
 from interlace.planner.collective_cost import group_inside_node
 from interlace.planner.hardware import Hardware

@@ -2,7 +2,7 @@
 
 Per layer and micro-batch one all_reduce of the [tokens, d] activation after attention and
 one after the MLP, the same two in backward; a recomputed layer reuses its forward's reduced
-outputs (`tensor.comm.ReductionReplay`), except under sequence parallelism, where the replayed
+outputs (`parallel.replay.ReductionReplay`), except under sequence parallelism, where the replayed
 forward repeats its two; the vocab-parallel embedding adds one forward and the head's input
 one backward all_reduce. With `sequence_parallel` each becomes an all_gather plus a
 reduce_scatter (same bytes).

@@ -32,7 +32,7 @@ from dataclasses import replace
 from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.models.config import GPTConfig
-from interlace.parallel.context.rules import CP_MODES
+from interlace.parallel.context.options import CP_MODES
 from interlace.plan import Overlap, Plan
 from interlace.planner.context_choice import explain_context
 from interlace.planner.cost import PlanCost, estimate

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from interlace.parallel.context.rules import check_divisible
+from interlace.parallel.context.options import check_divisible
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:

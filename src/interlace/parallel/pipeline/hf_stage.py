@@ -31,6 +31,7 @@ tied LM head on the last stage is an own copy (`copy_head`), summed by `TiedEmbe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -159,6 +160,9 @@ class HFStage(nn.Module):
     stage's LM head an own copy of the tied
     embedding. Same interface as `GPTStage` (`is_first`, `is_last`, `blocks`, `pieces`).
     """
+
+    forward_scopes: tuple[Callable[[], contextlib.AbstractContextManager], ...] = ()
+    """Contexts the forward runs inside (set by `PipelineRunner`)."""
 
     def __init__(
         self,

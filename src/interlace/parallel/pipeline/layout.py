@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from interlace.errors import ConfigError, PlanError
+from interlace.parallel.pipeline.options import check_schedule, virtual_stages_for
 from interlace.parallel.pipeline.partition import (
     Partition,
     describe_stages,
@@ -30,7 +31,6 @@ from interlace.parallel.pipeline.partition import (
     partition,
 )
 from interlace.parallel.pipeline.recompute import ratio_for_budget, recompute_ratios
-from interlace.parallel.pipeline.schedule_rules import check_schedule, virtual_stages_for
 from interlace.plan import Plan
 
 

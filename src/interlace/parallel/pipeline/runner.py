@@ -30,6 +30,7 @@ themselves and add them to the mean loss (`aux_loss`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -73,7 +74,9 @@ class PipelineRunner:
     memory_budget_bytes with micro_batch_tokens (b·T): derive stage-aware recomputation's
     stage-0 ratio from the budget instead of 1.0; precision: "bf16" or "fp16" runs every stage
     forward (and its recomputation) under autocast (`interlace.precision`; default fp32) and
-    sends activations and their gradients between stages in that dtype (`wire`).
+    sends activations and their gradients between stages in that dtype (`wire`);
+    forward_scopes: contexts every stage's forward runs inside (`stage.run_span`), from the
+    dimensions split before (`Parallelized.forward_scopes`).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class PipelineRunner:
         memory_budget_bytes: float | None = None,
         micro_batch_tokens: int | None = None,
         precision: str = "fp32",
+        forward_scopes: Sequence[Callable[[], contextlib.AbstractContextManager]] = (),
     ) -> None:
         if isinstance(model, GPTConfig):
             model = build_model(model, device=mesh.device)
@@ -129,6 +133,7 @@ class PipelineRunner:
         self.stages = [self._stage(model, s, n_stages, tied) for s in self.stage_indices]
         self.precision = precision
         for stage in self.stages:
+            stage.forward_scopes = tuple(forward_scopes)
             forward_in_precision(stage, precision, self.device.type)
         self.module = (local_module if self.hf is None else hf_local_module)(self.stages)
         self.holds_first = 0 in self.stage_indices

@@ -1,5 +1,5 @@
 """`build_schedule`: torch.distributed.pipelining's GPipe, 1F1B or interleaved 1F1B for a Plan
-(the schedules and what each can run: `schedule_rules`)."""
+(the schedules and what each can run: `pipeline.options`)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from interlace.comm import Group
 from interlace.parallel.pipeline.hf_stage import HFStage
 from interlace.parallel.pipeline.stage import GPTStage
 from interlace.parallel.pipeline.wire import StageWire
-from interlace.parallel.tensor.reduction import ReductionReplay
+from interlace.parallel.replay import ReductionReplay
 from interlace.precision import autocast
 
 

@@ -23,6 +23,8 @@ so they stay equal; gradient clipping must count W once (`PipelineRunner.clip_gr
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,9 +36,6 @@ from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
 from interlace.parallel.pipeline.aux_loss import StageAuxLoss
-from interlace.parallel.tensor.interleave import deferral_scope
-from interlace.parallel.tensor.layers import VocabParallelHead
-from interlace.parallel.tensor.shard import copy_shard_spec
 from interlace.recompute import checkpointed
 from interlace.tensors import local_tensor
 
@@ -51,12 +50,15 @@ class GPTStage(nn.Module):
     (last). Layers whose global index is in `checkpointed` run under activation checkpointing
     (non-reentrant; `recompute_mode` "full", or "selective": the matmul and attention outputs
     kept, see `interlace.recompute`); under tensor parallelism their recomputation reuses the
-    forward's all-reduced outputs instead of reducing again (`reduction.ReductionReplay`).
+    forward's all-reduced outputs instead of reducing again (`replay.ReductionReplay`).
     `head_copy` makes the last stage's LM head an own Parameter copied from the tied embedding
     (see the module docstring); otherwise the model's `lm_head` is used. `aux`: the MoE blocks'
     load-balancing losses (`aux_loss.StageAuxLoss`): carried into backward after each MoE
     block, recorded once per forward.
     """
+
+    forward_scopes: tuple[Callable[[], contextlib.AbstractContextManager], ...] = ()
+    """Contexts the forward runs inside (set by `PipelineRunner`)."""
 
     def __init__(
         self,
@@ -127,10 +129,13 @@ def run_span(
     """Run `stage`'s pieces [start, stop) (all by default) on x, each as `run_piece` runs it
     (`checkpoint` False: the checkpointed ones plainly too, for an executor that replays them
     itself); at the stage's end (`stop` None) record its aux losses. Called as the stage's
-    forward, so that hooks on the stage module (FSDP2's) run for every part. Inside, a
-    sub-batched layer may leave its last all-reduce to the next (`interleave.deferral_scope`);
-    none is left on return."""
-    with deferral_scope():
+    forward, so that hooks on the stage module (FSDP2's) run for every part. All of it runs
+    inside the stage's `forward_scopes` (under 1D tensor parallelism the deferral scope, in
+    which a sub-batched layer may leave its last all-reduce to the next; none is left on
+    return)."""
+    with contextlib.ExitStack() as scopes:
+        for scope in stage.forward_scopes:
+            scopes.enter_context(scope())
         for piece, recomputed in stage.pieces()[start:stop]:
             x = stage.run_piece(piece, recomputed and checkpoint, x)
     if stop is None:
@@ -139,17 +144,17 @@ def run_span(
 
 
 def copy_head(head: nn.Module) -> nn.Module:
-    """The LM head with its weight as a new Parameter of the same values (and, under tensor
-    parallelism, the same vocabulary shard): the last stage's copy of the tied embedding."""
+    """The LM head with its weight as a new Parameter of the same values (and the same
+    attributes: under a split, its shard spec): the last stage's copy of the tied embedding.
+    Whatever split replaced the head (a vocabulary-parallel one) is kept: the module is copied
+    as it is, its parameters alone replaced."""
     weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-    copy_shard_spec(head.weight, weight)
-    if isinstance(head, VocabParallelHead):
-        return VocabParallelHead(
-            weight, head.bias, head.group, head.gather_output, head.sequence_parallel
-        )
-    copy = nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
-    copy.weight = weight
-    return copy
+    for name, value in vars(head.weight).items():
+        setattr(weight, name, value)
+    clone = copy.copy(head)
+    clone._parameters = dict(head._parameters)
+    clone.weight = weight
+    return clone
 
 
 def local_module(stages: Sequence[GPTStage]) -> nn.Module:

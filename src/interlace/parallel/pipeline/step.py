@@ -29,6 +29,7 @@ def pipeline_step(
         split_points=split_points,
         layers_per_stage=layers_per_stage,
         precision=result.precision.compute,
+        forward_scopes=result.forward_scopes,
     )
     result.pipeline = runner
     result.model = result.module = runner.module

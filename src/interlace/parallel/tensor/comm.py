@@ -29,17 +29,12 @@ from DTensor's redistribution, whose collectives the meter cannot see.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from interlace import comm
-from interlace.comm import Group
+from interlace.comm import Group, Reduce
 from interlace.errors import PlanError
-
-Reduce = Callable[[torch.Tensor, Group], torch.Tensor]
-"""How a sum over the group is computed: (x, group) → Σ_ranks x, a new tensor."""
 
 
 def all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:

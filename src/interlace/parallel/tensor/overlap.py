@@ -50,7 +50,7 @@ Activation checkpointing: a layer called inside torch's checkpoint (`recompute=f
 backward is one, so the caller's checkpoint could not serve them; it is left with nothing
 saved. Each sub-batch's recomputation runs inside its backward, on its thread, while the
 other sub-batches' input-gradient all-reduces fly, and replays its forward's all-reduced
-outputs instead of communicating (`reduction.ReductionReplay`, Oases). Each sub-batch draws
+outputs instead of communicating (`replay.ReductionReplay`, Oases). Each sub-batch draws
 random numbers (dropout) from a stream of its own (`interleave`), so its recomputation
 draws the same masks as its forward whatever order the sub-batches took turns in.
 """
@@ -94,7 +94,7 @@ def _under_checkpoint() -> bool:
 
 def _checkpointed(forward: Callable) -> Callable:
     """`forward` under torch's activation checkpoint of its own, recomputation replaying its
-    all-reduces (`reduction.ReductionReplay`): how each sub-batch of a layer called inside a
+    all-reduces (`replay.ReductionReplay`): how each sub-batch of a layer called inside a
     checkpoint keeps only its inputs. torch recomputes once per autograd graph task, and each
     sub-batch's backward is one, so the caller's checkpoint cannot serve the sub-batches; it
     is left with nothing saved (and recomputes nothing), as the layer's outer graph node saves

@@ -47,13 +47,6 @@ def shard_spec(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, _SPEC_ATTR, None)
 
 
-def copy_shard_spec(source: torch.Tensor, target: torch.Tensor) -> None:
-    """Mark `target` as sharded like `source` (nothing if `source` is replicated)."""
-    spec = shard_spec(source)
-    if spec is not None:
-        setattr(target, _SPEC_ATTR, spec)
-
-
 def parameters_split_by(
     model: nn.Module, spec_of: Callable[[torch.Tensor], S | None]
 ) -> dict[str, S]:

@@ -10,6 +10,7 @@ from interlace.parallel.fits import tensor_structure
 from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.storage import Storage
 from interlace.parallel.tensor.apply import apply_tensor_parallel
+from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.parallel.tensor.shard import (
@@ -40,6 +41,7 @@ def tensor_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     if not gather_logits:
         result.scores = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)
     result.norm_shares.append(tensor_norm_share(tp))
+    result.forward_scopes.append(deferral_scope)  # a stage's forward, as the model's does
     tp_mesh = mesh.device_mesh["tp"]
     specs = sharded_parameter_names(model)
     result.storage = Storage(

@@ -16,8 +16,8 @@ from interlace.parallel.tensor3d.comm import (
     gather_last,
     split_last_dim,
 )
-from interlace.parallel.tensor3d.grid_rules import check_grid
 from interlace.parallel.tensor3d.layers import LayerNorm3D, Linear3D, RMSNorm3D, rms_norm_eps
+from interlace.parallel.tensor3d.options import check_grid
 from interlace.parallel.tensor3d.prefetch import attach_prefetcher
 from interlace.parallel.tensor3d.shard import Grid, shard3d_spec
 
