@@ -169,3 +169,25 @@ def test_fp8_trains_on_a_gpu_with_float8_and_is_refused_on_one_without(tmp_path,
         assert code == 2 and not out.exists()
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("interlace: error: precision=fp8 ")
+
+
+def test_a_recipe_without_fp8_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tiny", "--steps", "1", "--out", str(out), "--no-progress"]
+    assert main([*argv, "--precision", "bf16", "--fp8-recipe", "rowwise"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "fp8_recipe=rowwise applies to precision=fp8" in line
+    assert not out.exists()
+
+
+def test_the_planner_prices_fp8_as_bf16_and_says_so(capsys):
+    argv = ["plan", "--model", "gpt2-124m", "--hardware", "dgx-h100", "--plan", "dp=8"]
+    assert main([*argv, "--precision", "bf16"]) == 0
+    bf16 = capsys.readouterr().out
+    assert main([*argv, "--precision", "fp8"]) == 0
+    fp8 = capsys.readouterr()
+    assert fp8.out == bf16
+    assert fp8.err.splitlines() == [
+        "interlace: fp8 priced as bf16, its other dtype: the planner has no float8 matmul rates "
+        "yet (an upper bound on the step)"
+    ]

@@ -73,7 +73,9 @@ def scaled_product(
     rowwise = recipe == "rowwise"
     qa, scale_a = to_float8(a, a_dtype, -1 if rowwise else None)  # scales [M, 1]
     qb, scale_b = to_float8(b, b_dtype, 0 if rowwise else None)  # scales [1, N]
-    qb = qb.t().contiguous().t()  # the kernel reads the right operand column-major
+    # the kernel reads the left operand row-major and the right one column-major (a cast keeps
+    # its input's strides: a transposed view stays transposed)
+    qa, qb = qa.contiguous(), qb.t().contiguous().t()
     return torch._scaled_mm(qa, qb, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 

@@ -211,6 +211,11 @@ class TrainConfig:
         check_trackers(self)
         if self.split_points and self.layers_per_stage:
             raise ConfigError("give split_points or layers_per_stage, not both")
+        if self.fp8_recipe != FLOAT8_RECIPES[0] and self.precision != FP8:
+            raise ConfigError(
+                f"fp8_recipe={self.fp8_recipe} applies to precision=fp8, and this run's precision "
+                f"is {self.precision}: add --precision fp8 or drop --fp8-recipe"
+            )
         return self
 
     def accumulation(self, dp: int) -> int:

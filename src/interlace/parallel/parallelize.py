@@ -59,7 +59,7 @@ from interlace.parallel.data.fsdp import (
     sharded_norm_share,
 )
 from interlace.parallel.data.ring import ring_group
-from interlace.parallel.detect import find_structure
+from interlace.parallel.detect import Structure, find_structure
 from interlace.parallel.expert.apply import (
     link_within,
     parallelize_experts,
@@ -125,8 +125,9 @@ def parallelize(
     if weights is not None and mesh is None:
         raise ValueError("pieces of a meta-device model are placed on a mesh; give one")
     result = Parallelized(model, plan, cross_entropy)
-    moe_layers = find_structure(model).experts if precision.float8 else []  # kept in bf16
-    result.layers = _layer_list(model)
+    structure = _found_structure(model)  # before any step splits the model
+    result.layers = None if structure is None else structure.layers
+    moe_layers = [] if structure is None else structure.experts  # kept in bf16 under fp8
     result.blocks = list(model.get_submodule(result.layers)) if result.layers else []
     if mesh is None:
         apply_recompute(result)
@@ -332,9 +333,10 @@ def _load(result: Parallelized, mesh: Mesh, weights: Weights | None) -> None:
         load_pieces(result.model, roots, result.storage, tp, grid, mesh.device, weights)
 
 
-def _layer_list(model: nn.Module) -> str | None:
-    """The name of `model`'s list of blocks, found by structure before any step splits them."""
+def _found_structure(model: nn.Module) -> Structure | None:
+    """`model`'s structure (its list of blocks, its MoE layers), None where none is found (no
+    token embedding)."""
     try:
-        return find_structure(model).layers
+        return find_structure(model)
     except ValueError:
         return None
