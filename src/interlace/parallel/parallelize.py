@@ -71,7 +71,7 @@ from interlace.parallel.expert.grads import (
     expert_parameters,
     reduce_expert_gradients,
 )
-from interlace.parallel.expert.groups import build_expert_groups
+from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.rules import replicated_because
 from interlace.parallel.expert.shard import shard_experts
@@ -141,7 +141,7 @@ def parallelize(
         tensor3d_step(result, mesh)
     if plan.context_parallel:
         context_step(result, mesh)
-    apply_expert(result, mesh)
+    experts = apply_expert(result, mesh)
     apply_recompute(result)
     apply_precision(result, precision, mesh.device.type, moe_layers)
     apply_compile(result, compile)
@@ -149,27 +149,28 @@ def parallelize(
         pipeline_step(result, mesh, split_points, layers_per_stage)
         if plan.expert_parallel:
             link_within(result.pipeline.stages)  # Trans is issued ahead within a stage only
-    apply_data(result, mesh, weights)
+    apply_data(result, mesh, experts, weights)
     for line in result.report:
         logger.info(line)
     return result
 
 
-def apply_expert(result: Parallelized, mesh: Mesh) -> None:
+def apply_expert(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
     """Step 2: experts split over "ep" (carved out of "dp"; collective), reduced over "ep_dp";
     under 1D tensor parallelism each tp rank dispatches its share of the tokens, the experts
-    reduced over "tp" too (`expert.tp_tokens`)."""
+    reduced over "tp" too (`expert.tp_tokens`). Returns the groups (None without ep), which the
+    data step shards and reduces the experts over."""
     plan = result.plan
     if not plan.expert_parallel:
-        return
+        return None
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance)
     tp = mesh.group("tp") if plan.tensor_parallel else None  # its ranks dispatch other tokens
-    result.expert_groups = (ep, ep_dp, tp)
     if tp is not None:
         result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
         result.norm_shares.append(expert_norm_share(result.model, ep))
+    return ExpertGroups(ep, ep_dp, tp)
 
 
 def apply_recompute(result: Parallelized) -> None:
@@ -213,25 +214,32 @@ def apply_compile(result: Parallelized, compile: bool) -> None:
     result.report += lines
 
 
-def apply_data(result: Parallelized, mesh: Mesh, weights: Weights | None = None) -> None:
+def apply_data(
+    result: Parallelized,
+    mesh: Mesh,
+    experts: ExpertGroups | None = None,
+    weights: Weights | None = None,
+) -> None:
     """Step 7: gradients averaged over "dp" (experts excepted: they reduce over "ep_dp"); with
     dp_shard > 1 the model sharded over `mesh.data_mesh` (FSDP2), experts over "ep_dp" where
     they can be (`expert/shard.py`), the gradient norm counting each shard once. A meta-device
     model's pieces are read from `weights` once they are this rank's: after FSDP2 shards them,
     before DDP broadcasts them. Then what the data and expert dimensions add to a step: their
     gradient reductions after the last micro-batch and their metrics."""
-    experts_sharded = _apply_data_split(result, mesh, weights)
+    experts_sharded = _apply_data_split(result, mesh, experts, weights)
     data = result.data
     assert data is not None
     result.gradient_syncs.append(data.sync_gradients)
     if data.compression is not None:
         ratio = data.compression.summary
         result.metric_sources.append(lambda: {"compression_ratio": ratio()["ratio"]})
-    if result.expert_groups is not None:
-        _add_expert_steps(result, experts_sharded)
+    if experts is not None:
+        _add_expert_steps(result, experts, experts_sharded)
 
 
-def _apply_data_split(result: Parallelized, mesh: Mesh, weights: Weights | None) -> bool:
+def _apply_data_split(
+    result: Parallelized, mesh: Mesh, experts: ExpertGroups | None, weights: Weights | None
+) -> bool:
     """DDP or FSDP2 around the model (`apply_data`); whether FSDP2 sharded the experts too
     (then it reduces their gradients over ep_dp)."""
     reduce_dtype = result.precision.reduce
@@ -242,7 +250,7 @@ def _apply_data_split(result: Parallelized, mesh: Mesh, weights: Weights | None)
         pipeline = result.pipeline
         overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
         replicas = mesh.group(data_group_name(result.plan))  # every rank of the sharding
-        whole, experts_sharded = _shard_experts(result, mesh, reduce_dtype)
+        whole, experts_sharded = _shard_experts(result, mesh, experts, reduce_dtype)
         result.data = apply_fully_shard(
             result.model,
             pipeline.stages if pipeline is not None else [result.model],
@@ -278,12 +286,11 @@ def _apply_data_split(result: Parallelized, mesh: Mesh, weights: Weights | None)
     return False
 
 
-def _add_expert_steps(result: Parallelized, experts_sharded: bool) -> None:
+def _add_expert_steps(result: Parallelized, experts: ExpertGroups, experts_sharded: bool) -> None:
     """After the data step: expert gradients reduced over their replicas (FSDP2 did it over
     ep_dp for sharded experts; under ep × tp they are summed over tp here), and each
     expert-parallel layer's balance summary as a metric."""
-    assert result.expert_groups is not None
-    _, ep_dp, tp = result.expert_groups
+    _, ep_dp, tp = experts
     model = result.model
     if not experts_sharded:
         dp_size = result.plan.dp_size
@@ -295,15 +302,15 @@ def _add_expert_steps(result: Parallelized, experts_sharded: bool) -> None:
 
 
 def _shard_experts(
-    result: Parallelized, mesh: Mesh, reduce_dtype: str
+    result: Parallelized, mesh: Mesh, experts: ExpertGroups | None, reduce_dtype: str
 ) -> tuple[set[nn.Parameter], bool]:
     """Under sharded data parallelism, the experts sharded over their ep_dp group where they
     can be (`shard_experts`), else reported as kept whole; returns the expert parameters the
     rest of the model's sharding must leave alone (those kept whole) and whether they were
     sharded."""
-    if result.expert_groups is None:
+    if experts is None:
         return set(), False
-    _, ep_dp, _ = result.expert_groups
+    ep_dp = experts.ep_dp
     plan = result.plan
     reason = replicated_because(plan, ep_dp.size)
     if reason is not None:

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.loss import CrossEntropy, causal_lm_loss
 from interlace.parallel.data.apply import DataParallel
@@ -53,7 +52,6 @@ class Parallelized:
         self.report: list[str] = []
         self.storage = Storage()
         self.norm_shares: list[NormShare] = []
-        self.expert_groups: tuple[Group, Group, Group | None] | None = None  # ep, ep_dp, tp
         self.pipeline: PipelineRunner | None = None
         self.data: DataParallel | ShardedDataParallel | None = None
         self.row_cuts: list[Callable[[torch.Tensor], torch.Tensor]] = []

@@ -21,12 +21,24 @@ create a second copy of the pp and tp groups too; new_group makes only the two n
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch.distributed as dist
 
 from interlace.comm import Group
 from interlace.divisors import divisors
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
+
+
+class ExpertGroups(NamedTuple):
+    """A rank's expert-parallel groups: `ep` splits the experts between its ranks, `ep_dp` holds
+    the same experts (their replicas), `tp` (under ep × tp, else None) dispatches other tokens
+    to them."""
+
+    ep: Group
+    ep_dp: Group
+    tp: Group | None
 
 
 def build_expert_groups(mesh: Mesh, ep: int) -> tuple[Group, Group]:
