@@ -237,3 +237,24 @@ def test_seats_run_on_kept_threads_also_after_fork():
     # a forked child has none of the parent's threads; its runs must not wait on them
     (child,) = run_ranks(1, _seat_threads, timeout=20)
     assert len(child) == 2
+
+
+def _pipeline_parks(model: nn.Module) -> int:
+    """Runs that left a tail in one step of pp=2 × tp=2 with 2 sub-batches, on this rank."""
+    plan = Plan(
+        tp=2, pp=2, micro_batches=2, overlap=Overlap(tp_subbatches=2, tp_block_boundary=True)
+    )
+    par = parallelize(model, plan, build_mesh(plan))
+    counts = {"adopted": 0, "parked": 0}
+    _counted(counts)
+    tokens = _tokens()
+    par.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    return counts["parked"]
+
+
+def test_pipeline_stages_leave_each_layer_s_last_reduction_to_the_next():
+    """A stage runs its blocks outside the model's forward; the deferral scope tensor
+    parallelism adds to its forward scopes lets each layer's last all-reduce fly under the
+    next layer there too (without it no run parks, and the result is the same)."""
+    for parked in run_ranks(4, _pipeline_parks, _model()):
+        assert parked > 0
