@@ -36,6 +36,7 @@ from torch import nn
 
 from interlace.matmul import Matmul
 from interlace.precision import FLOAT8_RECIPES, compute_dtype
+from interlace.tensors import is_under
 
 ALIGNMENT = 16
 """Every dimension of a float8 product must be a multiple of this (the kernels' tile)."""
@@ -160,7 +161,7 @@ def convert_to_float8(model: nn.Module, recipe: str, within: str, skip: list[str
     matmul = Float8Matmul(recipe)
     converted = 0
     for name, module in model.named_modules():
-        if not _under(name, [within]) or _under(name, skip):
+        if not is_under(name, within) or is_under(name, *skip):
             continue
         if type(module) is nn.Linear:
             module.__class__ = Float8Linear
@@ -172,7 +173,3 @@ def convert_to_float8(model: nn.Module, recipe: str, within: str, skip: list[str
         f"precision: fp8 ({recipe}) products in {converted} linear layers under {within}; "
         "embedding, head, norms, routers and experts in bf16"
     ]
-
-
-def _under(name: str, prefixes: list[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)

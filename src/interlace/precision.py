@@ -59,17 +59,14 @@ class Precision:
     reduce: str = "fp32"
 
     @classmethod
-    def of(cls, name: str, float8_recipe: str, reduce: str = "fp32") -> Precision:
+    def of(
+        cls, name: str, float8_recipe: str = FLOAT8_RECIPES[0], reduce: str = "fp32"
+    ) -> Precision:
         """A resolved precision `name` (`resolve_precision`: one of PRECISIONS or fp8) as a
         value: fp8 computes in bf16 with `float8_recipe` for the linear layers."""
         if name == FP8:
             return cls("bf16", float8_recipe, reduce)
         return cls(name, None, reduce)
-
-    @property
-    def name(self) -> str:
-        """The name a run gives and reports: "fp8" under float8, else `compute`."""
-        return FP8 if self.float8 is not None else self.compute
 
 
 FP32 = Precision()

@@ -7,6 +7,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+
+def is_under(name: str, *prefixes: str) -> bool:
+    """Whether the module or parameter name `name` is one of `prefixes` or lies inside one
+    ("a.b" is under "a"; "ab" is not)."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
 Runs = list[list[tuple[int, int]]]
 """Per dimension of a full tensor, the [start, stop) index runs a piece holds, in order."""
 

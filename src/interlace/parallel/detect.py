@@ -36,6 +36,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from interlace.tensors import is_under
+
 Layout = Literal["linear", "conv1d"]
 
 HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
@@ -177,7 +179,7 @@ def find_structure(model: nn.Module) -> Structure:
     structure = Structure(d_model=vocab.d_model, vocab=vocab)
     claimed: list[str] = []
     for name, module in modules.items():
-        if name == "" or _under(name, claimed):
+        if name == "" or is_under(name, *claimed):
             continue
         block = expert_block(name, module)
         if block is not None and block.d_model == vocab.d_model:
@@ -205,7 +207,7 @@ def find_structure(model: nn.Module) -> Structure:
             claimed.append(name)
     for name, module in modules.items():
         shape = linear_shape(module)
-        if shape is None or _under(name, claimed) or name == vocab.head:
+        if shape is None or is_under(name, *claimed) or name == vocab.head:
             continue
         structure.notes.append(
             f"{name}: linear layer {shape[0]} → {shape[1]} outside any attention or "
@@ -220,10 +222,6 @@ def find_structure(model: nn.Module) -> Structure:
     structure.layers = _find_layers(model, structure)
     structure.final_norm = _find_final_norm(model, structure)
     return structure
-
-
-def _under(name: str, prefixes: list[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _find_vocab(model: nn.Module) -> Vocab | None:
@@ -252,7 +250,7 @@ def find_expert_blocks(model: nn.Module) -> list[ExpertBlock]:
     `expert_block`); needs no token embedding."""
     blocks: list[ExpertBlock] = []
     for name, module in model.named_modules():
-        if not _under(name, [b.name for b in blocks]) and (block := expert_block(name, module)):
+        if not is_under(name, *(b.name for b in blocks)) and (block := expert_block(name, module)):
             blocks.append(block)
     return blocks
 
@@ -378,7 +376,7 @@ def _find_layers(model: nn.Module, structure: Structure) -> str | None:
         return None
     first = structure.attentions[0].name
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and _under(first, [name]):
+        if isinstance(module, nn.ModuleList) and is_under(first, name):
             return name
     return None
 
@@ -391,7 +389,7 @@ def _find_final_norm(model: nn.Module, structure: Structure) -> str | None:
         if name == structure.layers:
             after = True
             continue
-        if not after or _under(name, [structure.layers]):
+        if not after or is_under(name, structure.layers):
             continue
         if structure.vocab is not None and name == structure.vocab.head:
             break

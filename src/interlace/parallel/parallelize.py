@@ -268,8 +268,8 @@ def _apply_data_split(
             pipeline.rebind_parameters()
         plan = result.plan
         holders = 1 if experts_sharded else plan.dp_size // plan.ep
-        experts = expert_parameters(result.model)
-        result.norm_shares.append(sharded_norm_share(replicas, plan.dp, experts, holders))
+        expert_params = expert_parameters(result.model)
+        result.norm_shares.append(sharded_norm_share(replicas, plan.dp, expert_params, holders))
         over = f" × cp={plan.cp}" if plan.context_parallel else ""
         result.report.append(
             f"data: parameters, gradients and optimizer states sharded over dp_shard="

@@ -37,7 +37,7 @@ def choose_plan(
     if config.seq_len:
         spec = replace(spec, seq_len=config.seq_len)
     name = resolve_precision(config.precision, default_device())
-    dtype = Precision.of(name, config.fp8_recipe).compute  # fp8 priced as bf16
+    dtype = Precision.of(name).compute  # fp8 priced as bf16
     ranked = search(
         spec,
         hardware,

@@ -33,7 +33,7 @@ from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardwa
 from interlace.planner.model_calibration import cached_model_flops, with_model_efficiency
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 from interlace.planner.simulate import simulate
-from interlace.precision import FLOAT8_RECIPES, FP8, Precision, resolve_precision
+from interlace.precision import FP8, Precision, resolve_precision
 from interlace.rates import parse_rate
 from interlace.timeline import plot_timeline, write_chrome_trace
 
@@ -225,7 +225,7 @@ def run_planner(args: argparse.Namespace) -> int:
     hardware = resolve_hardware(args, n)
     args.dtype = args.dtype or default_dtype(hardware)
     if args.dtype == FP8:
-        args.dtype = Precision.of(FP8, FLOAT8_RECIPES[0]).compute
+        args.dtype = Precision.of(FP8).compute
         print(
             f"interlace: fp8 priced as {args.dtype}, its other dtype: the planner has no float8 "
             "matmul rates yet (an upper bound on the step)",

@@ -44,6 +44,7 @@ from interlace.parallel.pipeline.aux_loss import StageAuxLoss
 from interlace.parallel.pipeline.partition import seq_len_of
 from interlace.parallel.pipeline.stage import copy_head, run_span
 from interlace.recompute import checkpointed
+from interlace.tensors import is_under
 
 Piece = Callable[[torch.Tensor], torch.Tensor]
 
@@ -96,7 +97,7 @@ class DecoderParts:
         for name, module in model.named_modules():
             if name == structure.layers:
                 after_layers = True
-            if name in known or _under(name, structure.layers):
+            if name in known or is_under(name, structure.layers):
                 continue
             if list(module.children()):
                 if list(module.parameters(recurse=False)):
@@ -127,10 +128,6 @@ class DecoderParts:
             dropouts=tuple(dropouts),
             seq_len=seq_len_of(model),
         )
-
-
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
 
 
 def _unknown(model: nn.Module, name: str, module: nn.Module, why: str) -> PlanError:

@@ -52,6 +52,7 @@ from torch import nn
 from interlace.errors import PlanError
 from interlace.models.matrices import matrices
 from interlace.parallel.detect import Structure, find_structure
+from interlace.tensors import is_under
 
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_top_k")
 """Attributes of a Mixture-of-Experts block (or its direct children) that hold top_k."""
@@ -186,7 +187,7 @@ def model_shards(model: nn.Module, seq_len: int | None = None) -> tuple[Shard, .
         if name == structure.layers:
             seen_layers = True
             continue
-        if _under(name, structure.layers) or not _own(module):
+        if is_under(name, structure.layers) or not _own(module):
             continue
         (after if seen_layers else before).append(name)
 
@@ -196,14 +197,16 @@ def model_shards(model: nn.Module, seq_len: int | None = None) -> tuple[Shard, .
     for index, layer in enumerate(layer_list):
         name = f"{structure.layers}.{index}"
         leaves = [f"{name}.{n}" if n else name for n, m in layer.named_modules() if _own(m)]
-        attention = sum(4 * T * w for a, w in q_width.items() if _under(a, name))
+        attention = sum(4 * T * w for a, w in q_width.items() if is_under(a, name))
         kept = _block_saved_correction(structure, name)
         # selective recomputation keeps each attention's output and log-sum-exp per head
         attention_out = sum(
-            a.n_heads * a.head_dim + a.n_heads for a in structure.attentions if _under(a.name, name)
+            a.n_heads * a.head_dim + a.n_heads
+            for a in structure.attentions
+            if is_under(a.name, name)
         )
         blocks = [
-            b for b in (*structure.attentions, *structure.feed_forwards) if _under(b.name, name)
+            b for b in (*structure.attentions, *structure.feed_forwards) if is_under(b.name, name)
         ]
         shard = _shard(
             name,
@@ -234,20 +237,16 @@ def _block_saved_correction(structure: Structure, layer: str) -> float:
     per head; a gated feed-forward keeps the activated gate too."""
     d, extra = structure.d_model, 0.0
     for a in structure.attentions:
-        if _under(a.name, layer):
+        if is_under(a.name, layer):
             extra += -(len(a.producers) - 1) * d - d + a.n_heads * a.head_dim + a.n_heads
     for f in structure.feed_forwards:
-        if _under(f.name, layer):
+        if is_under(f.name, layer):
             extra += -(len(f.producers) - 1) * d - d + (len(f.producers) - 1) * f.ffn_dim
     return extra
 
 
 def _own(module: nn.Module) -> bool:
     return bool(list(module.parameters(recurse=False)))
-
-
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
 
 
 def seq_len_of(model: nn.Module) -> int:
@@ -312,7 +311,7 @@ def _shard(
 def _expert_weight(model: nn.Module, name: str, experts: list[str]) -> float:
     """top_k / n_experts for a matrix inside one expert of a Mixture-of-Experts block, else 1."""
     for block_name in experts:
-        if not _under(name, block_name) or name == block_name:
+        if not is_under(name, block_name) or name == block_name:
             continue
         block = model.get_submodule(block_name)
         child_name = name[len(block_name) + 1 :].split(".")[0]
