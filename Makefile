@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 NPROC  ?= 2
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-slow lint format clean
 
@@ -17,10 +18,11 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/interlace train --nproc $(NPROC) --out runs/demo --overwrite
 
-## test: lint, then the test suite (pytest exit code 5, "no tests collected", counts as failure)
+## test: lint, then the test suite on $(TEST_WORKERS) pytest-xdist workers (pytest exit code 5,
+## "no tests collected", counts as failure)
 test: $(BIN)/.installed
 	$(BIN)/ruff check src tests
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS)
 
 ## test-slow: the tests marked slow (CI runs them after `make test`)
 test-slow: $(BIN)/.installed

@@ -92,8 +92,7 @@ def _held(model: str, plan_text: str, pieces: bool) -> tuple[dict, dict, list]:
     result = _split(model, plan_text, pieces)
     x = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     result.forward_backward(x[:, :-1], x[:, 1:])
-    roots = result.pipeline.stages if result.pipeline is not None else [result.model]
-    held = nn.ModuleList(roots)
+    held = nn.ModuleList(result.roots())
     params = dict(held.named_parameters())
     tensors = {
         **{name: local_tensor(t).detach().clone() for name, t in params.items()},

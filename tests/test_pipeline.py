@@ -286,7 +286,7 @@ def _trainer(config, plan, mesh, via):
 
         return runner.module, runner.step, runner.evaluate, clip, lambda: None
     par = parallelize(_model(config), plan, mesh)
-    assert par.pipeline is not None and par.model is par.pipeline.module
+    assert isinstance(par.executor, PipelineRunner) and par.model is par.executor.module
     return par.model, par.forward_backward, par.evaluate, par.clip_grad_norm_, par.sync_gradients
 
 

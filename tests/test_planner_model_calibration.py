@@ -43,6 +43,7 @@ def test_compute_is_priced_at_the_measured_step_rate_measured_once(cache, capsys
         return rate / 4  # a quarter of the calibrated matmul rate
 
     monkeypatch.setattr(mcal, "measure_model_flops", measured)
+    monkeypatch.setattr(cal, "measure", lambda: calibration)  # --recalibrate: the machine too
     plain = _breakdown(capsys)
     calibrated = _breakdown(capsys, "--calibrate-model")
     assert calibrated["compute"] == pytest.approx(4 * plain["compute"])

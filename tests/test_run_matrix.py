@@ -19,7 +19,8 @@ import pytest
 from interlace.cli import main
 from interlace.errors import PlanError
 from interlace.memory import MEASURED_STEP
-from interlace.plan import MOE_BALANCES, RECOMPUTE_MODES, Plan
+from interlace.parallel.expert.options import MOE_BALANCES
+from interlace.plan import RECOMPUTE_MODES, Plan
 
 pytestmark = pytest.mark.slow
 

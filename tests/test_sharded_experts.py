@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from helpers import TINY_RUN
 from interlace.memory import storage_bytes
 from interlace.parallel.expert.grads import expert_parameters
-from interlace.parallel.expert.rules import replicated_because
+from interlace.parallel.expert.options import replicated_because
 from interlace.plan import Plan
 from interlace.testing import run_ranks
 from interlace.train import Trainer

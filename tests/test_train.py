@@ -5,14 +5,17 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from helpers import TINY_RUN, assert_grads_close, per_expert
 from interlace.checkpoint import checkpoint_name
+from interlace.compress import make_comm_hook
 from interlace.errors import CheckpointError
 from interlace.mesh import build_mesh
+from interlace.parallel.data import apply as data_apply
 from interlace.plan import Plan
 from interlace.report import read_metrics
 from interlace.testing import run_ranks
@@ -26,6 +29,23 @@ BASE = TINY_RUN
 
 
 def _train(config: TrainConfig, plan_text: str, world_size: int, resume_from=None):
+    """The run's metrics rows, final parameters and size, and the path each gradient bucket of a
+    compressing comm hook took last ("sketch", "dense", ...; none without compression)."""
+    states = []
+
+    def kept_hook(kind, group):
+        state, hook = make_comm_hook(kind, group)
+        states.append(state)
+        return state, hook
+
+    with mock.patch.object(data_apply, "make_comm_hook", kept_hook):
+        result = _run(config, plan_text, world_size, resume_from)
+    compressing = [state for state in states if hasattr(state, "summary")]
+    result["bucket_paths"] = [b.path for state in compressing for b in state.stats.values()]
+    return result
+
+
+def _run(config: TrainConfig, plan_text: str, world_size: int, resume_from=None):
     plan = Plan.parse(plan_text)
     setup = prepare_run(config, plan, world_size)
     mesh = build_mesh(plan) if world_size > 1 else None
@@ -37,10 +57,7 @@ def _train(config: TrainConfig, plan_text: str, world_size: int, resume_from=Non
         rows = read_metrics(Path(config.out) / "metrics.jsonl")
     else:
         rows = [trainer.train_step() for _ in range(config.steps - trainer.step)]
-    compression = trainer.parallel.data.compression if trainer.parallel.data else None
-    paths = [b.path for b in compression.stats.values()] if compression else []
     return {
-        "bucket_paths": paths,
         "rows": rows,
         "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "num_params": setup.model_config.num_params(),

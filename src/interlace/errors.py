@@ -34,6 +34,12 @@ class ExportError(InterlaceError):
     the reader cannot express exactly, or an output folder in the way."""
 
 
+def check_plan_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """PlanError unless `value` of plan option `name` is one of `choices`."""
+    if value not in choices:
+        raise PlanError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
 class RunStopped(RuntimeError):
     """A run that started and stopped before its last step; `exit_code` is the CLI's."""
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from interlace.comm import Group
 from interlace.errors import ConfigError, PlanError
+from interlace.parallel.dimensions import DIMENSIONS
 from interlace.plan import Plan
 
 DEVICE_ENV = "INTERLACE_DEVICE"
@@ -53,17 +54,10 @@ def backend_for(device: torch.device) -> str:
 
 
 def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(names, sizes) of the mesh dimensions for `plan`, outermost first."""
-    context = (("cp",), (plan.cp,)) if plan.context_parallel else ((), ())
-    if plan.tp3d is not None:
-        x, y, z = plan.tp3d
-        tensor = (("tp_z", "tp_y", "tp_x"), (z, y, x))
-    else:
-        tensor = (("tp",), (plan.tp,))
-    return (
-        ("pp", "dp", *context[0], *tensor[0]),
-        (plan.pp, plan.dp_size, *context[1], *tensor[1]),
-    )
+    """(names, sizes) of the mesh dimensions for `plan`, outermost first: what each
+    dimension's `options.mesh_dims` names, in mesh order (`parallel.dimensions`)."""
+    dims = [dim for options in DIMENSIONS for dim in options.mesh_dims(plan)]
+    return tuple(name for name, _ in dims), tuple(size for _, size in dims)
 
 
 def data_group_name(plan: Plan) -> str:

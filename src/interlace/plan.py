@@ -22,23 +22,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from interlace.divisors import check_divides, divisors
-from interlace.errors import PlanError
+from interlace.divisors import divisors
+from interlace.errors import PlanError, check_plan_choice
 from interlace.finite import check_finite_fields
-from interlace.parallel.context import options as context_options
-from interlace.parallel.context.options import CP_MODES
-from interlace.parallel.pipeline.options import (
-    PIPELINE_SCHEDULES,
-    check_schedule,
-    virtual_stages_for,
-)
-from interlace.parallel.tensor3d.options import check_grid
+from interlace.parallel.dimensions import DIMENSIONS
 from interlace.plan_pending import fmt_tp3d, pending_rows
 
 RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
-PIPELINE_ONLY_RECOMPUTE = ("stage-aware",)
-GRAD_COMPRESSIONS = ("none", "sketch", "powersgd", "topk")
-MOE_BALANCES = ("none", "dropless", "shadow", "prophet")
 
 
 @dataclass(frozen=True)
@@ -177,7 +167,7 @@ class Plan:
         if global_batch % (self.dp_size * accumulation):
             steps = f" × {accumulation} accumulation steps" if accumulation > 1 else ""
             raise PlanError(
-                f"global batch {global_batch} is not divisible by {self._dp_text}{steps}; use a "
+                f"global batch {global_batch} is not divisible by {self.dp_text}{steps}; use a "
                 f"multiple of {self.dp_size * accumulation}"
             )
         rows = global_batch // (self.dp_size * accumulation)
@@ -186,7 +176,7 @@ class Plan:
             z = f" × tp3d z={self.tp3d[2]}" if self.tp3d is not None else ""
             raise PlanError(
                 f"micro_batches={self.micro_batches}{z} split a rank's forward, but it holds "
-                f"{rows} sequences (global batch {global_batch} / {self._dp_text}); use "
+                f"{rows} sequences (global batch {global_batch} / {self.dp_text}); use "
                 f"micro_batches dividing {rows}, or a global batch that gives a multiple of "
                 f"{unit}"
             )
@@ -199,7 +189,7 @@ class Plan:
         return rows
 
     @property
-    def _dp_text(self) -> str:
+    def dp_text(self) -> str:
         """How messages name the data-parallel ranks: 'dp=4', or 'dp·dp_shard=4' when sharded."""
         return f"dp·dp_shard={self.dp_size}" if self.sharded_data_parallel else f"dp={self.dp}"
 
@@ -226,114 +216,17 @@ class Plan:
         return self
 
     def _check_values(self) -> None:
+        """The sizes positive integers and every value finite, the recomputation mode known,
+        then each dimension's own options (`parallel.dimensions`)."""
         for name in ("dp", "dp_shard", "pp", "tp", "ep", "cp", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")
         check_finite_fields(self, PlanError)
         check_finite_fields(self.overlap, PlanError)
-        if self.overlap.tp_subbatches < 1:
-            raise PlanError(f"tp_subbatches={self.overlap.tp_subbatches} must be >= 1 (1 = off)")
-        if self.overlap.dp_bucket_mb <= 0:
-            raise PlanError(f"dp_bucket_mb={self.overlap.dp_bucket_mb} must be > 0, e.g. 25")
-        if not isinstance(self.overlap.tp3d_prefetch, bool):
-            raise PlanError(
-                f"tp3d_prefetch={self.overlap.tp3d_prefetch!r} must be true or false, e.g. "
-                "tp3d_prefetch=false"
-            )
-        if not isinstance(self.reshard_after_forward, bool):
-            raise PlanError(
-                f"reshard_after_forward={self.reshard_after_forward!r} must be true or false, "
-                "e.g. reshard_after_forward=false"
-            )
-        if not self.reshard_after_forward and not self.sharded_data_parallel:
-            raise PlanError(
-                "reshard_after_forward=false applies to sharded data parallelism; use it with "
-                "dp_shard=2 or more, or drop it"
-            )
-        if not isinstance(self.overlap.tp_block_boundary, bool):
-            raise PlanError(
-                f"tp_block_boundary={self.overlap.tp_block_boundary!r} must be true or false, "
-                "e.g. tp_block_boundary=false"
-            )
-        if not self.overlap.tp_block_boundary and self.overlap.tp_subbatches < 2:
-            raise PlanError(
-                "tp_block_boundary=false applies to overlapped tensor parallelism; use it with "
-                "tp_subbatches=2 or more, or drop it"
-            )
-        if not self.overlap.tp3d_prefetch and self.tp3d is None:
-            raise PlanError(
-                "tp3d_prefetch=false applies to 3D tensor parallelism; use it with tp3d=XxYxZ "
-                "or drop it"
-            )
-        if self.tp3d is not None:
-            if len(self.tp3d) != 3 or any(not isinstance(d, int) or d < 1 for d in self.tp3d):
-                raise PlanError(f"tp3d={self.tp3d!r} must be three positive integers, e.g. 2x2x1")
-            if self.tp != 1:
-                raise PlanError(
-                    f"tp={self.tp} and tp3d={fmt_tp3d(self.tp3d)} are exclusive; use one of them"
-                )
-        _check_choice("schedule", self.schedule, PIPELINE_SCHEDULES)
-        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
-        _check_choice("grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
-        _check_choice("moe_balance", self.moe_balance, MOE_BALANCES)
-        _check_choice("cp_mode", self.cp_mode, CP_MODES)
-        if self.cp_mode != "ring" and not self.context_parallel:
-            raise PlanError(f"cp_mode={self.cp_mode} applies to context parallelism; use cp > 1")
-        if self.grad_compression != "none" and self.dp_size == 1:
-            raise PlanError(
-                f"grad_compression={self.grad_compression} compresses the data-parallel "
-                "gradient all-reduce and needs dp > 1"
-            )
-        if self.grad_compression != "none" and self.sharded_data_parallel:
-            raise PlanError(
-                f"grad_compression={self.grad_compression} is a DDP comm hook; sharded data "
-                f"parallelism (dp_shard={self.dp_shard}) reduce-scatters its gradients instead: "
-                "use grad_compression=none, or dp_shard=1"
-            )
-        if self.grad_compression != "none" and not self.overlap.dp_overlap:
-            raise PlanError(
-                f"grad_compression={self.grad_compression} is a DDP comm hook and needs "
-                "dp_overlap=true; drop dp_overlap=false"
-            )
-        if self.moe_balance in ("shadow", "prophet") and self.ep == 1:
-            raise PlanError(
-                f"moe_balance={self.moe_balance} places experts across an expert parallel "
-                "group; use ep > 1 (ep divides dp)"
-            )
-        if self.pp == 1:
-            for name, value, default in (
-                ("micro_batches", self.micro_batches, 1),
-                ("schedule", self.schedule, "1f1b"),
-            ):
-                if value != default:
-                    raise PlanError(
-                        f"{name}={value} applies to pipeline parallelism; use pp > 1 with it "
-                        f"(gradient accumulation is the trainer's micro_batch)"
-                    )
-        if self.pp == 1 and self.recompute in PIPELINE_ONLY_RECOMPUTE:
-            raise PlanError(
-                f"recompute={self.recompute} sets a ratio per pipeline stage and needs pp > 1; "
-                "use recompute=full or selective without a pipeline"
-            )
-        if self.pp > 1 and self.grad_compression != "none":
-            raise PlanError(
-                f"grad_compression={self.grad_compression} compresses DDP's all-reduce, which a "
-                "pipeline does not use; use grad_compression=none with pp > 1"
-            )
-        only_1d = self.tp3d is None  # tp3d with these: the not-implemented table's
-        if only_1d and self.overlap.tp_subbatches > 1 and (self.tp == 1 or self.sequence_parallel):
-            raise PlanError(
-                f"tp_subbatches={self.overlap.tp_subbatches} overlaps 1D tensor parallel "
-                "all-reduces: it needs tp > 1 and no sequence_parallel"
-            )
-        if only_1d and self.sequence_parallel and self.tp == 1:
-            raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
-        if self.dp_size % self.ep:
-            raise PlanError(
-                f"ep={self.ep} must divide {self._dp_text} (expert groups are carved "
-                f"out of the data parallel ranks); use ep in {divisors(self.dp_size)}"
-            )
+        check_plan_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        for dimension in DIMENSIONS:
+            dimension.check_values(self)
 
     def _check_implemented(self) -> None:
         """The one table of combinations that are valid but not implemented yet
@@ -350,81 +243,16 @@ class Plan:
 
     def check_model(self, spec: Any) -> None:
         """PlanError unless the plan can split model `spec` (a GPTConfig-like object with
-        d_model, n_heads, vocab_size, n_layers, ffn_dim, seq_len, n_experts): divisibility by
-        the tensor degrees, enough layers for the stages, experts for ep."""
-        tp = self.tp  # 1D; 1 under tp3d, whose grid _check_tp3d checks
-        if self.tp3d is not None:
-            self._check_tp3d(spec)
+        d_model, n_heads, vocab_size, n_layers, ffn_dim, seq_len, n_experts): heads that divide
+        the width, then what each dimension needs of it (`parallel.dimensions`): divisibility by
+        the tensor degrees, enough layers for the stages, experts for ep, ..."""
         if spec.d_model % spec.n_heads:
             raise PlanError(
                 f"hidden size d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}; "
                 f"use n_heads in {divisors(spec.d_model)[-6:]}"
             )
-        check_divides(
-            tp,
-            "tensor parallel degree",
-            [
-                ("n_heads", spec.n_heads),
-                ("d_model", spec.d_model),
-                ("ffn_dim", spec.ffn_dim),
-                ("vocab_size", spec.vocab_size),
-            ],
-        )
-        if self.sequence_parallel and spec.seq_len % tp:
-            raise PlanError(
-                f"seq_len={spec.seq_len} is not divisible by tp={tp}, as sequence_parallel "
-                f"needs; use a seq_len that is a multiple of {tp}"
-            )
-        if spec.n_layers < self.pp:
-            raise PlanError(
-                f"pp={self.pp} exceeds n_layers={spec.n_layers}; use pp<={spec.n_layers}"
-            )
-        if self.pp > 1:
-            self._check_pipeline(spec)
-        if self.context_parallel:
-            context_options.check_model(self, spec)
-        if self.overlap.tp_subbatches > 1 and spec.n_experts:
-            raise PlanError(
-                f"tp_subbatches={self.overlap.tp_subbatches} with a Mixture-of-Experts model "
-                "would change its routing capacity; use tp_subbatches=1"
-            )
-        if (self.ep > 1 or self.moe_balance != "none") and not spec.n_experts:
-            raise PlanError(
-                f"ep={self.ep}, moe_balance={self.moe_balance} need a Mixture-of-Experts model; "
-                "the model has no experts (use e.g. --model moe-tiny)"
-            )
-        if self.ep > 1 and spec.n_experts % self.ep:
-            raise PlanError(
-                f"n_experts={spec.n_experts} is not divisible by ep={self.ep}; "
-                f"use ep in {divisors(spec.n_experts)}"
-            )
-
-    def _check_tp3d(self, spec: Any) -> None:
-        """The grid (x, y, z) splits this model (`tensor3d.options.check_grid`, the runtime's rule);
-        experts are not split."""
-        assert self.tp3d is not None
-        if spec.n_experts:
-            raise PlanError(
-                f"tp3d={fmt_tp3d(self.tp3d)} does not split Mixture-of-Experts models; use a "
-                "dense model or tp=N"
-            )
-        head_dim = spec.d_model // spec.n_heads
-        check_grid(
-            self.tp3d,
-            spec.d_model,
-            [("the model", spec.n_heads, head_dim, spec.n_heads)],
-            [("the model", spec.ffn_dim)],
-        )
-
-    def _check_pipeline(self, spec: Any) -> None:
-        """The schedule can run this many micro-batches over pp stages of this model."""
-        check_schedule(
-            self.schedule,
-            self.pp,
-            self.micro_batches,
-            spec.n_layers,
-            virtual_stages_for(self.schedule, None),
-        )
+        for dimension in DIMENSIONS:
+            dimension.check_model(self, spec)
 
     # ----------------------------------------------------------------- text and JSON
     @classmethod
@@ -546,11 +374,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise PlanError(f"{name}={value!r} is not one of {', '.join(choices)}")
 
 
 def _did_you_mean(key: str) -> str:

@@ -51,8 +51,9 @@ from interlace.float8 import convert_to_float8
 from interlace.loss import cross_entropy
 from interlace.mesh import Mesh, data_group_name
 from interlace.parallel.context.step import context_step
-from interlace.parallel.data.apply import apply_data_parallel, check_reduce_dtype
+from interlace.parallel.data.apply import DataParallel, apply_data_parallel, check_reduce_dtype
 from interlace.parallel.data.fsdp import (
+    ShardedDataParallel,
     apply_fully_shard,
     overlaps_reduce_scatter,
     precision_policy,
@@ -73,7 +74,7 @@ from interlace.parallel.expert.grads import (
 )
 from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
-from interlace.parallel.expert.rules import replicated_because
+from interlace.parallel.expert.options import replicated_because
 from interlace.parallel.expert.shard import shard_experts
 from interlace.parallel.fits import check_mesh
 from interlace.parallel.parallelized import Parallelized, layer_list
@@ -148,7 +149,7 @@ def parallelize(
     if plan.pipelined:
         pipeline_step(result, mesh, split_points, layers_per_stage)
         if plan.expert_parallel:
-            link_within(result.pipeline.stages)  # Trans is issued ahead within a stage only
+            link_within(result.roots())  # Trans is issued ahead within a stage only
     apply_data(result, mesh, experts, weights)
     for line in result.report:
         logger.info(line)
@@ -226,9 +227,9 @@ def apply_data(
     model's pieces are read from `weights` once they are this rank's: after FSDP2 shards them,
     before DDP broadcasts them. Then what the data and expert dimensions add to a step: their
     gradient reductions after the last micro-batch and their metrics."""
-    experts_sharded = _apply_data_split(result, mesh, experts, weights)
-    data = result.data
-    assert data is not None
+    data, experts_sharded = _apply_data_split(result, mesh, experts, weights)
+    result.module = data.module
+    result.accumulation_scopes.append(data.no_sync)
     result.gradient_syncs.append(data.sync_gradients)
     if data.compression is not None:
         ratio = data.compression.summary
@@ -239,21 +240,20 @@ def apply_data(
 
 def _apply_data_split(
     result: Parallelized, mesh: Mesh, experts: ExpertGroups | None, weights: Weights | None
-) -> bool:
-    """DDP or FSDP2 around the model (`apply_data`); whether FSDP2 sharded the experts too
+) -> tuple[DataParallel | ShardedDataParallel, bool]:
+    """DDP or FSDP2 around the model (`apply_data`), and whether FSDP2 sharded the experts too
     (then it reduces their gradients over ep_dp)."""
     reduce_dtype = result.precision.reduce
     if result.plan.sharded_data_parallel:
         check_reduce_dtype(result.plan, reduce_dtype)
         assert mesh.data_mesh is not None, "build the mesh with build_mesh(plan)"
         layer_list(result, f"dp_shard={result.plan.dp_shard}")  # FSDP shards block by block
-        pipeline = result.pipeline
         overlap = overlaps_reduce_scatter(result.plan, mesh.device, reduce_dtype)
         replicas = mesh.group(data_group_name(result.plan))  # every rank of the sharding
         whole, experts_sharded = _shard_experts(result, mesh, experts, reduce_dtype)
-        result.data = apply_fully_shard(
+        data = apply_fully_shard(
             result.model,
-            pipeline.stages if pipeline is not None else [result.model],
+            result.roots(),
             result.blocks,
             mesh.data_mesh,
             result.precision.compute,
@@ -262,10 +262,9 @@ def _apply_data_split(
             ignored=whole,
             ring=ring_group(mesh.rows(replicas.name)) if overlap else None,
         )
-        result.module = result.data.module
         _load(result, mesh, weights)
-        if pipeline is not None:
-            pipeline.rebind_parameters()
+        if result.executor is not None:
+            result.executor.rebind_parameters()
         plan = result.plan
         holders = 1 if experts_sharded else plan.dp_size // plan.ep
         expert_params = expert_parameters(result.model)
@@ -276,14 +275,11 @@ def _apply_data_split(
             f"{result.plan.dp_shard}{over} (FSDP2"
             + (f", replicated over dp={result.plan.dp})" if result.plan.dp > 1 else ")")
         )
-        return experts_sharded
+        return data, experts_sharded
     _load(result, mesh, weights)
     skip = expert_parameter_names(result.model)
-    result.data = apply_data_parallel(
-        result.model, result.plan, mesh.group(data_group_name(result.plan)), skip, reduce_dtype
-    )
-    result.module = result.data.module
-    return False
+    group = mesh.group(data_group_name(result.plan))
+    return apply_data_parallel(result.model, result.plan, group, skip, reduce_dtype), False
 
 
 def _add_expert_steps(result: Parallelized, experts: ExpertGroups, experts_sharded: bool) -> None:
@@ -336,8 +332,7 @@ def _load(result: Parallelized, mesh: Mesh, weights: Weights | None) -> None:
         plan = result.plan
         tp = mesh.group("tp") if plan.tensor_parallel else None
         grid = Grid.from_mesh(mesh) if plan.tensor3d_parallel else None
-        roots = result.pipeline.stages if result.pipeline is not None else [result.model]
-        load_pieces(result.model, roots, result.storage, tp, grid, mesh.device, weights)
+        load_pieces(result.model, result.roots(), result.storage, tp, grid, mesh.device, weights)
 
 
 def _found_structure(model: nn.Module) -> Structure | None:

@@ -4,21 +4,39 @@ training step; the one type every dimension's step writes to."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from interlace.errors import PlanError
 from interlace.loss import CrossEntropy, causal_lm_loss
-from interlace.parallel.data.apply import DataParallel
-from interlace.parallel.data.fsdp import ShardedDataParallel
 from interlace.parallel.grad_norm import GradNorm, NormShare
-from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.parallel.storage import Storage
 from interlace.plan import Plan
 from interlace.precision import FP32, scaled_step
+
+
+class StepExecutor(Protocol):
+    """What runs a training step in place of the model's own forward and backward: a pipeline's
+    schedule over this rank's `stages`, the modules that hold its parameters."""
+
+    stages: Sequence[nn.Module]
+
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, loss_scale: float | torch.Tensor, sync: bool
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's rows x [B, T] against y [B, T]; the loss."""
+        ...
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of x [B, T] against y [B, T], forward only."""
+        ...
+
+    def rebind_parameters(self) -> None:
+        """Take up the parameters a later step replaced (FSDP2's sharded ones)."""
+        ...
 
 
 class Parallelized:
@@ -39,7 +57,9 @@ class Parallelized:
     reductions after a step's last backward (the data split's, the experts' over their
     replicas); `metric_sources`, each giving entries of the step's metrics row;
     `forward_scopes`, contexts a forward that runs the blocks outside the model's own forward
-    (a pipeline stage's) enters (1D tensor parallelism's deferral scope).
+    (a pipeline stage's) enters (1D tensor parallelism's deferral scope);
+    `accumulation_scopes`, contexts a micro-batch that is not its step's last runs in (DDP's
+    `no_sync`); `executor`, what runs the step in place of `module` (a pipeline's schedule).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, scores: CrossEntropy) -> None:
@@ -52,15 +72,20 @@ class Parallelized:
         self.report: list[str] = []
         self.storage = Storage()
         self.norm_shares: list[NormShare] = []
-        self.pipeline: PipelineRunner | None = None
-        self.data: DataParallel | ShardedDataParallel | None = None
+        self.executor: StepExecutor | None = None
         self.row_cuts: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.gradient_syncs: list[Callable[[], None]] = []
         self.metric_sources: list[Callable[[], dict[str, Any]]] = []
         self.forward_scopes: list[Callable[[], contextlib.AbstractContextManager]] = []
+        self.accumulation_scopes: list[Callable[[], contextlib.AbstractContextManager]] = []
         self.layers: str | None = None
         self.blocks: list[nn.Module] = []
         self._grad_norm: GradNorm | None = None
+
+    def roots(self) -> list[nn.Module]:
+        """The modules that hold this rank's parameters as they run: the executor's stages (a
+        pipeline's), else the model."""
+        return list(self.executor.stages) if self.executor is not None else [self.model]
 
     # ------------------------------------------------------------------ one step
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -90,13 +115,14 @@ class Parallelized:
         `clip_grad_norm_` unscales them."""
         if self.scaler is not None:
             loss_scale = self.scaler.scale(torch.tensor(loss_scale, device=x.device))
-        if self.pipeline is not None:
-            step = self.pipeline.step(self.rows(x), self.rows(y), loss_scale=loss_scale, sync=sync)
+        if self.executor is not None:
+            step = self.executor.step(self.rows(x), self.rows(y), loss_scale=loss_scale, sync=sync)
             return step.detach()
         if not self.module.training:  # after `evaluate` (walking every module costs each step)
             self.module.train()
-        deferred = self.data.no_sync() if self.data is not None and not sync else None
-        with deferred or contextlib.nullcontext():
+        with contextlib.ExitStack() as scopes:
+            for scope in () if sync else self.accumulation_scopes:
+                scopes.enter_context(scope())
             loss = self.loss(self.module(self.rows(x)), self.rows(y))
             (loss * loss_scale).backward()
         return loss.detach()
@@ -105,8 +131,8 @@ class Parallelized:
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of x [B, T] against y [B, T], forward only (B a multiple of
         `plan.batch_rows_unit`)."""
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(self.rows(x), self.rows(y))
+        if self.executor is not None:
+            return self.executor.evaluate(self.rows(x), self.rows(y))
         self.model.eval()
         return self.loss(self.model(self.rows(x)), self.rows(y))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from interlace.mesh import data_group_name
-from interlace.parallel.expert.rules import expert_split
+from interlace.parallel.expert.options import expert_split
 from interlace.plan import Plan
 from interlace.planner.bytes import GRAD_BYTES
 from interlace.planner.collective_cost import (
@@ -80,7 +80,7 @@ def _expert_terms(
 ) -> None:
     """The expert gradients' reduction over ep_dp (the ranks holding the same experts, tp · ep
     apart): an all_reduce, or where sharded data parallelism shards the experts
-    (`expert.rules.expert_split`) a reduce_scatter and their gathers before the forward and
+    (`expert.options.expert_split`) a reduce_scatter and their gathers before the forward and
     (with `reshard_after_forward`) the backward, none prefetched; under ep × tp the tp ranks'
     expert gradients summed over tp too (`tp.all_reduce`). All after or outside the backward's
     overlap: exposed."""

@@ -15,7 +15,7 @@ import torch
 
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
-from interlace.parallel.expert.rules import expert_split
+from interlace.parallel.expert.options import expert_split
 from interlace.parallel.pipeline.partition import (
     Shard,
     balance,
@@ -198,7 +198,7 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
 
 def device_params(stage: Stage, plan: Plan) -> float:
     """Parameters one device of `stage` keeps between steps: non-expert parameters split by tp,
-    expert parameters as the runtime splits them (`expert.rules.expert_split`); under 3D tensor
+    expert parameters as the runtime splits them (`expert.options.expert_split`); under 3D tensor
     parallelism the layers' split by x·y·z and the embedding and head replicated; the
     non-expert parameters split again over FSDP's `plan.shard_ranks` (dp_shard, × cp under
     context parallelism)."""

@@ -39,6 +39,7 @@ from interlace.mesh import Mesh, data_group_name, default_device
 from interlace.nonfinite import NonFiniteGuard, all_finite, finite_step, skip_if_nonfinite
 from interlace.optim import build_optimizer, lr_at
 from interlace.parallel.parallelize import parallelize
+from interlace.parallel.pipeline.runner import PipelineRunner
 from interlace.parallel.pipeline.trace import check_trace_path, trace_to_file
 from interlace.planner.cost import plan_memory
 from interlace.precision import Precision, reads_amp_hooks
@@ -356,7 +357,9 @@ class Trainer:
         """Record this step's pipeline timeline to `trace` if it is `step`."""
         if self.trace is None or self.step != step:
             return contextlib.nullcontext()
-        return trace_to_file(self.parallel.pipeline, self.trace, self.optimizer)
+        runner = self.parallel.executor
+        assert isinstance(runner, PipelineRunner), "a trace records a pipeline's schedule"
+        return trace_to_file(runner, self.trace, self.optimizer)
 
     def save(self) -> Path:
         """Checkpoint the current step under `<out>/checkpoints/` (collective)."""

@@ -6,10 +6,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from interlace.errors import PlanError
+from interlace.errors import PlanError, check_plan_choice
 
 CP_MODES = ("ring", "alltoall")
 """How context-parallel ranks attend: key/value blocks around a ring, or heads ↔ sequence."""
+
+
+def mesh_dims(plan: Any) -> tuple[tuple[str, int], ...]:
+    """Context parallelism's mesh dimension of `plan` (a Plan): ("cp", N), between the data
+    and the tensor dimensions; none without it."""
+    return (("cp", plan.cp),) if plan.context_parallel else ()
+
+
+def check_values(plan: Any) -> None:
+    """PlanError naming the fix for a bad context-parallel option of `plan`: the mode's name,
+    and a mode other than the default only with cp > 1."""
+    check_plan_choice("cp_mode", plan.cp_mode, CP_MODES)
+    if plan.cp_mode != "ring" and not plan.context_parallel:
+        raise PlanError(f"cp_mode={plan.cp_mode} applies to context parallelism; use cp > 1")
 
 
 def check_divisible(seq_len: int, cp: int) -> None:
@@ -45,7 +59,10 @@ def pending_with(plan: Any, tp3d: str) -> list[tuple[bool, str, str]]:
 def check_model(plan: Any, spec: Any) -> None:
     """PlanError unless `plan`'s cp can split model `spec` (GPTConfig-like): 2·cp equal chunks,
     no attention dropout (neither mode has any), cp dividing a rank's heads under `alltoall`,
-    no experts (their capacity would count one rank's share of the tokens)."""
+    no experts (their capacity would count one rank's share of the tokens); nothing without
+    context parallelism."""
+    if not plan.context_parallel:
+        return
     check_divisible(spec.seq_len, plan.cp)
     if getattr(spec, "dropout", 0.0):
         raise PlanError(

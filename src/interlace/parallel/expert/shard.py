@@ -18,7 +18,7 @@ after a summing reduce-scatter (`set_force_sum_reduction_for_comms`: gloo and th
 reduce-scatter sum or average only), and the reduction after backward
 (`reduce_expert_gradients`) leaves them out.
 
-**Kept whole** (`rules.replicated_because` says why, and so does the report): under the balancing
+**Kept whole** (`options.replicated_because` says why, and so does the report): under the balancing
 strategies that place replicas (shadow, prophet), whose Trans sends an owner's whole parameters
 to other ranks, with `overlap` before the layer's forward, and whose Agg adds the replicas'
 gradients into the owner's at the end of the backward pass, after FSDP2 has reduced them; there

@@ -20,10 +20,21 @@ checks, before any work, that the combination can run:
 
 from __future__ import annotations
 
-from interlace.errors import PlanError
+from typing import Any
+
+from interlace.errors import PlanError, check_plan_choice
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 """Every schedule a Plan can name; `build_schedule` makes the first three (torch's)."""
+
+
+PIPELINE_ONLY_RECOMPUTE = ("stage-aware",)
+"""Recomputation modes set per pipeline stage, which need pp > 1."""
+
+
+def mesh_dims(plan: Any) -> tuple[tuple[str, int], ...]:
+    """The pipeline's mesh dimension of `plan` (a Plan): ("pp", stages), the outermost."""
+    return (("pp", plan.pp),)
 
 
 def virtual_stages_for(schedule: str, requested: int | None) -> int:
@@ -70,3 +81,40 @@ def check_schedule(
                 f"{rounds} (torch's rounds of micro_batches // pp); got {micro_batches}: use "
                 f"micro_batches={rounds * (micro_batches // rounds)}"
             )
+
+
+def check_values(plan: Any) -> None:
+    """PlanError naming the fix for a bad pipeline option of `plan`: the schedule's name, and
+    `micro_batches`, `schedule` and the per-stage recomputation only with pp > 1."""
+    check_plan_choice("schedule", plan.schedule, PIPELINE_SCHEDULES)
+    if plan.pp > 1:
+        return
+    for name, value, default in (
+        ("micro_batches", plan.micro_batches, 1),
+        ("schedule", plan.schedule, "1f1b"),
+    ):
+        if value != default:
+            raise PlanError(
+                f"{name}={value} applies to pipeline parallelism; use pp > 1 with it "
+                f"(gradient accumulation is the trainer's micro_batch)"
+            )
+    if plan.recompute in PIPELINE_ONLY_RECOMPUTE:
+        raise PlanError(
+            f"recompute={plan.recompute} sets a ratio per pipeline stage and needs pp > 1; "
+            "use recompute=full or selective without a pipeline"
+        )
+
+
+def check_model(plan: Any, spec: Any) -> None:
+    """PlanError unless model `spec` (GPTConfig-like) has a layer per stage and the schedule
+    can run `plan`'s micro-batches over its stages (`check_schedule`)."""
+    if spec.n_layers < plan.pp:
+        raise PlanError(f"pp={plan.pp} exceeds n_layers={spec.n_layers}; use pp<={spec.n_layers}")
+    if plan.pp > 1:
+        check_schedule(
+            plan.schedule,
+            plan.pp,
+            plan.micro_batches,
+            spec.n_layers,
+            virtual_stages_for(plan.schedule, None),
+        )

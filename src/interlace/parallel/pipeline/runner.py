@@ -52,7 +52,6 @@ from interlace.parallel.pipeline.schedule import build_schedule
 from interlace.parallel.pipeline.shifted import ShiftedSchedule
 from interlace.parallel.pipeline.stage import GPTStage, TiedEmbedding, local_module
 from interlace.parallel.pipeline.wire import StageWire, WiredStage
-from interlace.parallel.tensor.layers import VocabParallelHead
 from interlace.plan import Plan
 from interlace.precision import forward_in_precision
 
@@ -351,7 +350,8 @@ def _check_model(model: nn.Module, plan: Plan, mesh: Mesh) -> DecoderParts | Non
     """Refuse what the runner cannot run; return a HF decoder's parts (None for the GPT)."""
     parts = check_pipelined(model, plan)
     plan.validate(mesh.device_mesh.size())  # the supported combinations
-    if plan.tensor_parallel and not isinstance(model.lm_head, VocabParallelHead):
+    whole_head = model.lm_head.weight.shape[0] == model.config.vocab_size
+    if plan.tensor_parallel and whole_head:  # a split head holds V/tp rows
         raise PlanError(
             f"plan tp={plan.tp} but the model is not tensor parallel; split it first with "
             "interlace.parallelize(model, plan, mesh), then build the PipelineRunner"

@@ -18,7 +18,7 @@ def pipeline_step(
     layers_per_stage: Sequence[int] | None,
 ) -> None:
     """Step 6 of `parallelize`: keep this rank's pipeline stages over "pp"; the model becomes
-    those stages, which run the step (`result.pipeline`); the norm's share and the checkpoint
+    those stages, which its schedule runs (`result.executor`); the norm's share and the checkpoint
     layout of what this rank keeps."""
     plan = result.plan
     runner = PipelineRunner(
@@ -31,7 +31,7 @@ def pipeline_step(
         precision=result.precision.compute,
         forward_scopes=result.forward_scopes,
     )
-    result.pipeline = runner
+    result.executor = runner
     result.model = result.module = runner.module
     result.norm_shares.append(runner.norm_share())
     held = dict(runner.module.named_parameters(remove_duplicate=False))

@@ -32,7 +32,8 @@ comm meter (`interlace.comm`), HF's `Conv1D` stores [in, out] and GPT-2 fuses q|
 expressible with `ColwiseParallel`), GQA with fewer kv heads than ranks needs replication, and the
 sharded cross-entropy must never gather logits.
 
-The package's modules, each one idea: `comm` (the collectives as autograd functions), `shard`
+The package's modules, each one idea: `options` (the plan's rules, torch-free), `comm` (the
+collectives as autograd functions), `shard`
 (ShardSpec: which piece a rank holds), `layers` (row-parallel linear, vocab-parallel embedding,
 head and cross-entropy, block entry), `moe` (fused-expert MoE blocks split along every expert's
 width; other MoE layers stay replicated), `apply` (`apply_tensor_parallel`, `check_divisible`),

@@ -10,14 +10,25 @@ rank, ffn / y) over z. Grouped-query kv heads split over y, or y over them (repl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from interlace.divisors import divisors
 from interlace.errors import PlanError
+from interlace.plan_pending import fmt_tp3d
 
 Attention = tuple[str, int, int, int]
 """(name, n_heads, head_dim, n_kv_heads) of one attention module."""
 FeedForward = tuple[str, int]
 """(name, ffn_dim) of one feed-forward module."""
+
+
+def mesh_dims(plan: Any) -> tuple[tuple[str, int], ...]:
+    """The 3D grid's mesh dimensions of `plan` (a Plan), outermost first: ("tp_z", z),
+    ("tp_y", y), ("tp_x", x), so that x varies fastest; none without a grid."""
+    if plan.tp3d is None:
+        return ()
+    x, y, z = plan.tp3d
+    return (("tp_z", z), ("tp_y", y), ("tp_x", x))
 
 
 def check_grid(
@@ -54,3 +65,45 @@ def check_grid(
                 f"{name}: n_kv_heads={kv_heads} is not divisible by {where}'s y={y}, nor "
                 f"y by it; use y dividing or divided by {kv_heads}"
             )
+
+
+def check_values(plan: Any) -> None:
+    """PlanError naming the fix for a bad 3D grid option of `plan`: three positive sizes, not
+    with 1D `tp`; `tp3d_prefetch` a bool, with a grid."""
+    prefetch = plan.overlap.tp3d_prefetch
+    if not isinstance(prefetch, bool):
+        raise PlanError(
+            f"tp3d_prefetch={prefetch!r} must be true or false, e.g. tp3d_prefetch=false"
+        )
+    if plan.tp3d is None:
+        if not prefetch:
+            raise PlanError(
+                "tp3d_prefetch=false applies to 3D tensor parallelism; use it with tp3d=XxYxZ "
+                "or drop it"
+            )
+        return
+    if len(plan.tp3d) != 3 or any(not isinstance(d, int) or d < 1 for d in plan.tp3d):
+        raise PlanError(f"tp3d={plan.tp3d!r} must be three positive integers, e.g. 2x2x1")
+    if plan.tp != 1:
+        raise PlanError(
+            f"tp={plan.tp} and tp3d={fmt_tp3d(plan.tp3d)} are exclusive; use one of them"
+        )
+
+
+def check_model(plan: Any, spec: Any) -> None:
+    """PlanError unless `plan`'s grid splits model `spec` (GPTConfig-like; `check_grid`, the
+    runtime's rule); experts are not split."""
+    if plan.tp3d is None:
+        return
+    if spec.n_experts:
+        raise PlanError(
+            f"tp3d={fmt_tp3d(plan.tp3d)} does not split Mixture-of-Experts models; use a "
+            "dense model or tp=N"
+        )
+    head_dim = spec.d_model // spec.n_heads
+    check_grid(
+        plan.tp3d,
+        spec.d_model,
+        [("the model", spec.n_heads, head_dim, spec.n_heads)],
+        [("the model", spec.ffn_dim)],
+    )

@@ -1,0 +1,72 @@
+"""The plan rules of 1D tensor parallelism without torch: its mesh dimension, its options'
+checks (sequence parallelism, overlapped sub-batches) and what the model must divide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from interlace.divisors import check_divides
+from interlace.errors import PlanError
+
+
+def mesh_dims(plan: Any) -> tuple[tuple[str, int], ...]:
+    """1D tensor parallelism's mesh dimension of `plan` (a Plan): ("tp", N), the innermost, so
+    that consecutive ranks (one node) share a group; none under a 3D grid, which takes its place
+    (`tensor3d.options.mesh_dims`)."""
+    return (("tp", plan.tp),) if plan.tp3d is None else ()
+
+
+def check_values(plan: Any) -> None:
+    """PlanError naming the fix for a bad option of 1D tensor parallelism in `plan`:
+    `tp_subbatches` (overlapped all-reduces, tp > 1 without sequence parallelism),
+    `tp_block_boundary` (with sub-batches), `sequence_parallel` (tp > 1). Under a 3D grid the
+    not-implemented table answers for these (`plan_pending`)."""
+    overlap = plan.overlap
+    if overlap.tp_subbatches < 1:
+        raise PlanError(f"tp_subbatches={overlap.tp_subbatches} must be >= 1 (1 = off)")
+    if not isinstance(overlap.tp_block_boundary, bool):
+        raise PlanError(
+            f"tp_block_boundary={overlap.tp_block_boundary!r} must be true or false, "
+            "e.g. tp_block_boundary=false"
+        )
+    if not overlap.tp_block_boundary and overlap.tp_subbatches < 2:
+        raise PlanError(
+            "tp_block_boundary=false applies to overlapped tensor parallelism; use it with "
+            "tp_subbatches=2 or more, or drop it"
+        )
+    if plan.tp3d is not None:
+        return
+    if overlap.tp_subbatches > 1 and (plan.tp == 1 or plan.sequence_parallel):
+        raise PlanError(
+            f"tp_subbatches={overlap.tp_subbatches} overlaps 1D tensor parallel "
+            "all-reduces: it needs tp > 1 and no sequence_parallel"
+        )
+    if plan.sequence_parallel and plan.tp == 1:
+        raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
+
+
+def check_model(plan: Any, spec: Any) -> None:
+    """PlanError unless tp divides model `spec` (GPTConfig-like)'s heads, width, feed-forward
+    and vocabulary, and the sequence under sequence parallelism; sub-batches refuse a
+    Mixture-of-Experts model (they would change its routing capacity)."""
+    tp = plan.tp  # 1 under tp3d, whose grid tensor3d checks
+    check_divides(
+        tp,
+        "tensor parallel degree",
+        [
+            ("n_heads", spec.n_heads),
+            ("d_model", spec.d_model),
+            ("ffn_dim", spec.ffn_dim),
+            ("vocab_size", spec.vocab_size),
+        ],
+    )
+    if plan.sequence_parallel and spec.seq_len % tp:
+        raise PlanError(
+            f"seq_len={spec.seq_len} is not divisible by tp={tp}, as sequence_parallel "
+            f"needs; use a seq_len that is a multiple of {tp}"
+        )
+    if plan.overlap.tp_subbatches > 1 and spec.n_experts:
+        raise PlanError(
+            f"tp_subbatches={plan.overlap.tp_subbatches} with a Mixture-of-Experts model "
+            "would change its routing capacity; use tp_subbatches=1"
+        )
