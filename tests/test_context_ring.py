@@ -140,14 +140,36 @@ def test_alltoall_needs_cp_to_divide_the_heads():
         alltoall_attention(q, torch.zeros(1, 2, 8, 2), torch.zeros(1, 2, 8, 2), group)
 
 
-@pytest.mark.parametrize("how", ["causal", "full"])
-def test_the_plain_softmax_pair_equals_the_fused_cpu_kernel(how):
-    # the fused kernel runs on the CPU, the plain softmax elsewhere: both must agree
-    torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(2, 4, 32, 8) for _ in range(4))
-    (forward, backward), math_forward = pair_kernels(torch.device("cpu")), pair_forward
-    out, lse = forward(q, k, v, how, 0.3)
-    torch.testing.assert_close((out, lse), math_forward(q, k, v, how, 0.3))
-    delta = (dout * out).sum(-1)
-    fused = backward(q, k, v, how, 0.3, lse, dout, delta, out)
-    torch.testing.assert_close(fused, pair_backward(q, k, v, how, 0.3, lse, dout, delta))
+def _fused_pair_equals_plain_softmax(device: str, dtype: torch.dtype, tolerance: dict) -> None:
+    """A device's fused pair kernels (`pair_kernels`) against the plain float32 softmax pair on
+    the same inputs: output, log-sum-exp and (dq, dk, dv), each pair visibility."""
+    for how in ("causal", "full"):
+        torch.manual_seed(0)
+        q, k, v, dout = (torch.randn(2, 4, 32, 64, device=device) for _ in range(4))
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        forward, backward = pair_kernels(torch.device(device))
+        out, lse = forward(q, k, v, how, 0.3)
+        assert out.dtype == lse.dtype == torch.float32  # merged in float32 whatever the inputs
+        torch.testing.assert_close((out, lse), pair_forward(q, k, v, how, 0.3), **tolerance)
+        delta = (dout * out).sum(-1)
+        fused = backward(q, k, v, how, 0.3, lse, dout, delta, out)
+        plain = pair_backward(q, k, v, how, 0.3, lse, dout, delta)
+        torch.testing.assert_close(fused, plain, **tolerance)
+
+
+def test_the_plain_softmax_pair_equals_the_fused_cpu_kernel():
+    # the fused kernel runs on the CPU, the plain softmax where no fused kernel is wired
+    _fused_pair_equals_plain_softmax("cpu", torch.float32, {})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [
+        (torch.float32, {"rtol": 1e-4, "atol": 1e-4}),
+        # bf16 inputs: 8 significant bits, each value rounded by up to 2^-9 in the kernel
+        (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2}),
+    ],
+)
+def test_the_cuda_pair_kernels_equal_the_plain_softmax(dtype, tolerance):
+    _fused_pair_equals_plain_softmax("cuda", dtype, tolerance)

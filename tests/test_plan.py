@@ -114,7 +114,6 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(pp=2, tp3d=(1, 1, 2)), "tp3d=1x1x2 (z > 1) with pp=2"),
         (Plan(tp3d=(2, 1, 1), sequence_parallel=True), "tp3d=2x1x1 with sequence_parallel"),
         (Plan(dp=2, ep=2, tp3d=(2, 1, 1)), "ep=2 combined with tp3d=2x1x1 is not"),
     ],

@@ -25,12 +25,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "ep=1, or 1D tensor parallelism (tp=N)",
         ),
         (
-            bool(tp3d) and plan.pipelined and plan.tp3d[2] > 1,
-            f"{tp3d} (z > 1) with pp={plan.pp} (the last stage's copy of a tied embedding "
-            "would miss z's gradient reduction)",
-            "a grid with z = 1 (tp3d=XxYx1), or pp=1",
-        ),
-        (
             bool(tp3d) and plan.sharded_data_parallel and plan.tp3d[2] > 1,
             f"dp_shard={plan.dp_shard} with {tp3d} (z > 1: z's gradient reduction and weight "
             "prefetch act on the plain tensors FSDP2 replaces)",

@@ -8,16 +8,17 @@ package and writes what it adds to a training step into the one `Parallelized` r
     1. tensor   1D (`tp`, `sequence_parallel`, `tp_subbatches`)   parallel/tensor/step.py
                 or 3D (`tp3d`, `tp3d_prefetch`)                  parallel/tensor3d/step.py
        context  (`cp`: ring attention, zig-zag positions)      parallel/context/step.py
-    2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    here, `apply_expert`
+    2. expert   (`ep`, `moe_balance`; "ep"/"ep_dp" from "dp")    parallel/expert/step.py
     3. recompute (`recompute`: every block, when no pipeline)     here, interlace/recompute.py
     4. precision (`precision`: bf16, fp16, fp32, fp8)             here, interlace/precision.py
     5. compile  (`compile`: each block `torch.compile`d)          here, interlace/compile.py
     6. pipeline (`pp`, `micro_batches`, `schedule`, `recompute`) parallel/pipeline/step.py
     7. data     (`dp`, `dp_overlap`, `grad_compression`)         here, `apply_data`
 
-The expert and data steps stay here because they compose: FSDP2 shards the experts over their
-own replicas before the rest of the model, and their gradient reductions follow the data
-split's; the pipeline's stages link their expert layers here too.
+The data step stays here because it composes with the experts: FSDP2 shards the experts over
+their own replicas (the groups the expert step returns) before the rest of the model, and their
+gradient reductions follow the data split's; the pipeline's stages link their expert layers
+here too.
 
 Steps 1 and 2 change the model in place; 3 makes each block recompute its activations in
 backward (a pipeline's stages choose their own checkpointed blocks instead); 4 runs the model's
@@ -61,21 +62,17 @@ from interlace.parallel.data.fsdp import (
 )
 from interlace.parallel.data.ring import ring_group
 from interlace.parallel.detect import Structure, find_structure
-from interlace.parallel.expert.apply import (
-    link_within,
-    parallelize_experts,
-    share_tokens_over_tp,
-)
+from interlace.parallel.expert.apply import link_within
 from interlace.parallel.expert.grads import (
-    expert_norm_share,
     expert_parameter_names,
     expert_parameters,
     reduce_expert_gradients,
 )
-from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
+from interlace.parallel.expert.groups import ExpertGroups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.options import replicated_because
 from interlace.parallel.expert.shard import shard_experts
+from interlace.parallel.expert.step import expert_step
 from interlace.parallel.fits import check_mesh
 from interlace.parallel.parallelized import Parallelized, layer_list
 from interlace.parallel.pieces import Weights, load_pieces
@@ -142,7 +139,7 @@ def parallelize(
         tensor3d_step(result, mesh)
     if plan.context_parallel:
         context_step(result, mesh)
-    experts = apply_expert(result, mesh)
+    experts = expert_step(result, mesh)
     apply_recompute(result)
     apply_precision(result, precision, mesh.device.type, moe_layers)
     apply_compile(result, compile)
@@ -154,24 +151,6 @@ def parallelize(
     for line in result.report:
         logger.info(line)
     return result
-
-
-def apply_expert(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
-    """Step 2: experts split over "ep" (carved out of "dp"; collective), reduced over "ep_dp";
-    under 1D tensor parallelism each tp rank dispatches its share of the tokens, the experts
-    reduced over "tp" too (`expert.tp_tokens`). Returns the groups (None without ep), which the
-    data step shards and reduces the experts over."""
-    plan = result.plan
-    if not plan.expert_parallel:
-        return None
-    ep, ep_dp = build_expert_groups(mesh, plan.ep)
-    result.report += parallelize_experts(result.model, ep, plan.moe_balance)
-    tp = mesh.group("tp") if plan.tensor_parallel else None  # its ranks dispatch other tokens
-    if tp is not None:
-        result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel)
-    if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
-        result.norm_shares.append(expert_norm_share(result.model, ep))
-    return ExpertGroups(ep, ep_dp, tp)
 
 
 def apply_recompute(result: Parallelized) -> None:

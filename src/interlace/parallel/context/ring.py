@@ -17,10 +17,11 @@ travels with the block and reaches its owner after the last step. Written here b
 has no ring attention for gloo and the CPU (`torch.distributed.tensor.experimental.
 context_parallel` needs CUDA's SDPA kernels and DTensor-sharded buffers).
 
-Each chunk pair runs in float32: on the CPU through torch's fused flash-attention kernel, which
-returns the log-sum-exp and takes the final (out, lse) in its backward, so no [L, L] score
-matrix is ever held; elsewhere through the plain softmax (`pair_forward`, `pair_backward`),
-which holds one pair's scores at a time.
+Each chunk pair runs through a fused attention kernel of torch's that returns the log-sum-exp
+and takes the final (out, lse) in its backward, so no [L, L] score matrix is ever held: on the
+CPU the flash kernel, in float32; on CUDA the memory-efficient kernel (any head width, float32
+or the inputs' bf16 / fp16), its partial outputs merged in float32 all the same. Elsewhere the
+plain softmax (`pair_forward`, `pair_backward`) holds one pair's scores at a time.
 """
 
 from __future__ import annotations
@@ -104,16 +105,50 @@ def _cpu_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
     )
 
 
+_NO_SEED = torch.empty(0, dtype=torch.int64)
+"""The random-state arguments of the memory-efficient kernel's backward: unused without dropout."""
+
+
+def _cuda_pair_forward(q, k, v, how: str, scale: float):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, how == "causal", scale=scale
+    )
+    return out.float(), lse[..., : q.shape[2]].float()
+
+
+def _cuda_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
+    seed = _NO_SEED.to(q.device)
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype),
+        q,
+        k,
+        v,
+        None,
+        out.to(q.dtype),
+        lse.contiguous(),
+        seed,
+        seed,
+        0.0,
+        [True, True, True, False],
+        how == "causal",
+        scale=scale,
+    )
+    return tuple(g.float() for g in grads[:3])
+
+
 def _math_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
     return pair_backward(q, k, v, how, scale, lse, dout, delta)
 
 
 def pair_kernels(device: torch.device) -> tuple:
-    """(forward, backward) of one chunk pair on `device`: torch's fused CPU flash kernels on the
-    CPU, `pair_forward` and `pair_backward` elsewhere. The backward also takes the query
-    chunk's final output."""
+    """(forward, backward) of one chunk pair on `device`: torch's fused flash kernels on the
+    CPU, its memory-efficient kernels on CUDA, `pair_forward` and `pair_backward` elsewhere.
+    The forward gives (out [B, H, L, D], lse [B, H, L]) in float32; the backward also takes
+    the query chunk's final output and gives float32 (dq, dk, dv)."""
     if device.type == "cpu":
         return _cpu_pair_forward, _cpu_pair_backward
+    if device.type == "cuda":
+        return _cuda_pair_forward, _cuda_pair_backward
     return pair_forward, _math_pair_backward
 
 

@@ -35,6 +35,7 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.mesh import Mesh
 from interlace.models.gpt import GPT
+from interlace.parallel.grad_sums import SUMMED_OVER, sum_gradient_over
 from interlace.parallel.pipeline.aux_loss import StageAuxLoss
 from interlace.recompute import checkpointed
 from interlace.tensors import local_tensor
@@ -145,12 +146,16 @@ def run_span(
 
 def copy_head(head: nn.Module) -> nn.Module:
     """The LM head with its weight as a new Parameter of the same values (and the same
-    attributes: under a split, its shard spec): the last stage's copy of the tied embedding.
+    attributes: under a split, its shard spec), its gradient summed over the same group as the
+    original's where a split sums it (`grad_sums`): the last stage's copy of the tied embedding.
     Whatever split replaced the head (a vocabulary-parallel one) is kept: the module is copied
     as it is, its parameters alone replaced."""
     weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
     for name, value in vars(head.weight).items():
         setattr(weight, name, value)
+    summed_over = getattr(weight, SUMMED_OVER, None)
+    if summed_over is not None:  # a replicated head fed a share of the rows (tp3d's z)
+        sum_gradient_over(weight, summed_over)
     clone = copy.copy(head)
     clone._parameters = dict(head._parameters)
     clone.weight = weight

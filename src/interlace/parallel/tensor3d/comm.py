@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from interlace import comm
 from interlace.comm import Group
@@ -90,6 +91,15 @@ def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def _accumulates(weight_edge: GradientEdge | None) -> bool:
+    """Whether the running backward accumulates the weight's gradient (None: returned to
+    autograd, which decides). Not when it computes only other inputs' gradients, as
+    `torch.autograd.grad` over a pipeline stage's inputs does when torch's pipelining infers
+    gradient shapes: the Z reduce-scatter adds to `.grad` itself, so it must ask the engine
+    (`torch._C._will_engine_execute_node`, which torch's own multi-grad hooks ask too)."""
+    return weight_edge is None or torch._C._will_engine_execute_node(weight_edge.node)
+
+
 class _Linear3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook, gather, matmul):
@@ -97,6 +107,7 @@ class _Linear3D(torch.autograd.Function):
         # the parameter itself, not a saved tensor: activation checkpointing hands back saved
         # tensors detached, and the Z reduce-scatter adds dW to this parameter's `.grad`
         ctx.weight = weight
+        ctx.weight_edge = get_gradient_edge(weight) if weight.requires_grad and z.size > 1 else None
         ctx.groups = (in_group, out_group, z)
         ctx.block_grad_hook = block_grad_hook
         ctx.gather = gather
@@ -120,7 +131,7 @@ class _Linear3D(torch.autograd.Function):
         if out_group.size > 1:
             work = comm.all_reduce(grad_x, out_group, async_op=True)
         grad_w = None
-        if weight.requires_grad:  # overlaps the dX all-reduce
+        if weight.requires_grad and _accumulates(ctx.weight_edge):  # overlaps the dX all-reduce
             grad_w = ctx.matmul.weight_grad(grad_out, x)
             if ctx.block_grad_hook is not None:
                 grad_w = ctx.block_grad_hook(grad_w)

@@ -1,0 +1,29 @@
+"""What expert parallelism adds to `parallelize` (step 2): the experts split over "ep" (carved
+out of "dp"), the norm's share of what each rank holds, and the groups the data step shards and
+reduces the experts over."""
+
+from __future__ import annotations
+
+from interlace.mesh import Mesh
+from interlace.parallel.expert.apply import parallelize_experts, share_tokens_over_tp
+from interlace.parallel.expert.grads import expert_norm_share
+from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
+from interlace.parallel.parallelized import Parallelized
+
+
+def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
+    """Step 2 of `parallelize`: experts split over "ep" (carved out of "dp"; collective),
+    reduced over "ep_dp"; under 1D tensor parallelism each tp rank dispatches its share of the
+    tokens, the experts reduced over "tp" too (`expert.tp_tokens`). Returns the groups (None
+    without ep), which the data step shards and reduces the experts over."""
+    plan = result.plan
+    if not plan.expert_parallel:
+        return None
+    ep, ep_dp = build_expert_groups(mesh, plan.ep)
+    result.report += parallelize_experts(result.model, ep, plan.moe_balance)
+    tp = mesh.group("tp") if plan.tensor_parallel else None  # its ranks dispatch other tokens
+    if tp is not None:
+        result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel)
+    if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
+        result.norm_shares.append(expert_norm_share(result.model, ep))
+    return ExpertGroups(ep, ep_dp, tp)
