@@ -7,6 +7,7 @@ dp_shard and recompute."""
 
 import pytest
 
+from interlace.errors import PlanError
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner.cost import estimate
@@ -80,3 +81,27 @@ def test_search_space_holds_sharded_and_recomputed_layouts():
     plans = list(candidate_plans(64, MEGATRON, 64))
     assert any(p.dp_shard == 8 and p.tp == 8 for p in plans)
     assert {p.recompute for p in plans if p.pp == 1} == {"none", "selective", "full"}
+
+
+def test_the_search_prices_3d_grids_inside_pipelines():
+    # pp × tp3d with z > 1 runs (tests/test_tensor3d_layouts.py), so the search offers it
+    spec = pad_vocab(get_preset("gpt2-1.5b"), 128)
+    staged = [
+        p
+        for p in candidate_plans(16, spec, 64)
+        if p.pipelined and p.tp3d is not None and p.tp3d[2] > 1 and _runs(p, spec)
+    ]
+    assert len(staged) > 10
+    assert any(p.recompute == "selective" for p in staged)  # without the z prefetch
+    for plan in staged[:20]:
+        priced = estimate(plan, spec, A100, 64)
+        assert priced.breakdown["pp.bubble"] > 0 and priced.breakdown["tp_z.all_gather"] > 0
+
+
+def _runs(plan: Plan, spec) -> bool:
+    """Whether `Plan.validate` accepts `plan` for `spec` on its devices."""
+    try:
+        check_plan(plan, plan.world_size, spec, runnable_only=True)
+    except PlanError:
+        return False
+    return True

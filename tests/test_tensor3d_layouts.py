@@ -1,7 +1,7 @@
 """3D tensor parallelism inside pipeline stages (z = 1, and z > 1: the last stage's copy of the
-tied embedding summed over z) and under sharded data parallelism (z = 1): the Trainer's losses
-and gradient norms over four steps equal one process's; the combination still refused names its
-fix."""
+tied embedding summed over z), under sharded data parallelism (z = 1) and with recomputed blocks
+(z > 1): the Trainer's losses and gradient norms over four steps equal one process's; the
+combinations still refused name their fix."""
 
 import pytest
 
@@ -48,6 +48,25 @@ def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text):
         assert result["comm"][axis] > 0
         assert any("sharded over dp_shard=2" in line for line in result["report"])
         assert result["grads"].keys() == serial["grads"].keys()
+
+
+@pytest.mark.parametrize(
+    "plan_text", ["tp3d=1x1x2,recompute=full", "tp3d=1x1x2,recompute=selective,tp3d_prefetch=false"]
+)
+def test_recomputed_3d_blocks_with_z_equal_serial(serial, plan_text):
+    # the recomputed forward gathers each weight over z again, in the forward's order
+    for rank, result in enumerate(run_ranks(2, _steps, plan_text, 2)):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        assert result["comm"]["tp_z"] > 0
+
+
+def test_selective_recomputation_under_the_z_prefetch_is_refused_with_the_fix():
+    # the prefetch hands a block gathered ahead to the forward and gathers it again in the
+    # recomputation: other operations than torch's selective policy recorded
+    plan = Plan.parse("tp3d=1x1x2,recompute=selective")
+    with pytest.raises(PlanError, match="recompute=full, or tp3d_prefetch=false"):
+        plan.validate(plan.world_size)
 
 
 def test_sharding_a_3d_grid_with_z_is_refused_with_the_fix():

@@ -31,9 +31,12 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "a grid with z = 1 (tp3d=XxYx1), or dp_shard=1",
         ),
         (
-            bool(tp3d) and plan.tp3d[2] > 1 and plan.recompute == "selective",
-            f"{tp3d} (z > 1) with recompute=selective",
-            "recompute=full",
+            bool(tp3d)
+            and plan.tp3d[2] > 1
+            and plan.recompute == "selective"
+            and plan.overlap.tp3d_prefetch,
+            f"{tp3d} (z > 1) with recompute=selective and the weight prefetch over z",
+            "recompute=full, or tp3d_prefetch=false",
         ),
         (
             bool(tp3d) and plan.overlap.tp_subbatches > 1,

@@ -8,7 +8,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     power of two (or the whole per-rank batch) dividing global_batch / dp, schedule gpipe,
     1f1b, interleaved or shifted (shifted only with full recompute); with tp > 1:
     tp_subbatches 1 or 2 (overlapped tensor parallelism); for dense models, 3D tensor
-    parallelism tp3d = (x, y, z) × dp (powers of two, the batch split over dp and then z),
+    parallelism tp3d = (x, y, z) × pp × dp (powers of two, the batch split over dp, a rank's
+    micro-batches and then z; with pp > 1 the pipeline options above),
     priced by `interlace.planner.cost3d`; and, for dense models, context parallelism
     cp × tp × dp (cp > 1 any divisor of N / tp, both cp modes, recompute none or full: what the
     runtime composes cp with), priced by `interlace.planner.cost_context`.
@@ -137,21 +138,34 @@ def _context_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterat
 
 
 def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
-    """3D tensor parallel plans (tp3d × dp, the combination the runtime runs): every grid
-    x·y·z ≥ 2 of powers of two dividing the devices, for dense models, the batch split over
-    dp then z."""
+    """3D tensor parallel plans (tp3d × pp × dp, what the runtime runs): every grid x·y·z ≥ 2
+    of powers of two dividing the devices, alone or in pipelines of every power-of-two depth up
+    to the layers (with the pipeline options of 1D plans), for dense models; the batch split
+    over dp, then a rank's micro-batches, then z."""
     if spec.is_moe:
         return
     for x in powers_of_two(n_devices):
         for y in powers_of_two(n_devices // x):
             for z in powers_of_two(n_devices // (x * y)):
                 size = x * y * z
-                dp = n_devices // size
-                if size < 2 or n_devices % size or global_batch % dp:
+                if size < 2 or n_devices % size:
                     continue
-                if (global_batch // dp) % z:
-                    continue
-                yield Plan(dp=dp, tp3d=(x, y, z))
+                for pp in powers_of_two(min(n_devices // size, spec.n_layers)):
+                    dp = n_devices // (size * pp)
+                    if n_devices % (size * pp) or global_batch % dp:
+                        continue
+                    per_dp = global_batch // dp
+                    if pp == 1:
+                        if per_dp % z == 0:
+                            yield Plan(dp=dp, tp3d=(x, y, z))
+                        continue
+                    for pipeline in _pipeline_options(pp, per_dp):
+                        if (per_dp // pipeline["micro_batches"]) % z:
+                            continue
+                        # selective recomputation with z > 1 runs without the weight prefetch
+                        prefetch = z == 1 or pipeline["recompute"] != "selective"
+                        overlap = Overlap(tp3d_prefetch=prefetch)
+                        yield Plan(dp=dp, pp=pp, tp3d=(x, y, z), overlap=overlap, **pipeline)
 
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
