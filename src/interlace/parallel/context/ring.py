@@ -105,10 +105,6 @@ def _cpu_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
     )
 
 
-_NO_SEED = torch.empty(0, dtype=torch.int64)
-"""The random-state arguments of the memory-efficient kernel's backward: unused without dropout."""
-
-
 def _cuda_pair_forward(q, k, v, how: str, scale: float):
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, how == "causal", scale=scale
@@ -117,7 +113,7 @@ def _cuda_pair_forward(q, k, v, how: str, scale: float):
 
 
 def _cuda_pair_backward(q, k, v, how: str, scale: float, lse, dout, delta, out):
-    seed = _NO_SEED.to(q.device)
+    seed = q.new_empty(0, dtype=torch.int64)  # the kernel's random state: unused without dropout
     grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.to(q.dtype),
         q,
