@@ -123,6 +123,37 @@ def test_an_untied_head_is_exported_as_its_own_weight(tmp_path, capsys):
     assert (_hf_logits(out, idx) - _interlace_logits(config, run, idx)).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("plan_text", ["tp=2", "pp=2,micro_batches=2"])
+def test_a_llama_shaped_run_exports_as_llama_with_its_logits(plan_text, tmp_path, capsys):
+    config = dataclasses.replace(BASE, model="llama-tiny")
+    run = _trained(tmp_path / "run", plan_text, config)
+    out = tmp_path / "hf"
+    assert "LlamaForCausalLM" in _export(capsys, run, out)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(model).__name__ == "LlamaForCausalLM" and not any(info.values()), info
+    idx = _tokens(256, 64)
+    with torch.no_grad():
+        actual = model.eval()(idx).logits
+    assert (actual - _interlace_logits(config, run, idx)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"position_encoding": "learned"}, "learned positions but norm='rmsnorm'"),
+        ({"norm": "layernorm"}, "rotary positions but norm='layernorm'"),
+    ],
+)
+def test_a_shape_between_gpt2_and_llama_is_refused(changes, message, capsys, tmp_path):
+    spec = dataclasses.replace(get_preset("llama-tiny"), **changes)
+    (tmp_path / "mixed.json").write_text(json.dumps(spec.to_dict()))
+    config = dataclasses.replace(BASE, model=str(tmp_path / "mixed.json"), steps=1)
+    run = _trained(tmp_path / "run", "dp=1", config)
+    argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
+    expect_usage_error(capsys, argv, message)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_bpe_runs_tokenizer_is_copied_and_encodes_alike(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("INTERLACE_CACHE", str(tmp_path / "cache"))
     config = dataclasses.replace(BASE, tokenizer="bpe", steps=1)

@@ -5,6 +5,7 @@ import pytest
 from interlace.bench import get_benchmark
 from interlace.errors import ConfigError, PlanError
 from interlace.models.config import GPTConfig
+from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner.cost import estimate
 from interlace.planner.hardware import get_hardware
@@ -59,12 +60,16 @@ def test_a_row_without_a_source_or_a_figure_is_refused():
         published._check_row("f.toml", {**row, "tflops_per_gpu": 2.0})
 
 
-def test_the_shape_keeps_a_layers_weights_under_grouped_query_and_gated_ffn():
+def test_a_gated_row_is_priced_in_llamas_shape():
     llama8b = next(r for r in TABLES["torchtitan"]["rows"] if r["name"] == "llama3.1-8b fsdp8")
     spec = shape(llama8b)
-    d = 4096
-    weights = 2 * d * d + 2 * d * 1024 + 3 * d * 14336  # q, o; k, v of 8 heads; SwiGLU
-    assert 4 * d * d + 2 * d * spec.ffn_dim == weights
+    assert (spec.n_kv_heads, spec.ffn_dim, spec.feed_forward, spec.norm) == (
+        8,
+        14336,
+        "swiglu",
+        "rmsnorm",
+    )
+    assert spec.num_params() == get_preset("llama3-8b").num_params()  # 8,030,261,248
     assert (spec.n_heads, spec.n_layers, spec.vocab_size, spec.seq_len) == (32, 32, 128256, 8192)
     assert not spec.tie_embeddings and not spec.bias
 

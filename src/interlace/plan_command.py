@@ -66,9 +66,12 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     if args.list:
         for name, cfg in PRESETS.items():
             kind = f"MoE {cfg.n_experts} experts top-{cfg.top_k}" if cfg.is_moe else "dense"
+            if cfg.position_encoding == "rotary":
+                kind += ", Llama shape"
+            heads = f"{cfg.n_heads}/{cfg.kv_heads}kv" if cfg.kv_heads != cfg.n_heads else ""
             print(
                 f"{name:18s} {cfg.num_params() / 1e6:12,.1f} M params  {cfg.n_layers:3d} layers"
-                f"  d={cfg.d_model:<6d} heads={cfg.n_heads:<4d} {kind}"
+                f"  d={cfg.d_model:<6d} heads={heads or cfg.n_heads:<7} {kind}"
             )
         return 0
     local_only = args.calibrate_model or args.recalibrate or args.bandwidth

@@ -37,6 +37,10 @@ _PROJECTIONS = (
 """(built-in GPT Linear, GPT-2 Conv1D) of every block besides q|k|v."""
 
 
+GPT2_SHAPE = {"norm": "layernorm", "feed_forward": "gelu", "n_kv_heads": None}
+"""GPT-2's values of the Llama-shape fields (`n_kv_heads` may also equal n_heads)."""
+
+
 def check_expressible(config: GPTConfig) -> None:
     """Raise ExportError naming the first way the built-in GPT of `config` differs from every
     model GPT-2's config describes."""
@@ -46,6 +50,14 @@ def check_expressible(config: GPTConfig) -> None:
             f"{list(config.moe_layers)}); GPT-2 has a dense feed-forward in every block: export "
             "to hf supports dense models (n_experts=0)"
         )
+    for name in ("norm", "feed_forward", "n_kv_heads"):
+        value, gpt2 = getattr(config, name), GPT2_SHAPE.get(name)
+        if value != gpt2 and not (name == "n_kv_heads" and value == config.n_heads):
+            raise ExportError(
+                f"the model has learned positions but {name}={value!r}; GPT-2 has {name}="
+                f"{gpt2!r}: export to hf supports the GPT-2 shape (learned positions, "
+                "layernorm, gelu) or the Llama shape (rotary, rmsnorm, swiglu)"
+            )
     if not config.bias:
         raise ExportError(
             "the model has no biases (bias=false); GPT-2 has a bias in every projection and "
@@ -53,7 +65,7 @@ def check_expressible(config: GPTConfig) -> None:
         )
 
 
-def gpt2_config(model: GPT) -> dict[str, Any]:
+def hf_config(model: GPT) -> dict[str, Any]:
     """The config.json of the GPT-2 equal to `model` (on any device, `meta` too; its config
     passed `check_expressible`): sizes, vocabulary = embedding rows, n_positions = seq_len, the
     GELU flavour and LayerNorm epsilon of its modules. No special tokens: the run's tokenizers
@@ -91,7 +103,7 @@ def _activation(act: nn.Module) -> str:
     return _ACTIVATIONS[approximate]
 
 
-def gpt2_state(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+def hf_state(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """GPT-2's state dict from the built-in GPT's full `state` ({parameter name: tensor}, a
     tied head under `wte.weight` only): Linear weights [out, in] become Conv1D's [in, out],
     q|k|v one c_attn ([d, 3d] weight, [3d] bias). Every tensor contiguous, as safetensors

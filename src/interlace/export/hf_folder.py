@@ -1,6 +1,7 @@
 """`interlace export RUN --to hf OUT`: a checkpoint as a Hugging Face folder that
-`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads: the built-in GPT as GPT-2, a
-`hf:PATH` model as itself (its weights under their own names, its config).
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads: the built-in GPT as GPT-2
+(learned positions) or as Llama (rotary positions), a `hf:PATH` model as itself (its weights
+under their own names, its config).
 
 OUT receives `model.safetensors` (fp32), `config.json` and, where the run has one, its
 tokenizer (`tokenizer_file.py`). Everything is checked before anything is written, and the
@@ -23,8 +24,8 @@ import torch
 
 from interlace.checkpoint import checkpoint_at, resolve_checkpoint, verify_checkpoint
 from interlace.errors import ConfigError, ExportError, OutputError
+from interlace.export import gpt2, llama
 from interlace.export.full_state import read_full_state
-from interlace.export.gpt2 import check_expressible, gpt2_config, gpt2_state
 from interlace.export.tokenizer_file import write_tokenizer
 from interlace.models import hf
 from interlace.models.config import GPTConfig
@@ -35,16 +36,16 @@ from interlace.run_folder import fsync_path
 
 def export_hf(run: Path, out: Path, step: int | None = None, overwrite: bool = False) -> list[str]:
     """Write the checkpoint of `step` (default: the newest valid one) of the run folder `run`
-    as a Hugging Face GPT-2 folder `out`; returns lines telling what was written. Raises an
+    as a Hugging Face folder `out`; returns lines telling what was written. Raises an
     InterlaceError subclass, with `out` untouched, for a missing or corrupt checkpoint, a model
-    GPT-2 cannot express, pieces that cannot be joined, or a non-empty `out` without
+    neither GPT-2 nor Llama expresses, pieces that cannot be joined, or a non-empty `out` without
     `overwrite`; OutputError if writing `out` fails (`out` untouched then too)."""
     run, out = Path(run), Path(out)
     _check_out(run, out, overwrite)
     checkpoint = resolve_checkpoint(run) if step is None else checkpoint_at(run, step)
     meta = verify_checkpoint(checkpoint, {})
     hf_fields = meta["model"].get("hf")
-    exported = _gpt2(checkpoint, meta) if hf_fields is None else _hf(checkpoint, meta, hf_fields)
+    exported = _builtin(checkpoint, meta) if hf_fields is None else _hf(checkpoint, meta, hf_fields)
     with _replaced_folder(out) as folder:
         _save_safetensors(exported.weights, folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps(exported.config, indent=2) + "\n")
@@ -68,17 +69,20 @@ class _Exported:
     description: str
 
 
-def _gpt2(checkpoint: Path, meta: dict[str, Any]) -> _Exported:
-    """The built-in GPT of `meta` as GPT-2 (ExportError for what GPT-2 cannot express)."""
+def _builtin(checkpoint: Path, meta: dict[str, Any]) -> _Exported:
+    """The built-in GPT of `meta` as Llama if its positions are rotary, else as GPT-2
+    (ExportError for what that family cannot express)."""
     config = GPTConfig.from_dict(meta["model"])
-    check_expressible(config)
+    family = llama if config.position_encoding == "rotary" else gpt2
+    family.check_expressible(config)
     model = build_model(config, device="meta")
     shapes = {name: param.shape for name, param in model.named_parameters()}
+    fields = family.hf_config(model)
     return _Exported(
-        gpt2_state(read_full_state(checkpoint, meta, shapes), config),
-        gpt2_config(model),
+        family.hf_state(read_full_state(checkpoint, meta, shapes), config),
+        fields,
         config.vocab_size,
-        f"GPT2LMHeadModel, {config.num_params():,} parameters, vocabulary "
+        f"{fields['architectures'][0]}, {config.num_params():,} parameters, vocabulary "
         f"{config.vocab_size}, context {config.seq_len}",
     )
 

@@ -24,6 +24,11 @@ class GPTConfig:
 
     Layer i has an MoE FFN iff `n_experts > 0` and `i % moe_every == moe_every - 1`:
     `moe_every=1` makes every FFN MoE, `moe_every=2` the odd-indexed layers 1, 3, 5, ...
+
+    Four fields make a Llama-shaped decoder of the same skeleton: `norm="rmsnorm"`,
+    `feed_forward="swiglu"` (gate, up and down matrices of ffn_dim), `position_encoding=
+    "rotary"` (no position table; `rope_theta` its base) and `n_kv_heads` < n_heads
+    (grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads).
     """
 
     vocab_size: int
@@ -42,6 +47,11 @@ class GPTConfig:
     dropless: bool = False
     aux_loss_coef: float = 0.01
     tie_embeddings: bool = True
+    n_kv_heads: int | None = None
+    norm: str = "layernorm"
+    feed_forward: str = "gelu"
+    position_encoding: str = "learned"
+    rope_theta: float = 10000.0
 
     @property
     def ffn_dim(self) -> int:
@@ -57,6 +67,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         """Width of one attention head: d_model / n_heads."""
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `n_kv_heads`, or n_heads when unset (multi-head attention)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -82,7 +97,35 @@ class GPTConfig:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. dropout=0.1")
         if not self.init_std > 0:
             raise ConfigError(f"init_std={self.init_std} must be > 0; use e.g. init_std=0.02")
+        self._validate_llama_shape()
         self._validate_moe()
+
+    def _validate_llama_shape(self) -> None:
+        for name, valid in CHOICES.items():
+            if getattr(self, name) not in valid:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is not known; use one of {', '.join(valid)}"
+                )
+        if self.n_kv_heads is not None:
+            _require_positive_int("n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise ConfigError(
+                    f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                    f"use n_kv_heads in {divisors(self.n_heads)}"
+                )
+        if self.position_encoding == "rotary":
+            if self.head_dim % 2:
+                raise ConfigError(
+                    f"rotary positions need an even head width; d_model / n_heads = "
+                    f"{self.head_dim}; use n_heads giving an even d_model / n_heads"
+                )
+            if not self.rope_theta > 1:
+                raise ConfigError(f"rope_theta={self.rope_theta} must be > 1; use e.g. 10000")
+        if self.feed_forward == "swiglu" and self.n_experts:
+            raise ConfigError(
+                f"feed_forward='swiglu' with n_experts={self.n_experts}: the experts are GELU "
+                "feed-forwards; use feed_forward='gelu' for a Mixture-of-Experts model"
+            )
 
     def _validate_moe(self) -> None:
         if not isinstance(self.n_experts, int) or self.n_experts < 0:
@@ -120,20 +163,29 @@ class GPTConfig:
     def num_params(self) -> int:
         """Number of distinct parameters of the built model (a tied LM head counted once)."""
         d, f = self.d_model, self.ffn_dim
+        kv = self.kv_heads * self.head_dim
         has_bias = int(self.bias)
-        layer_norm = d * (1 + has_bias)
-        attention = 4 * d * d + 4 * d * has_bias
-        mlp = 2 * d * f + (f + d) * has_bias
+        layer_norm = d * (1 + has_bias * (self.norm == "layernorm"))
+        attention = 2 * d * d + 2 * d * kv + (2 * d + 2 * kv) * has_bias
+        gated = self.feed_forward == "swiglu"
+        mlp = (3 if gated else 2) * d * f + ((2 if gated else 1) * f + d) * has_bias
         moe = d * self.n_experts + self.n_experts * mlp
         n_moe = len(self.moe_layers)
         blocks = self.n_layers * (2 * layer_norm + attention) + n_moe * moe
         blocks += (self.n_layers - n_moe) * mlp
-        embeddings = (self.vocab_size * (1 if self.tie_embeddings else 2) + self.seq_len) * d
+        positions = self.seq_len if self.position_encoding == "learned" else 0
+        embeddings = (self.vocab_size * (1 if self.tie_embeddings else 2) + positions) * d
         return embeddings + blocks + layer_norm
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field, suitable for `json.dumps`."""
-        return dataclasses.asdict(self)
+        """Plain dict of the fields, suitable for `json.dumps`; the Llama-shape fields only
+        where they differ from GPT-2's (so a GPT-2-shaped config reads as it did before they
+        existed, and its checkpoints still resume)."""
+        data = dataclasses.asdict(self)
+        for name in LLAMA_SHAPE_FIELDS:
+            if data[name] == _DEFAULTS[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GPTConfig:
@@ -153,6 +205,20 @@ class GPTConfig:
         config = cls(**data)
         config.validate()
         return config
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "norm": ("layernorm", "rmsnorm"),
+    "feed_forward": ("gelu", "swiglu"),
+    "position_encoding": ("learned", "rotary"),
+}
+"""The valid values of GPTConfig's string fields: GPT-2's first, Llama's second."""
+
+
+LLAMA_SHAPE_FIELDS = ("n_kv_heads", "norm", "feed_forward", "position_encoding", "rope_theta")
+"""The fields that make a Llama-shaped decoder; `to_dict` leaves them out at their defaults."""
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
 
 
 def _require_positive_int(name: str, value: object) -> None:

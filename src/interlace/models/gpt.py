@@ -3,6 +3,10 @@
     idx [B, T] → wte(idx) + wpe(0..T-1) → n_layers × Block → ln_f → lm_head → logits [B, T, V]
     Block: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))    (pre-LayerNorm)
 
+The same skeleton is Llama-shaped when its config says so: RMSNorm for LayerNorm, a SwiGLU
+feed-forward (`gate`, `up`, `down`), rotary positions inside attention in place of `wpe`, and
+fewer key/value heads than query heads (grouped-query attention).
+
 The structure is what parallel code looks for: attention holds separate `q_proj`, `k_proj`,
 `v_proj` (column-parallel) and `out_proj` (row-parallel) Linears and reshapes heads with
 `view(B, T, -1, head_dim)`, so column-sharded q/k/v work unchanged; the FFN is an `MLP` with
@@ -20,8 +24,9 @@ from torch import nn
 
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
-from interlace.models.mlp import MLP
+from interlace.models.mlp import MLP, SwiGLUMLP
 from interlace.models.presets import get_preset
+from interlace.models.rotary import rotate
 from interlace.moe.experts import GroupedExperts
 from interlace.moe.layer import MoELayer
 
@@ -29,8 +34,12 @@ from interlace.moe.layer import MoELayer
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
 ) -> torch.Tensor:
-    """Causal attention of q [B, H, T, hd] to k, v [B, H, T, hd] → [B, H, T, hd] (SDPA)."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    """Causal attention of q [B, H, T, hd] to k, v [B, Hk, T, hd] → [B, H, T, hd] (SDPA;
+    Hk < H: grouped-query, each key/value head serving H / Hk consecutive query heads)."""
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+    )
 
 
 def positions_in_order(length: int, device: torch.device) -> torch.Tensor:
@@ -42,24 +51,42 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, [B, T, d_model] → [B, T, d_model].
 
     `attend` (default `causal_attention`) is the attention seam: context parallelism puts its
-    ring attention there, for this module only."""
+    ring attention there, for this module only. With `rope_theta` set, queries and keys are
+    rotated at `positions(T, device)` (default `positions_in_order`; context parallelism sets
+    it to a rank's share's global positions, as it does the model's)."""
 
-    def __init__(self, d_model: int, n_heads: int, bias: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
+        n_kv_heads: int | None = None,
+        rope_theta: float | None = None,
+    ):
         super().__init__()
         self.head_dim = d_model // n_heads
+        kv_width = (n_kv_heads or n_heads) * self.head_dim
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.v_proj = nn.Linear(d_model, kv_width, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.attn_dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
         self.attend = causal_attention
+        self.rope_theta = rope_theta
+        if rope_theta is not None:
+            self.positions = positions_in_order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] → [B, T, d_model]; the head count follows from the q/k/v widths."""
+        """[B, T, d_model] → [B, T, d_model]; the head counts follow from the q/k/v widths."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        if self.rope_theta is not None:
+            positions = self.positions(T, x.device)
+            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         dropout_p = self.attn_dropout if self.training else 0.0
         y = self.attend(q, k, v, dropout_p)
@@ -67,15 +94,30 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.out_proj(y))
 
 
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The config's norm over d_model: LayerNorm (with a bias if `config.bias`) or RMSNorm."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=1e-5)
+    return nn.LayerNorm(config.d_model, bias=config.bias)
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block, [B, T, d_model] → [B, T, d_model]."""
+    """Pre-norm transformer block, [B, T, d_model] → [B, T, d_model]."""
 
     def __init__(self, config: GPTConfig, moe: bool):
         super().__init__()
         d = config.d_model
-        self.ln_1 = nn.LayerNorm(d, bias=config.bias)
-        self.attn = CausalSelfAttention(d, config.n_heads, config.bias, config.dropout)
-        self.ln_2 = nn.LayerNorm(d, bias=config.bias)
+        rotary = config.position_encoding == "rotary"
+        self.ln_1 = make_norm(config)
+        self.attn = CausalSelfAttention(
+            d,
+            config.n_heads,
+            config.bias,
+            config.dropout,
+            config.n_kv_heads,
+            config.rope_theta if rotary else None,
+        )
+        self.ln_2 = make_norm(config)
         if moe:
             self.mlp = MoELayer(
                 d,
@@ -88,7 +130,8 @@ class Block(nn.Module):
                 config.dropout,
             )
         else:
-            self.mlp = MLP(d, config.ffn_dim, config.bias, config.dropout)
+            feed_forward = SwiGLUMLP if config.feed_forward == "swiglu" else MLP
+            self.mlp = feed_forward(d, config.ffn_dim, config.bias, config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d_model] → [B, T, d_model]."""
@@ -106,7 +149,8 @@ class GPT(nn.Module):
 
     `positions(length, device)` (default `positions_in_order`) gives the positions of the tokens
     `forward` is handed: context parallelism, which hands each rank its zig-zag share of every
-    sequence, sets it to that share's global positions.
+    sequence, sets it to that share's global positions. A rotary model has no `wpe` (None):
+    its attention modules rotate by the same positions.
     """
 
     def __init__(self, config: GPTConfig):
@@ -114,11 +158,12 @@ class GPT(nn.Module):
         config.validate()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        learned = config.position_encoding == "learned"
+        self.wpe = nn.Embedding(config.seq_len, config.d_model) if learned else None
         self.drop = nn.Dropout(config.dropout)
         moe_layers = set(config.moe_layers)
         self.blocks = nn.ModuleList(Block(config, i in moe_layers) for i in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.aux_loss = torch.zeros(())
         self.positions = positions_in_order
@@ -126,7 +171,7 @@ class GPT(nn.Module):
 
     def init_weights(self) -> None:
         """Tie lm_head to wte (if `tie_embeddings`) and apply GPT-2 init: N(0, init_std)
-        weights, zero biases, unit LayerNorm scales, residual projections (out_proj, down)
+        weights, zero biases, unit norm scales, residual projections (out_proj, down)
         N(0, init_std / sqrt(2·n_layers)).
 
         Call it after `to_empty(device=...)` to materialise a model built on the meta device.
@@ -140,7 +185,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-            if isinstance(module, nn.LayerNorm):
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 module.reset_parameters()
         for name, module in self.named_modules():
             if isinstance(module, GroupedExperts):
@@ -162,8 +207,7 @@ class GPT(nn.Module):
                 f"crop the input to at most {self.config.seq_len} tokens or build the model "
                 f"with seq_len>={length}"
             )
-        positions = self.positions(length, idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
+        x = embed(self, idx, self.positions(length, idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
@@ -171,6 +215,16 @@ class GPT(nn.Module):
         aux_losses = [b.mlp.aux_loss for b in self.blocks if hasattr(b.mlp, "aux_loss")]
         self.aux_loss = sum(aux_losses, torch.zeros((), device=logits.device))
         return logits
+
+
+def embed(holder: nn.Module, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token ids idx [B, T] at `positions` [T] → the first block's input [B, T, d_model], by
+    `holder`'s `wte`, `wpe` (None: rotary positions, applied in attention) and `drop` (the
+    model, or a pipeline's first stage holding them)."""
+    x = holder.wte(idx)
+    if holder.wpe is not None:
+        x = x + holder.wpe(positions)
+    return holder.drop(x)
 
 
 def build_model(config: GPTConfig | str, device: torch.device | str | None = None) -> GPT:

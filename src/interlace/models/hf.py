@@ -19,7 +19,8 @@ cache is off (training never decodes). Parameter names stay the model's own, so 
 exports speak Hugging Face's names.
 
 The planner, the memory estimate and the FLOP count see the model through `shape_of`: the
-built-in GPT of the same width, depth, heads, vocabulary and parameters per layer.
+built-in GPT of the same width, depth, heads, vocabulary and parameters per layer (Llama's
+family in its Llama shape).
 """
 
 from __future__ import annotations
@@ -73,26 +74,32 @@ def has_weights(folder: Path) -> bool:
 
 def shape_of(config: Any, seq_len: int | None) -> GPTConfig:
     """The built-in GPT the planner, memory estimate and FLOP count take for `config`'s model:
-    its width, depth, query heads, vocabulary and context (`seq_len`, else the model's context
-    up to DEFAULT_SEQ_LEN), a feed-forward width giving the same parameters per layer (a gated
-    feed-forward has three matrices, GPT's two), its experts."""
+    its width, depth, query and key/value heads, vocabulary and context (`seq_len`, else the
+    model's context up to DEFAULT_SEQ_LEN), its experts; every family but GPT-2 in the
+    built-in GPT's Llama shape (gated feed-forward, RMSNorm, rotary positions), except that
+    experts stay GELU ones of the width giving the same parameters (three matrices, two)."""
     context = _first(config, "max_position_embeddings", "n_positions") or DEFAULT_SEQ_LEN
     d_model = _first(config, "hidden_size", "n_embd")
     ffn = _first(config, "moe_intermediate_size", "intermediate_size", "n_inner") or 4 * d_model
     gated = config.model_type != "gpt2"
     experts = _first(config, "num_local_experts", "num_experts") or 0
+    llama = {"norm": "rmsnorm", "position_encoding": "rotary"}
+    if not experts:
+        llama["feed_forward"] = "swiglu"
     return GPTConfig(
         vocab_size=config.vocab_size,
         seq_len=seq_len or min(context, DEFAULT_SEQ_LEN),
         d_model=d_model,
         n_layers=_first(config, "num_hidden_layers", "n_layer"),
         n_heads=_first(config, "num_attention_heads", "n_head"),
-        d_ff=ffn * 3 // 2 if gated else ffn,
+        n_kv_heads=_first(config, "num_key_value_heads"),
+        d_ff=ffn * 3 // 2 if gated and experts else ffn,
         bias=config.model_type == "gpt2",
         n_experts=experts,
         top_k=min(_first(config, "num_experts_per_tok") or 1, 2) if experts else 1,
         moe_every=1,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        **(llama if gated else {}),
     )
 
 

@@ -16,6 +16,24 @@ from interlace.models.config import GPTConfig
 _TINY = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4)
 _DEMO = GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4)
 _GPT2_124M = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
+_LLAMA = dict(
+    norm="rmsnorm",
+    feed_forward="swiglu",
+    position_encoding="rotary",
+    bias=False,
+    tie_embeddings=False,
+)
+_LLAMA3_8B = GPTConfig(
+    vocab_size=128256,
+    seq_len=8192,
+    d_model=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    d_ff=14336,
+    rope_theta=500000.0,
+    **_LLAMA,
+)
 
 PRESETS: dict[str, GPTConfig] = {
     # Dense.
@@ -39,6 +57,14 @@ PRESETS: dict[str, GPTConfig] = {
     # AxoNN's 80B GPT: 12·L·d² ≈ 80.5B for L=64, d=10240, plus 0.5B embeddings.
     "axonn-80b": GPTConfig(vocab_size=51200, seq_len=2048, d_model=10240, n_layers=64, n_heads=80),
     "gpt3-175b": GPTConfig(vocab_size=50257, seq_len=2048, d_model=12288, n_layers=96, n_heads=96),
+    # Llama-shaped (RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases,
+    # an untied head): a tiny one for tests and Llama 3 8B / 70B's shapes (Dubey et al. 2024,
+    # table 3; rope base 500000, vocabulary 128256) at an 8192-token context; "llama3-8b-cut"
+    # keeps 8 of the 8B's 32 layers, which fits one 80 GB GPU with fp32 AdamW state.
+    "llama-tiny": replace(_TINY, **_LLAMA, n_kv_heads=2, d_ff=176),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-8b-cut": replace(_LLAMA3_8B, n_layers=8),
+    "llama3-70b": replace(_LLAMA3_8B, d_model=8192, n_layers=80, n_heads=64, d_ff=28672),
     # Mixture-of-Experts.
     "moe-tiny": replace(_TINY, n_experts=4, top_k=2, moe_every=2),
     "moe-demo": replace(_DEMO, n_experts=8, top_k=1, moe_every=2),

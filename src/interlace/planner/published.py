@@ -97,22 +97,21 @@ def _check_row(file: str, row: dict[str, Any]) -> None:
 
 
 def shape(row: dict[str, Any]) -> GPTConfig:
-    """The GPTConfig the cost model prices for `row`'s model: its width, depth, heads,
-    vocabulary, sequence, tying and biases, and the feed-forward width that gives each layer
-    the row's weights (GPTConfig's layer has 4·d² attention and 2·d·d_ff feed-forward weights;
-    the row's has 2·d² + 2·d·d_kv with d_kv = d·kv_heads/heads, and 3·d·ffn gated or 2·d·ffn)."""
-    d, heads = row["hidden"], row["heads"]
-    kv_width = d * row.get("kv_heads", heads) // heads
-    matrices = 3 if row["gated"] else 2
+    """The GPTConfig the cost model prices for `row`'s model: its width, depth, heads and
+    key/value heads, feed-forward width, vocabulary, sequence, tying and biases; a gated row
+    (SwiGLU) is of Llama's family and priced in its shape (RMSNorm, rotary positions)."""
+    llama = {"norm": "rmsnorm", "feed_forward": "swiglu", "position_encoding": "rotary"}
     return GPTConfig(
         vocab_size=row["vocab"],
         seq_len=row["seq"],
-        d_model=d,
+        d_model=row["hidden"],
         n_layers=row["layers"],
-        n_heads=heads,
-        d_ff=matrices * row["ffn"] // 2 + kv_width - d,
+        n_heads=row["heads"],
+        n_kv_heads=row.get("kv_heads"),
+        d_ff=row["ffn"],
         bias=row["bias"],
         tie_embeddings=row["tied"],
+        **(llama if row["gated"] else {}),
     )
 
 

@@ -2,11 +2,11 @@
 
 It finds the model's seams: every module with an `attend` attribute (the built-in GPT's
 `CausalSelfAttention`) gets the plan's attention over the cp group in its place (`ring`, or
-`alltoall`: heads ↔ sequence), and the model's `positions` gives each rank its zig-zag share's
-global positions; a Hugging Face decoder's attention modules, found by structure, attend the
-same way through transformers' attention interface, and its position ids are the share's
-(`hf.py`). The batch itself is cut by
-`Parallelized.rows` (`zigzag.shard_sequence`), inputs and targets alike.
+`alltoall`: heads ↔ sequence), and the model's `positions` (and a rotary attention's) gives
+each rank its zig-zag share's global positions; a Hugging Face decoder's attention modules,
+found by structure, attend the same way through transformers' attention interface, and its
+position ids are the share's (`hf.py`). The batch itself is cut by `Parallelized.rows`
+(`zigzag.shard_sequence`), inputs and targets alike.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def apply_context(model: nn.Module, cp: Group, mode: str = "ring") -> list[str]:
     if attentions and hasattr(model, "positions"):
         for attention in attentions:
             attention.attend = functools.partial(context_attend, group=cp, mode=mode)
+            if hasattr(attention, "positions"):  # rotary: rotated at the share's positions
+                attention.positions = positions
         model.positions = positions
     elif is_hf_model(model):
         try:

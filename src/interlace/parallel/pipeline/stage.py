@@ -34,7 +34,7 @@ from torch import nn
 from interlace import comm
 from interlace.comm import Group
 from interlace.mesh import Mesh
-from interlace.models.gpt import GPT
+from interlace.models.gpt import GPT, embed
 from interlace.parallel.grad_sums import SUMMED_OVER, sum_gradient_over
 from interlace.parallel.pipeline.aux_loss import StageAuxLoss
 from interlace.recompute import checkpointed
@@ -117,8 +117,7 @@ class GPTStage(nn.Module):
         return lambda x: self.aux.carry(block(x), block.mlp)
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = self.positions(idx.shape[1], idx.device)
-        return self.drop(self.wte(idx) + self.wpe(positions))
+        return embed(self, idx, self.positions(idx.shape[1], idx.device))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))

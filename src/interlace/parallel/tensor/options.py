@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from interlace.divisors import check_divides
+from interlace.divisors import check_divides, divisors
 from interlace.errors import PlanError
 
 
@@ -60,6 +60,13 @@ def check_model(plan: Any, spec: Any) -> None:
             ("vocab_size", spec.vocab_size),
         ],
     )
+    kv_heads = getattr(spec, "kv_heads", spec.n_heads)
+    if kv_heads % tp and tp % kv_heads:
+        fitting = [k for k in divisors(spec.n_heads) if kv_heads % k == 0 or k % kv_heads == 0]
+        raise PlanError(
+            f"n_kv_heads={kv_heads} is not divisible by the tensor parallel degree tp={tp}, "
+            f"nor tp by it; use tp in {fitting}"
+        )
     if plan.sequence_parallel and spec.seq_len % tp:
         raise PlanError(
             f"seq_len={spec.seq_len} is not divisible by tp={tp}, as sequence_parallel "
