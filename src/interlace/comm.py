@@ -152,6 +152,11 @@ def all_reduce_flat_(
         t.copy_(piece.view_as(t))
 
 
+_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch's all-gather into one tensor, under the name of the installed torch (newer ones
+deprecate `all_gather_into_tensor` for `all_gather_single`, with a warning on every call)."""
+
+
 def all_gather(
     output: torch.Tensor,
     shard: torch.Tensor,
@@ -164,7 +169,7 @@ def all_gather(
         "all_gather",
         group,
         shard.nbytes,
-        lambda: dist.all_gather_into_tensor(output, shard, group=group.pg, async_op=async_op),
+        lambda: _gather_into_tensor(output, shard, group=group.pg, async_op=async_op),
         async_op,
         meter,
     )
