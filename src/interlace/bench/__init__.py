@@ -25,6 +25,7 @@ REGISTRY: dict[str, str] = {
     "published": "interlace.bench.published",
     "pipeline": "interlace.bench.pipeline",
     "scale": "interlace.bench.scale",
+    "seeds": "interlace.bench.seeds",
     "mfu": "interlace.bench.mfu",
     "memory": "interlace.bench.memory",
     "restart": "interlace.bench.restart",
