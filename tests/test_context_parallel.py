@@ -23,11 +23,11 @@ from interlace.train import Trainer, prepare_run
 STEPS = 4
 
 
-def _steps(plan_text: str, world_size: int) -> dict:
-    """Four unclipped steps of the tiny GPT under `plan_text`: each step's loss and gradient
-    norm, and the last step's synced gradients."""
+def _steps(plan_text: str, world_size: int, model: str = "tiny") -> dict:
+    """Four unclipped steps of the tiny GPT (or preset `model`) under `plan_text`: each step's
+    loss and gradient norm, and the last step's synced gradients."""
     plan = Plan.parse(plan_text)
-    config = dataclasses.replace(TINY_RUN, steps=STEPS, grad_clip=0.0)
+    config = dataclasses.replace(TINY_RUN, model=model, steps=STEPS, grad_clip=0.0)
     trainer = Trainer(
         prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
     )

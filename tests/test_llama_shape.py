@@ -10,22 +10,19 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import TINY_RUN, assert_grads_close
+from helpers import assert_grads_close
 from hf_models import needs_hf, transformers
 from interlace.errors import ConfigError, PlanError
 from interlace.export import llama
-from interlace.mesh import build_mesh
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT, build_model
 from interlace.models.presets import get_preset
 from interlace.models.rotary import rotate
 from interlace.plan import Plan
 from interlace.testing import run_ranks
-from interlace.train import Trainer, prepare_run
-from test_context_parallel import _full
+from test_context_parallel import _steps
 
 LLAMA_TINY = get_preset("llama-tiny")
-STEPS = 4
 
 
 @needs_hf
@@ -100,28 +97,9 @@ def test_bad_llama_fields_are_refused_by_name(changes, message):
         dataclasses.replace(LLAMA_TINY, **changes).validate()
 
 
-def _steps(plan_text: str, world_size: int) -> dict:
-    """Four unclipped steps of llama-tiny under `plan_text`: each step's loss and gradient
-    norm, and the last step's synced gradients."""
-    plan = Plan.parse(plan_text)
-    config = dataclasses.replace(TINY_RUN, model="llama-tiny", steps=STEPS, grad_clip=0.0)
-    trainer = Trainer(
-        prepare_run(config, plan, world_size), build_mesh(plan) if world_size > 1 else None
-    )
-    rows = [trainer.train_step() for _ in range(STEPS - 1)]
-    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the synced gradients
-    rows.append(trainer.train_step())
-    return {
-        "losses": [row["loss"] for row in rows],
-        "norms": [row["grad_norm"] for row in rows],
-        "grads": {name: _full(p.grad) for name, p in trainer.model.named_parameters()},
-        "comm": rows[-1]["comm_bytes"],
-    }
-
-
 @pytest.fixture(scope="module")
 def serial() -> dict:
-    return _steps("dp=1", 1)
+    return _steps("dp=1", 1, "llama-tiny")
 
 
 SLOW = pytest.mark.slow
@@ -144,7 +122,9 @@ SLOW = pytest.mark.slow
 )
 def test_every_layout_of_the_llama_shape_equals_serial(serial, plan_text, axis):
     world_size = Plan.parse(plan_text).world_size
-    for rank, result in enumerate(run_ranks(world_size, _steps, plan_text, world_size)):
+    for rank, result in enumerate(
+        run_ranks(world_size, _steps, plan_text, world_size, "llama-tiny")
+    ):
         assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
         assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
         assert axis is None or result["comm"][axis] > 0, result["comm"]

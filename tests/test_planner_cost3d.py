@@ -46,6 +46,12 @@ def test_backward_reductions_hide_under_the_weight_gradient_matmul():
     assert slow_compute.hidden["tp_z.reduce_scatter"] > 0
     fast = layer_cost(CONFIG, grid, tokens, b, 1e30, hardware)
     assert slow_compute.exposed["tp_y.all_reduce"] < fast.exposed["tp_y.all_reduce"]
+    # under FSDP2 each Z reduce-scatter is waited inside the backward: nothing of it hides
+    sharded = layer_cost(CONFIG, grid, tokens, b, 1e3, hardware, scatter_in_backward=True)
+    assert sharded.exposed["tp_z.reduce_scatter"] == pytest.approx(
+        slow_compute.hidden["tp_z.reduce_scatter"]
+    )
+    assert "tp_z.reduce_scatter" not in sharded.hidden
 
 
 def test_estimate_and_search_price_tp3d():

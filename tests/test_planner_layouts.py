@@ -5,6 +5,8 @@ Megatron's tp=8 × pp with selective recomputation and sequence parallelism (Kor
 the hand count, recomputation trades memory for time as priced, and the search explores
 dp_shard and recompute."""
 
+import dataclasses
+
 import pytest
 
 from interlace.errors import PlanError
@@ -105,3 +107,20 @@ def _runs(plan: Plan, spec) -> bool:
     except PlanError:
         return False
     return True
+
+
+def test_the_search_prices_sharded_3d_grids():
+    # dp_shard × tp3d runs with z > 1 without the weight prefetch (test_tensor3d_layouts.py)
+    spec = pad_vocab(get_preset("gpt2-1.5b"), 128)
+    sharded = [
+        p
+        for p in candidate_plans(16, spec, 64)
+        if p.tp3d is not None and p.dp_shard > 1 and _runs(p, spec)
+    ]
+    assert {p.tp3d[2] > 1 for p in sharded} == {True, False}
+    plan = next(p for p in sharded if p.tp3d == (2, 1, 2))
+    replicated = estimate(dataclasses.replace(plan, dp=plan.dp_shard, dp_shard=1), spec, A100, 64)
+    priced = estimate(plan, spec, A100, 64)
+    state = replicated.memory["params_grads_optimizer"]
+    assert priced.memory["params_grads_optimizer"] == pytest.approx(state / plan.dp_shard)
+    assert priced.breakdown["dp_shard.all_gather"] > 0 and priced.breakdown["tp_z.all_gather"] > 0

@@ -115,8 +115,9 @@ def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path
 @pytest.mark.slow  # 4-rank runs
 def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     # MoE layers in pipeline stages (with experts over ep), sequences split inside stages, 3D
-    # tensor parallel stages (z = 1, and z > 1: rows over z); 3D pieces sharded by FSDP2
-    # resume under their own plan (as dp_shard with 1D tp: stored as their split had them)
+    # tensor parallel stages (z = 1, and z > 1: rows over z); 3D pieces sharded by FSDP2 (z = 1
+    # and z > 1) resume under their own plan (as dp_shard with 1D tp: stored as their split had
+    # them)
     moe = dataclasses.replace(BASE, model=_moe_file(tmp_path))
     _check_matrix(tmp_path, moe, ["dp=2,ep=2,pp=2,micro_batches=2"], ["dp=1", "dp=2,ep=2"])
     dense = [
@@ -126,8 +127,8 @@ def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     ]
     _check_matrix(tmp_path, BASE, dense, ["dp=1"])
     _check_matrix(tmp_path, BASE, ["dp=1"], dense)
-    sharded = "dp_shard=2,tp3d=2x1x1"
-    saved = dataclasses.replace(BASE, out=str(tmp_path / sharded))
-    continued = _run(saved, sharded)[SAVED_AT:]
-    checkpoint = tmp_path / sharded / "checkpoints" / checkpoint_name(SAVED_AT)
-    assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5)
+    for sharded in ("dp_shard=2,tp3d=2x1x1", "dp_shard=2,tp3d=1x1x2,tp3d_prefetch=false"):
+        saved = dataclasses.replace(BASE, out=str(tmp_path / sharded))
+        continued = _run(saved, sharded)[SAVED_AT:]
+        checkpoint = tmp_path / sharded / "checkpoints" / checkpoint_name(SAVED_AT)
+        assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5), sharded

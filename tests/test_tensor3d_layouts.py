@@ -37,14 +37,18 @@ def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
 
 
 @pytest.mark.parametrize(
-    "plan_text",
-    ["dp_shard=2,tp3d=2x1x1", pytest.param("dp_shard=2,tp3d=1x2x1", marks=pytest.mark.slow)],
+    ("plan_text", "axis"),
+    [
+        ("dp_shard=2,tp3d=2x1x1", "tp_x"),
+        pytest.param("dp_shard=2,tp3d=1x2x1", "tp_y", marks=pytest.mark.slow),
+        ("dp_shard=2,tp3d=1x1x2,tp3d_prefetch=false", "tp_z"),
+    ],
 )
-def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text):
+def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text, axis):
+    # with z > 1 each weight's Z-reduced gradient reaches FSDP2 inside the backward
     for rank, result in enumerate(run_ranks(4, _steps, plan_text, 4)):
         assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
         assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
-        axis = "tp_x" if plan_text.endswith("2x1x1") else "tp_y"
         assert result["comm"][axis] > 0
         assert any("sharded over dp_shard=2" in line for line in result["report"])
         assert result["grads"].keys() == serial["grads"].keys()
@@ -69,7 +73,7 @@ def test_selective_recomputation_under_the_z_prefetch_is_refused_with_the_fix():
         plan.validate(plan.world_size)
 
 
-def test_sharding_a_3d_grid_with_z_is_refused_with_the_fix():
+def test_sharding_a_3d_grid_with_z_under_the_prefetch_is_refused_with_the_fix():
     plan = Plan.parse("dp_shard=2,tp3d=1x1x2")
-    with pytest.raises(PlanError, match=r"dp_shard=2 with tp3d=1x1x2 \(z > 1"):
+    with pytest.raises(PlanError, match=r"dp_shard=2 with tp3d=1x1x2 \(z > 1\).*use tp3d_pre"):
         plan.validate(plan.world_size)

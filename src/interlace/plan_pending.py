@@ -25,10 +25,13 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "ep=1, or 1D tensor parallelism (tp=N)",
         ),
         (
-            bool(tp3d) and plan.sharded_data_parallel and plan.tp3d[2] > 1,
-            f"dp_shard={plan.dp_shard} with {tp3d} (z > 1: z's gradient reduction and weight "
-            "prefetch act on the plain tensors FSDP2 replaces)",
-            "a grid with z = 1 (tp3d=XxYx1), or dp_shard=1",
+            bool(tp3d)
+            and plan.sharded_data_parallel
+            and plan.tp3d[2] > 1
+            and plan.overlap.tp3d_prefetch,
+            f"dp_shard={plan.dp_shard} with {tp3d} (z > 1) and the weight prefetch over z (it "
+            "gathers the next block's pieces before FSDP2 has gathered them)",
+            "tp3d_prefetch=false, or a grid with z = 1 (tp3d=XxYx1)",
         ),
         (
             bool(tp3d)

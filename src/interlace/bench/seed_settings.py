@@ -3,7 +3,8 @@ the technique on against the baseline the paper compares with, under the runtime
 schedules (`planner.cost.estimate`; no process is started). What each paper published and
 where it is read from:
 
-- **oases** (Oases, lucasleesw/oases README and figures/performance_no_nvlink.png): seven GPTs
+- **oases** (Oases, lucasleesw/oases at commit 9331a2c513401f48bc5677ed2dd908f9c693dde9: its
+  README and figures/performance_no_nvlink.png, the values printed on the bars): seven GPTs
   (hidden 1024–12288, 24 to 4 layers, heads of 64, sequence 1024, no vocabulary projection)
   under tensor × data parallelism on 32 RTX 3090s in servers of 4 without NVLink (its
   scripts: 4 GPUs per server, micro-batch 4, 20 accumulated per step), Oases' normalised

@@ -11,7 +11,8 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
   all-reduced over the "out" group asynchronously while the dW matmul runs, so only
   max(0, all_reduce − dW) is exposed; the dW block [n_out/p_out, n_in/p_in] reduce-scattered
   over Z asynchronously, waited before the optimizer: hidden under the rest of the
-  micro-batch's backward, exposed beyond it;
+  micro-batch's backward, exposed beyond it (under FSDP2, `dp_shard > 1`, waited inside the
+  backward: exposed whole);
 - recomputation replays the forward collectives of checkpointed layers;
 - weight prefetch (`Overlap.tp3d_prefetch`, `tensor3d_prefetch`): each Z all-gather but the
   first of a pass (forward; backward with its recomputations) is issued while the linear
@@ -97,10 +98,12 @@ def layer_cost(
     rate: float,
     hardware: Hardware,
     prefetch: bool = False,
+    scatter_in_backward: bool = False,
 ) -> Layer3DCost:
     """The collectives of one transformer layer per micro-batch of `tokens` tokens (before the
     split over z), `rate` FLOP/s per device, on `hardware`, the weight gathers prefetched
-    under the neighbouring linear's compute when `prefetch` (see the module docstring)."""
+    under the neighbouring linear's compute when `prefetch`, the Z reduce-scatters waited
+    inside the backward when `scatter_in_backward` (FSDP2; see the module docstring)."""
     x, y, z = tp3d
     per_node = hardware.devices_per_node
     size = {"x": x, "y": y, "z": z}
@@ -137,7 +140,11 @@ def layer_cost(
         _add(hidden, f"tp_{out_axis}.all_reduce", dx - dx_exposed)
         scatter += seconds("reduce_scatter", block, "z")
     backward = 4 * t * sum(s.n_in * s.n_out for s in linears) / (x * y) / rate
-    scatter_exposed = exposed_after_overlap(scatter, max(0.0, scatter - backward), hardware)
+    scatter_exposed = (
+        scatter
+        if scatter_in_backward
+        else exposed_after_overlap(scatter, max(0.0, scatter - backward), hardware)
+    )
     _add(exposed, "tp_z.reduce_scatter", scatter_exposed)
     _add(hidden, "tp_z.reduce_scatter", scatter - scatter_exposed)
     norms = 2 * collective_seconds("all_reduce", t * 2 * act_bytes, x, inside["x"], hardware)
@@ -220,7 +227,8 @@ def tensor3d_terms(
     exposed: dict[str, float] = {}
     hidden: dict[str, float] = {}
     prefetch = plan.overlap.tp3d_prefetch
-    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch)
+    sharded = plan.sharded_data_parallel
+    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch, sharded)
     forward = 0.0
     for key, seconds in layer.exposed.items():
         exposed[key] = exposed.get(key, 0.0) + stage.n_layers * seconds

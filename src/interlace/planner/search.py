@@ -139,8 +139,9 @@ def _context_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterat
 
 def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
     """3D tensor parallel plans (tp3d × pp × dp, what the runtime runs): every grid x·y·z ≥ 2
-    of powers of two dividing the devices, alone or in pipelines of every power-of-two depth up
-    to the layers (with the pipeline options of 1D plans), for dense models; the batch split
+    of powers of two dividing the devices, alone (its data parallel ranks replicated or, FSDP2,
+    sharded; with z > 1 without the weight prefetch) or in pipelines of every power-of-two depth
+    up to the layers (with the pipeline options of 1D plans), for dense models; the batch split
     over dp, then a rank's micro-batches, then z."""
     if spec.is_moe:
         return
@@ -158,6 +159,9 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
                     if pp == 1:
                         if per_dp % z == 0:
                             yield Plan(dp=dp, tp3d=(x, y, z))
+                        if per_dp % z == 0 and dp > 1:  # the pieces sharded over dp (FSDP2)
+                            overlap = Overlap(tp3d_prefetch=z == 1)
+                            yield Plan(dp_shard=dp, tp3d=(x, y, z), overlap=overlap)
                         continue
                     for pipeline in _pipeline_options(pp, per_dp):
                         if (per_dp // pipeline["micro_batches"]) % z:

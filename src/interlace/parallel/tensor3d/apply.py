@@ -52,11 +52,16 @@ def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int,
 
 
 def apply_tensor3d(
-    model: nn.Module, structure: Structure, grid: Grid, prefetch: bool = True
+    model: nn.Module,
+    structure: Structure,
+    grid: Grid,
+    prefetch: bool = True,
+    sharded: bool = False,
 ) -> list[str]:
     """Split `model` (call `check_tensor3d` first) in place over `grid`; return the report
     lines. See the module docstring for the layout; `prefetch` (z > 1): all-gather each 3D
-    weight over Z one layer ahead (`tensor3d_prefetch`)."""
+    weight over Z one layer ahead (`tensor3d_prefetch`); `sharded`: FSDP2 will shard the
+    pieces (`Linear3D.z_grad_in_backward`)."""
     x, y, z = grid.x.size, grid.y.size, grid.z.size
     lines = [f"3D tensor parallel over x={x}, y={y}, z={z} ranks"]
     for a in structure.attentions:
@@ -90,8 +95,10 @@ def apply_tensor3d(
             f"batch rows split over z (the loop feeds this rank's rows, `z_rows`); gradients "
             f"of {synced} parameters all-reduced over z"
         )
+        linears = [m for m in model.modules() if isinstance(m, Linear3D)]
+        for linear in linears:
+            linear.z_grad_in_backward = sharded
         if prefetch:
-            linears = [m for m in model.modules() if isinstance(m, Linear3D)]
             attach_prefetcher(model, linears, grid.z)
             lines.append(f"{len(linears)} weights all-gathered over z one layer ahead (prefetch)")
     return lines

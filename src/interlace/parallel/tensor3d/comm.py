@@ -12,7 +12,9 @@ features over one of the X / Y groups (its `in_group`) and its output features o
               the Y ranks holding it), reduce-scatter over Z, issued async: the gradient is
               added to the weight's `.grad` by a callback queued to run when the whole backward
               pass ends (`torch.autograd`'s `queue_callback`), so it never blocks the next
-              layer's backward.
+              layer's backward. Under FSDP2 (`z_grad_in_backward`), which reduces what
+              autograd accumulates when a block's backward ends, the reduce-scatter is waited
+              on and its result returned to autograd as the weight's gradient instead.
 
 The other conjugate pairs of the layout:
 
@@ -52,6 +54,14 @@ def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z
     assert work is not None
     finish = functools.partial(_add_reduced_gradient, work, shard, param)
     torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+
+def _reduce_scattered(grad: torch.Tensor, param: torch.Tensor, z: Group) -> torch.Tensor:
+    """A full block gradient `grad` [rows, cols] summed over Z: this rank's piece [rows/z,
+    cols] in `param`'s dtype."""
+    shard = torch.empty_like(param)
+    comm.reduce_scatter(shard, grad.to(param.dtype).contiguous(), z)
+    return shard
 
 
 def _add_reduced_gradient(work: dist.Work, shard: torch.Tensor, param: torch.nn.Parameter) -> None:
@@ -102,8 +112,11 @@ def _accumulates(weight_edge: GradientEdge | None) -> bool:
 
 class _Linear3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, in_group, out_group, z, block_grad_hook, gather, matmul):
+    def forward(
+        ctx, x, weight, in_group, out_group, z, block_grad_hook, gather, matmul, z_in_backward
+    ):
         ctx.save_for_backward(x)
+        ctx.z_in_backward = z_in_backward
         # the parameter itself, not a saved tensor: activation checkpointing hands back saved
         # tensors detached, and the Z reduce-scatter adds dW to this parameter's `.grad`
         ctx.weight = weight
@@ -135,12 +148,14 @@ class _Linear3D(torch.autograd.Function):
             grad_w = ctx.matmul.weight_grad(grad_out, x)
             if ctx.block_grad_hook is not None:
                 grad_w = ctx.block_grad_hook(grad_w)
-            if z.size > 1:
+            if z.size > 1 and ctx.z_in_backward:
+                grad_w = _reduce_scattered(grad_w, weight, z)
+            elif z.size > 1:
                 _reduce_scatter_weight_grad(grad_w, weight, z)
                 grad_w = None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def linear3d(
@@ -152,6 +167,7 @@ def linear3d(
     block_grad_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     gather: Callable[[], torch.Tensor] | None = None,
     matmul: Matmul = PLAIN,
+    z_grad_in_backward: bool = False,
 ) -> torch.Tensor:
     """x [..., in/|in_group|] (this rank's input features and tokens) and this rank's weight
         piece [out/(|out_group|·z), in/|in_group|] → O [..., out/|out_group|], summed over
@@ -159,8 +175,12 @@ def linear3d(
         [out/|out_group|, in/|in_group|] before its Z reduce-scatter. `gather` returns the whole
         block [out/|out_group|, in/|in_group|] each time forward or backward needs it (default: a
         synchronous all-gather of `weight` over Z). `matmul` computes the three products
-    (`interlace.matmul`). See the module docstring."""
-    return _Linear3D.apply(x, weight, in_group, out_group, z, block_grad_hook, gather, matmul)
+    (`interlace.matmul`). `z_grad_in_backward`: the weight's Z-reduced gradient returned to
+    autograd in the backward (FSDP2) rather than added to `.grad` when it ends. See the module
+    docstring."""
+    return _Linear3D.apply(
+        x, weight, in_group, out_group, z, block_grad_hook, gather, matmul, z_grad_in_backward
+    )
 
 
 class _SplitLastDim(torch.autograd.Function):

@@ -37,6 +37,9 @@ class Linear3D(nn.Module):
 
     matmul: Matmul = PLAIN
     """Computes the products (`interlace.matmul`); a converter may set another."""
+    z_grad_in_backward: bool = False
+    """The weight's Z-reduced gradient handed to autograd inside the backward, as FSDP2 needs
+    (`apply_tensor3d` sets it under sharded data parallelism); else added when it ends."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class Linear3D(nn.Module):
             self.block_grad_hook,
             gather,
             self.matmul,
+            self.z_grad_in_backward,
         )
         return y if self.bias is None else y + self.bias
 

@@ -29,7 +29,9 @@ def tensor3d_step(result: Parallelized, mesh: Mesh) -> None:
     model, plan = result.model, result.plan
     structure = tensor3d_structure(model, plan)
     grid = Grid.from_mesh(mesh)
-    result.report += apply_tensor3d(model, structure, grid, plan.overlap.tp3d_prefetch)
+    result.report += apply_tensor3d(
+        model, structure, grid, plan.overlap.tp3d_prefetch, plan.sharded_data_parallel
+    )
     if grid.z.size > 1:
         z = grid.z
         result.row_cuts.append(lambda b: z_rows(b, z))
