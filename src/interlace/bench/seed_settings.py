@@ -44,7 +44,7 @@ from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.hardware import Hardware, get_hardware
-from interlace.planner.search import search
+from interlace.planner.search import MEMORY_FRACTION, search
 
 OASES_GAINS = {
     (1024, 24): 1.53,
@@ -72,7 +72,7 @@ def agreement(gain: float, published: tuple[float, float]) -> float:
 
 
 def row(
-    group: str, name: str, technique: PlanCost, baseline: PlanCost, published: tuple, **extra
+    group: str, name: str, technique: PlanCost, baseline: PlanCost, published: tuple
 ) -> dict[str, Any]:
     """One comparison: both plans' figures, the predicted gain (baseline step / technique
     step), the published gain (or range), their agreement and the terms that differ most."""
@@ -90,7 +90,6 @@ def row(
         "error": error,
         "within": abs(error) <= TOLERANCE,
         "saved_seconds": dict(sorted(saved.items(), key=lambda kv: -abs(kv[1]))[:3]),
-        **extra,
     }
 
 
@@ -115,8 +114,8 @@ def oases_hardware() -> Hardware:
 
 
 def _fits(cost: PlanCost) -> bool:
-    """Whether `cost`'s plan fits in the share of device memory `search` allows it (0.9)."""
-    return cost.memory_bytes_per_device <= 0.9 * cost.memory_limit_bytes
+    """Whether `cost`'s plan fits in the share of device memory `search` allows a plan."""
+    return cost.memory_bytes_per_device <= MEMORY_FRACTION * cost.memory_limit_bytes
 
 
 def _fastest(costs: Iterator[PlanCost]) -> PlanCost:
@@ -129,8 +128,9 @@ def _fastest(costs: Iterator[PlanCost]) -> PlanCost:
 def _megatron_replays_reductions(cost: PlanCost, layers: int) -> PlanCost:
     """`cost` with Megatron-LM's full recomputation repeating each layer's two forward tp
     all-reduces (interlace's replay reuses them): 2·L more of the term's 4·L + 2."""
-    extra = cost.breakdown.get("tp.all_reduce", 0.0) * 2 * layers / (4 * layers + 2)
-    breakdown = {**cost.breakdown, "tp.all_reduce": cost.breakdown["tp.all_reduce"] + extra}
+    reduce = cost.breakdown["tp.all_reduce"]
+    extra = reduce * 2 * layers / (4 * layers + 2)
+    breakdown = {**cost.breakdown, "tp.all_reduce": reduce + extra}
     slower = cost.step_seconds / (cost.step_seconds + extra)
     return dataclasses.replace(
         cost,

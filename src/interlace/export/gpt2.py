@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from interlace.errors import ExportError
+from interlace.export.shape import FAMILIES, check_shape
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
 
@@ -37,10 +38,6 @@ _PROJECTIONS = (
 """(built-in GPT Linear, GPT-2 Conv1D) of every block besides q|k|v."""
 
 
-GPT2_SHAPE = {"norm": "layernorm", "feed_forward": "gelu", "n_kv_heads": None}
-"""GPT-2's values of the Llama-shape fields (`n_kv_heads` may also equal n_heads)."""
-
-
 def check_expressible(config: GPTConfig) -> None:
     """Raise ExportError naming the first way the built-in GPT of `config` differs from every
     model GPT-2's config describes."""
@@ -50,14 +47,13 @@ def check_expressible(config: GPTConfig) -> None:
             f"{list(config.moe_layers)}); GPT-2 has a dense feed-forward in every block: export "
             "to hf supports dense models (n_experts=0)"
         )
-    for name in ("norm", "feed_forward", "n_kv_heads"):
-        value, gpt2 = getattr(config, name), GPT2_SHAPE.get(name)
-        if value != gpt2 and not (name == "n_kv_heads" and value == config.n_heads):
-            raise ExportError(
-                f"the model has learned positions but {name}={value!r}; GPT-2 has {name}="
-                f"{gpt2!r}: export to hf supports the GPT-2 shape (learned positions, "
-                "layernorm, gelu) or the Llama shape (rotary, rmsnorm, swiglu)"
-            )
+    check_shape(config, FAMILIES.index("GPT-2"))
+    if config.kv_heads != config.n_heads:
+        raise ExportError(
+            f"the model has n_kv_heads={config.kv_heads} for n_heads={config.n_heads}; GPT-2 "
+            "has one key/value head per query head: export grouped-query attention in the "
+            "Llama shape (rotary, rmsnorm, swiglu)"
+        )
     if not config.bias:
         raise ExportError(
             "the model has no biases (bias=false); GPT-2 has a bias in every projection and "

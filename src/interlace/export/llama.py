@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from interlace.errors import ExportError
+from interlace.export.shape import FAMILIES, check_shape
 from interlace.models.config import GPTConfig
 from interlace.models.gpt import GPT
 
@@ -55,13 +55,7 @@ def llama_name(name: str) -> str:
 def check_expressible(config: GPTConfig) -> None:
     """Raise ExportError naming the first way the built-in GPT of `config` (rotary) differs
     from every model Llama's config describes."""
-    for name, llama in (("norm", "rmsnorm"), ("feed_forward", "swiglu")):
-        if getattr(config, name) != llama:
-            raise ExportError(
-                f"the model has rotary positions but {name}={getattr(config, name)!r}; "
-                f"Llama has {name}={llama!r}: export to hf supports the Llama shape (rotary, "
-                "rmsnorm, swiglu) or the GPT-2 shape (learned positions, layernorm, gelu)"
-            )
+    check_shape(config, FAMILIES.index("Llama"))
 
 
 def hf_config(model: GPT) -> dict[str, Any]:

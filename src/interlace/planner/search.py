@@ -195,6 +195,10 @@ def pad_vocab(spec: GPTConfig, multiple: int) -> GPTConfig:
     return replace(spec, vocab_size=-(-spec.vocab_size // multiple) * multiple)
 
 
+MEMORY_FRACTION = 0.9
+"""The share of a device's memory a searched plan may fill (the rest: allocator slack)."""
+
+
 def search(
     spec: GPTConfig,
     hardware: Hardware,
@@ -204,7 +208,7 @@ def search(
     *,
     dtype: str = "bf16",
     runnable_only: bool = False,
-    memory_fraction: float = 0.9,
+    memory_fraction: float = MEMORY_FRACTION,
     vocab_multiple: int = 1,
     expert_skew: float = 0.0,
     optimizer_state: str = "fp32",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from interlace.comm import Group
-from interlace.divisors import check_divides, divisors
+from interlace.divisors import check_divides
 from interlace.errors import PlanError
 from interlace.parallel.detect import Attention, FeedForward, Structure, linear_shape
 from interlace.parallel.grad_sums import sum_gradient_over
@@ -23,6 +23,7 @@ from interlace.parallel.tensor.layers import (
     replace_hidden,
 )
 from interlace.parallel.tensor.moe import shard_expert_block
+from interlace.parallel.tensor.options import kv_degrees, kv_heads_split
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter, shard_spec
 
 
@@ -38,16 +39,12 @@ def check_divisible(structure: Structure, tp: int) -> None:
     sizes += [(f"{a.name}: n_heads", a.n_heads) for a in structure.attentions]
     sizes += [(f"{f.name}: ffn_dim", f.ffn_dim) for f in structure.feed_forwards]
     check_divides(tp, "tensor parallel degree", sizes)
-    for a in structure.attentions:
-        if a.n_kv_heads % tp and (tp % a.n_kv_heads or a.fused):
+    for a in structure.attentions:  # a fused q|k|v cannot hold a kv head on several ranks
+        if a.n_kv_heads % tp and (not kv_heads_split(a.n_kv_heads, tp) or a.fused):
             raise PlanError(
                 f"{a.name}: n_kv_heads={a.n_kv_heads} is not divisible by the tensor parallel "
-                f"degree tp={tp}, nor tp by it; use tp in {_fitting_kv(a)}"
+                f"degree tp={tp}, nor tp by it; use tp in {kv_degrees(a.n_heads, a.n_kv_heads)}"
             )
-
-
-def _fitting_kv(a: Attention) -> list[int]:
-    return [k for k in divisors(a.n_heads) if a.n_kv_heads % k == 0 or k % a.n_kv_heads == 0]
 
 
 def apply_tensor_parallel(

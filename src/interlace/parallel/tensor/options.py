@@ -61,11 +61,10 @@ def check_model(plan: Any, spec: Any) -> None:
         ],
     )
     kv_heads = getattr(spec, "kv_heads", spec.n_heads)
-    if kv_heads % tp and tp % kv_heads:
-        fitting = [k for k in divisors(spec.n_heads) if kv_heads % k == 0 or k % kv_heads == 0]
+    if not kv_heads_split(kv_heads, tp):
         raise PlanError(
             f"n_kv_heads={kv_heads} is not divisible by the tensor parallel degree tp={tp}, "
-            f"nor tp by it; use tp in {fitting}"
+            f"nor tp by it; use tp in {kv_degrees(spec.n_heads, kv_heads)}"
         )
     if plan.sequence_parallel and spec.seq_len % tp:
         raise PlanError(
@@ -77,3 +76,14 @@ def check_model(plan: Any, spec: Any) -> None:
             f"tp_subbatches={plan.overlap.tp_subbatches} with a Mixture-of-Experts model "
             "would change its routing capacity; use tp_subbatches=1"
         )
+
+
+def kv_heads_split(kv_heads: int, tp: int) -> bool:
+    """Whether `tp` ranks can hold `kv_heads` key/value heads: each its share (tp divides
+    them) or each one head held by tp / kv_heads ranks (they divide tp)."""
+    return kv_heads % tp == 0 or tp % kv_heads == 0
+
+
+def kv_degrees(n_heads: int, kv_heads: int) -> list[int]:
+    """The tensor degrees dividing `n_heads` that can hold `kv_heads` (`kv_heads_split`)."""
+    return [k for k in divisors(n_heads) if kv_heads_split(kv_heads, k)]

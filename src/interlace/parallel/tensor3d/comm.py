@@ -46,22 +46,23 @@ from interlace.parallel.tensor.comm import gather_last_dim
 from interlace.precision import autocast_in_force, compute_dtype
 
 
+def _reduce_scattered(
+    grad: torch.Tensor, param: torch.Tensor, z: Group, async_op: bool = False
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """A full block gradient `grad` [rows, cols] summed over Z: this rank's piece [rows/z,
+    cols] in `param`'s dtype (valid once the returned work, if `async_op`, is waited on)."""
+    shard = torch.empty_like(param)
+    work = comm.reduce_scatter(shard, grad.to(param.dtype).contiguous(), z, async_op=async_op)
+    return shard, work
+
+
 def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z: Group) -> None:
     """Start the async reduce-scatter of a full block gradient `grad` [rows, cols] over Z into
     the gradient of `param` [rows/z, cols], added to it when this backward pass ends."""
-    shard = torch.empty_like(param)
-    work = comm.reduce_scatter(shard, grad.to(param.dtype).contiguous(), z, async_op=True)
+    shard, work = _reduce_scattered(grad, param, z, async_op=True)
     assert work is not None
     finish = functools.partial(_add_reduced_gradient, work, shard, param)
     torch.autograd.Variable._execution_engine.queue_callback(finish)
-
-
-def _reduce_scattered(grad: torch.Tensor, param: torch.Tensor, z: Group) -> torch.Tensor:
-    """A full block gradient `grad` [rows, cols] summed over Z: this rank's piece [rows/z,
-    cols] in `param`'s dtype."""
-    shard = torch.empty_like(param)
-    comm.reduce_scatter(shard, grad.to(param.dtype).contiguous(), z)
-    return shard
 
 
 def _add_reduced_gradient(work: dist.Work, shard: torch.Tensor, param: torch.nn.Parameter) -> None:
@@ -149,7 +150,7 @@ class _Linear3D(torch.autograd.Function):
             if ctx.block_grad_hook is not None:
                 grad_w = ctx.block_grad_hook(grad_w)
             if z.size > 1 and ctx.z_in_backward:
-                grad_w = _reduce_scattered(grad_w, weight, z)
+                grad_w = _reduce_scattered(grad_w, weight, z)[0]
             elif z.size > 1:
                 _reduce_scatter_weight_grad(grad_w, weight, z)
                 grad_w = None
