@@ -99,3 +99,21 @@ def test_a_killed_rank_is_named_alone_without_its_peers_tracebacks(tmp_path):
     assert proc.wait(timeout=120) == 1
     lines = _message_lines(log)
     assert len(lines) == 1 and lines[0].endswith("was killed by SIGKILL"), lines
+
+
+_STOPPED_MID_BAR = """
+import os, signal
+from interlace.train.progress import progress_bar
+with progress_bar(10, 0, shown=True) as bar:
+    bar.update(1)
+    bar.refresh()
+    os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_a_rank_stopped_by_sigterm_ends_its_progress_line_and_still_reads_as_sigterm():
+    stopped = subprocess.run(
+        [sys.executable, "-c", _STOPPED_MID_BAR], capture_output=True, text=True, timeout=60
+    )
+    assert stopped.returncode == -signal.SIGTERM
+    assert "1/10" in stopped.stderr and stopped.stderr.endswith("\n"), repr(stopped.stderr)

@@ -55,6 +55,7 @@ from interlace.throughput import (
     synchronize,
 )
 from interlace.tracking.loggers import RunLoggers, open_loggers
+from interlace.train.progress import postfix, progress_bar
 from interlace.train.setup import (
     RunSetup,
     layout_changes,
@@ -272,7 +273,6 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             remove_stale(self.out)
             log = open_loggers(cfg, self.out, self.step or None, run_settings(self.setup))
-        bar = self._progress_bar()
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
         traced_step = min(self.step + 1, cfg.steps - 1)  # after one warm-up step
@@ -284,10 +284,9 @@ class Trainer:
         profiler = StepProfiler(
             window, self.step, Path(self.out or ".") / PROFILE_FOLDER, rank, self.device
         )
-        with log, profiler:
+        shown = self.is_main and cfg.progress
+        with log, profiler, progress_bar(cfg.steps, self.step, shown) as bar:
             history = self._steps(history, bar, log, traced_step, measured_step, profiler)
-        if bar is not None:
-            bar.close()
         profile = profiler.report(self.plan.world_size)
         return self._finish(history, time.perf_counter() - started, profile)
 
@@ -318,7 +317,7 @@ class Trainer:
             log.log(row)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(_postfix(row), refresh=False)
+                bar.set_postfix(postfix(row), refresh=False)
             if self.is_main and row.get("alloc_retries") and not warned_retries:
                 print(
                     f"interlace: {retries_warning(row['step'], row['alloc_retries'])}",
@@ -391,20 +390,6 @@ class Trainer:
             )
         self.save()
 
-    def _progress_bar(self):
-        if not (self.is_main and self.config.progress):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(
-            total=self.config.steps,
-            initial=self.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 5.0,
-        )
-
     def _whole_run(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Every step's metrics, including those before a resume (from metrics.jsonl)."""
         if self.out and self.is_main:
@@ -463,16 +448,3 @@ def _output_errors(trainer: Trainer) -> Iterator[None]:
         raise OutputError(
             f"the run stopped at step {trainer.step}: {exc.strerror or exc}{where}; {then}"
         ) from exc
-
-
-def _postfix(row: dict[str, Any]) -> dict[str, str]:
-    post = {
-        "loss": f"{row['loss']:.3f}",
-        "lr": f"{row['lr']:.1e}",
-        "tok/s": f"{row['tokens_per_s']:.0f}",
-    }
-    if "mfu" in row:
-        post["mfu"] = f"{row['mfu']:.1%}"
-    if "eval_loss" in row:
-        post["eval"] = f"{row['eval_loss']:.3f}"
-    return post
