@@ -86,6 +86,7 @@ def _pipeline_grads(config, plan_text, recompute_list):
         "ratios": runner.recompute_ratios,
         "trace": getattr(runner.schedule, "trace", None),  # the shifted schedule's actions
         "matmuls": matmuls.count,
+        "stages": len(runner.stages),
     }
 
 
@@ -114,6 +115,7 @@ CASES = [
     ("pp=2,micro_batches=4,schedule=1f1b,recompute=selective", 4, None),
     ("pp=2,micro_batches=4,schedule=interleaved", 4, None),
     ("pp=2,micro_batches=4,schedule=interleaved,recompute=full", 4, None),
+    ("pp=2,micro_batches=4,schedule=interleaved,virtual_stages=3", 6, None),
     ("pp=4,micro_batches=4,schedule=gpipe", 4, None),
     ("pp=4,micro_batches=4,schedule=gpipe,recompute=full", 4, None),
     ("pp=4,micro_batches=4,schedule=1f1b", 4, None),
@@ -147,6 +149,9 @@ def test_pipeline_loss_and_every_gradient_equal_serial(plan_text, n_layers, rati
         for i, count in rank["calls"].items():
             assert count == plan.micro_batches * (1 + (i in rank["checkpointed"])), (i, rank)
     assert seen == set(serial)
+    assert all(rank["stages"] == plan.stages_per_rank for rank in results)
+    if plan.virtual_stages:  # the count the plan names, not the schedule's own
+        assert results[0]["stages"] == plan.virtual_stages
     if plan.schedule == "shifted":  # every replay runs before its gradient receive
         for rank in results[:-1]:
             trace = rank["trace"]

@@ -90,6 +90,13 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(overlap=Overlap(tp_subbatches=2)), ["tp_subbatches=2 overlaps", "tp > 1"]),
         (Plan(micro_batches=4), ["micro_batches=4 applies to pipeline parallelism", "pp > 1"]),
         (Plan(schedule="gpipe"), ["schedule=gpipe applies to pipeline parallelism"]),
+        (Plan(virtual_stages=4), ["virtual_stages=4 applies to pipeline parallelism"]),
+        (Plan(pp=2, micro_batches=2, virtual_stages=4), ["needs schedule=interleaved"]),
+        (
+            Plan(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=1),
+            ["at least 2 virtual stages", "virtual_stages=2 or more"],
+        ),
+        (Plan(pp=2, micro_batches=2, virtual_stages=-1), ["virtual_stages=-1 must be"]),
         (Plan(recompute="stage-aware"), ["recompute=stage-aware sets a ratio per pipeline stage"]),
         (Plan(dp=2, pp=2, grad_compression="sketch"), ["a pipeline does not use"]),
         (

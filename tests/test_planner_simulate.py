@@ -28,6 +28,8 @@ PLANS = [
     "pp=2,micro_batches=4,recompute=full",
     "pp=2,micro_batches=4,schedule=interleaved",
     "pp=4,micro_batches=8,schedule=interleaved",
+    "pp=2,micro_batches=4,schedule=interleaved,virtual_stages=4",
+    "pp=2,micro_batches=1,schedule=interleaved,virtual_stages=4",
     "pp=2,micro_batches=4,schedule=shifted,recompute=full",
     "pp=4,micro_batches=8,schedule=shifted,recompute=full",
     "dp=2,pp=2,micro_batches=2",
@@ -55,8 +57,10 @@ def test_schedule_orders():
 def free_links_step(plan: Plan, global_batch: int) -> float:
     """The step on free links by hand: the slowest stage's 3F + R FLOPs per token (R: its
     checkpointed forward) over a micro-batch's tokens, split by tp, at the fixed matmul rate,
-    is T_mb; the step runs m of them plus the bubble (p − 1)/v · T_mb (v = 2 interleaved). The
-    shifted schedule recomputes min(m, p − 1) micro-batches inside the bubble instead."""
+    is T_mb; the step runs m of them plus the bubble (p − 1)/v · T_mb (v = 2 interleaved unless
+    the plan names its virtual_stages), but never less than p · T_mb: with fewer micro-batches
+    than stages one micro-batch still passes every rank in turn. The shifted schedule
+    recomputes min(m, p − 1) micro-batches inside the bubble instead."""
     m, p = plan.micro_batches, plan.pp
     ratios = (1.0 if plan.recompute == "full" else 0.0,) * p
     stage = max(
@@ -67,8 +71,8 @@ def free_links_step(plan: Plan, global_batch: int) -> float:
     work, replay = 3 * stage.flops * per_flop, stage.recompute_flops * per_flop
     if plan.schedule == "shifted":
         return (m + p - 1) * work + (m - min(m, p - 1) + p - 1) * replay
-    v = 2 if plan.schedule == "interleaved" else 1
-    return (m + (p - 1) / v) * (work + replay)
+    v = (plan.virtual_stages or 2) if plan.schedule == "interleaved" else 1
+    return max(m + (p - 1) / v, p) * (work + replay)
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -26,6 +26,7 @@ from interlace.divisors import divisors
 from interlace.errors import PlanError, check_plan_choice
 from interlace.finite import check_finite_fields
 from interlace.parallel.dimensions import DIMENSIONS
+from interlace.parallel.pipeline.options import virtual_stages_for
 from interlace.plan_pending import fmt_tp3d, pending_rows
 
 RECOMPUTE_MODES = ("none", "full", "selective", "stage-aware")
@@ -62,7 +63,9 @@ class Plan:
     backward (False: keep them until backward, one all-gather less per block, more memory).
     cp: context parallel ranks each sequence is split over (zig-zag; `interlace.parallel.context`),
     attending by `cp_mode`: "ring" (key/value blocks around the ring) or "alltoall" (heads ↔
-    sequence, cp dividing the heads).
+    sequence, cp dividing the heads). virtual_stages: pipeline stages per rank of
+    schedule=interleaved (Megatron's virtual pipeline; 0: the schedule's own, 2 for interleaved
+    and 1 for every other schedule).
     """
 
     dp: int = 1
@@ -76,6 +79,7 @@ class Plan:
     cp_mode: str = "ring"
     micro_batches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 0
     recompute: str = "none"
     sequence_parallel: bool = False
     overlap: Overlap = field(default_factory=Overlap)
@@ -98,6 +102,11 @@ class Plan:
         """Ranks the plan needs: dp · dp_shard · pp · cp · tp_size (ep lives inside the
         data-parallel ranks)."""
         return self.dp_size * self.pp * self.cp * self.tp_size
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank runs: `virtual_stages`, or the schedule's own where 0."""
+        return virtual_stages_for(self.schedule, self.virtual_stages or None)
 
     # ----------------------------------------------------------------- predicates
     @property

@@ -52,10 +52,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from interlace.models.config import GPTConfig
-from interlace.parallel.pipeline.options import virtual_stages_for
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
-from interlace.planner.cost_pipeline import pipeline_stages
+from interlace.planner.cost_pipeline import bubble_stage_times, pipeline_stages
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage, model_profile, stage_memory
 from interlace.planner.step import StepTerms, step_terms
@@ -228,7 +227,7 @@ def _largest_stage_memory(
     config: GPTConfig,
     optimizer_state: str,
 ) -> dict[str, float]:
-    v = virtual_stages_for(plan.schedule, None)
+    v = plan.stages_per_rank
     act_bytes = activation_bytes(dtype)
     return max(
         (
@@ -240,8 +239,9 @@ def _largest_stage_memory(
 
 
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Share of a pipelined step spent idle: (p − 1)/(v·m + p − 1) (1F1B/GPipe v = 1)."""
-    bubble = (pp - 1) / virtual_stages
+    """Share of a pipelined step spent idle: (p − 1)/(v·m + p − 1) (1F1B/GPipe v = 1), at
+    least (p − m)/p (`cost_pipeline.bubble_stage_times`)."""
+    bubble = bubble_stage_times(pp, micro_batches, virtual_stages)
     return bubble / (micro_batches + bubble) if pp > 1 else 0.0
 
 

@@ -24,9 +24,11 @@ repository, and a note on where each field comes from and what the source leaves
 
 A row is priced by `cost.estimate` as `shape(row)` under its stated layout. Fields the source
 leaves unstated are the cost model's fastest choice: no recomputation, and with pp > 1 the
-micro-batch count (a power of two dividing a data-parallel rank's sequences, or all of them)
-and the schedule (`search.SEARCH_SCHEDULES`). Memory does not constrain that choice (the
-published run ran); the predicted memory is reported beside.
+micro-batch count (a power of two dividing a data-parallel rank's sequences, or all of them),
+the schedule (`search.SEARCH_SCHEDULES`) and, interleaved, its stages per rank (each count
+of at least 2 that divides a rank's layers, as Megatron-LM's layers per virtual stage must).
+Memory does not constrain that choice (the published run ran); the predicted memory is
+reported beside.
 
 **Sign convention.** error = predicted tokens/s per GPU / published − 1: positive when the
 planner is too optimistic (it predicts a faster run than was measured), negative when it is
@@ -59,6 +61,7 @@ PLAN_FIELDS = (
     "sequence_parallel",
     "recompute",
     "schedule",
+    "virtual_stages",
     "micro_batches",
 )
 """Row fields that are Plan fields, taken as stated."""
@@ -140,7 +143,8 @@ def published_tokens_per_gpu_s(row: dict[str, Any]) -> float:
 
 def layouts(row: dict[str, Any]) -> Iterator[Plan]:
     """The Plans of `row`'s layout: its stated fields, and each choice of the unstated
-    micro-batch count and schedule where pp > 1 (recomputation unstated: none)."""
+    micro-batch count, schedule and interleaved stages per rank where pp > 1 (recomputation
+    unstated: none)."""
     stated = {k: row[k] for k in PLAN_FIELDS if k in row}
     base = Plan(**stated)
     if base.pp == 1:
@@ -150,13 +154,19 @@ def layouts(row: dict[str, Any]) -> Iterator[Plan]:
     counts = sorted({*power_of_two_divisors(per_rank, per_rank), per_rank})
     counts = [stated["micro_batches"]] if "micro_batches" in stated else counts
     schedules = [stated["schedule"]] if "schedule" in stated else SEARCH_SCHEDULES
+    per_rank_layers = row["layers"] // base.pp
     for m, schedule in itertools.product(counts, schedules):
-        yield replace(base, micro_batches=m, schedule=schedule)
+        stage_counts = [base.virtual_stages]
+        if schedule == "interleaved" and "virtual_stages" not in stated:
+            stage_counts = [v for v in range(2, per_rank_layers + 1) if per_rank_layers % v == 0]
+        for v in stage_counts:
+            yield replace(base, micro_batches=m, schedule=schedule, virtual_stages=v)
 
 
 def price(row: dict[str, Any]) -> PlanCost:
-    """The fastest estimate among `layouts(row)` that are valid Plans of `shape(row)` on the
-    row's GPUs, on its hardware preset; PlanError naming the row when none is."""
+    """The estimate of the fastest of `layouts(row)` as the row ran it (`as_ran`) among those
+    that are valid Plans of `shape(row)` on the row's GPUs, on its hardware preset; PlanError
+    naming the row when none is."""
     spec = shape(row)
     hardware = get_hardware(row["hardware"])
     costs = []
@@ -168,7 +178,7 @@ def price(row: dict[str, Any]) -> PlanCost:
         costs.append(estimate(plan, spec, hardware, row["global_batch"]))
     if not costs:
         raise PlanError(f"row {row['name']!r}: no valid plan of its layout on {row['gpus']} GPUs")
-    return min(costs, key=lambda c: c.step_seconds)
+    return min(costs, key=lambda c: c.step_seconds + sum(as_ran(row, c).values()))
 
 
 def as_ran(row: dict[str, Any], cost: PlanCost) -> dict[str, float]:
@@ -179,8 +189,10 @@ def as_ran(row: dict[str, Any], cost: PlanCost) -> dict[str, float]:
     if row.get("recomputed_matmuls"):
         changes["recomputed_matmuls"] = row["recomputed_matmuls"] * breakdown["compute"] / 3
     overlapped = set(row.get("overlapped", ()))
+    if cost.plan.schedule != "interleaved":
+        overlapped.discard("pp")  # Megatron-LM overlaps its transfers only when interleaved
     for name, seconds in breakdown.items():
-        if name.partition(".")[0] in overlapped:
+        if name.partition(".")[0] in overlapped and name != "pp.bubble":  # idle, not a transfer
             changes[name] = -seconds
     if row.get("sharded_optimizer") and "optimizer" in breakdown:
         changes["optimizer"] = -breakdown["optimizer"] * (1 - 1 / cost.plan.dp_size)

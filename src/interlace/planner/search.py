@@ -6,7 +6,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     replicated, > 1 sharded, HSDP with dp > 1), ep a power of two dividing dp · dp_shard and
     n_experts (MoE models); recompute none, selective or full; with pp > 1: micro_batches a
     power of two (or the whole per-rank batch) dividing global_batch / dp, schedule gpipe,
-    1f1b, interleaved or shifted (shifted only with full recompute); with tp > 1:
+    1f1b, interleaved (2 or 4 virtual stages per rank) or shifted (shifted only with full
+    recompute); with tp > 1:
     tp_subbatches 1 or 2 (overlapped tensor parallelism); for dense models, 3D tensor
     parallelism tp3d = (x, y, z) × pp × dp (powers of two, the batch split over dp, a rank's
     micro-batches and then z; with pp > 1 the pipeline options above),
@@ -42,6 +43,9 @@ from interlace.planner.hardware import GIB, LOCAL, Hardware
 
 SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "shifted")
 """Pipeline schedules the search tries."""
+SEARCH_VIRTUAL_STAGES = (2, 4)
+"""Stages per rank the search tries with the interleaved schedule (more: a smaller bubble for
+more point-to-point transfers and more layers needed)."""
 SEARCH_RECOMPUTE = ("none", "selective", "full")
 """Recompute modes the search tries (with pp > 1 the shifted schedule only with full)."""
 SEARCH_CONTEXT_RECOMPUTE = ("none", "full")
@@ -180,10 +184,16 @@ def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:
     counts = sorted({*power_of_two_divisors(per_dp, per_dp), per_dp})
     for m in counts:
         for schedule in SEARCH_SCHEDULES:
-            for recompute in SEARCH_RECOMPUTE:
+            stage_counts = SEARCH_VIRTUAL_STAGES if schedule == "interleaved" else (0,)
+            for recompute, v in itertools.product(SEARCH_RECOMPUTE, stage_counts):
                 if schedule == "shifted" and recompute != "full":
                     continue  # without full's early replay its order is 1F1B's
-                yield {"micro_batches": m, "schedule": schedule, "recompute": recompute}
+                yield {
+                    "micro_batches": m,
+                    "schedule": schedule,
+                    "recompute": recompute,
+                    "virtual_stages": 0 if v == 2 else v,
+                }
 
 
 def pad_vocab(spec: GPTConfig, multiple: int) -> GPTConfig:

@@ -25,7 +25,12 @@ from interlace.planner.cost_context import context_terms
 from interlace.planner.cost_data import data_terms
 from interlace.planner.cost_moe import check_expert_skew, expert_terms
 from interlace.planner.cost_optimizer import optimizer_seconds
-from interlace.planner.cost_pipeline import pipeline_stages, pipeline_terms
+from interlace.planner.cost_pipeline import (
+    boundary_transfers,
+    bubble_stage_times,
+    pipeline_stages,
+    pipeline_terms,
+)
 from interlace.planner.cost_tensor import tensor_terms
 from interlace.planner.cost_work import stage_work
 from interlace.planner.hardware import Hardware
@@ -95,8 +100,9 @@ class StepTerms:
         if pp > 1:
             work = self.stage_micro_batch - self.forward - self.backward - self.recompute
             work += (self.forward + self.backward + self.recompute) / self.idle_speedup
-            breakdown["pp.bubble"] = (pp - 1) / self.virtual_stages * work
-            breakdown["pp.send_recv"] = 2 * (self.virtual_stages * m + pp - 1) * self.send_recv_one
+            breakdown["pp.bubble"] = bubble_stage_times(pp, m, self.virtual_stages) * work
+            transfers = boundary_transfers(pp, m, self.virtual_stages)
+            breakdown["pp.send_recv"] = transfers * self.send_recv_one
         for name, seconds in self.data.items():  # ep × tp's experts add to tp.all_reduce
             breakdown[name] = breakdown.get(name, 0.0) + seconds
         hidden.update({k: t for k, t in self.data_hidden.items() if t})

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from interlace.errors import ConfigError, PlanError
-from interlace.parallel.pipeline.options import check_schedule, virtual_stages_for
+from interlace.parallel.pipeline.options import check_schedule
 from interlace.parallel.pipeline.partition import (
     Partition,
     describe_stages,
@@ -73,7 +73,6 @@ def pipeline_layout(
     model: nn.Module,
     plan: Plan,
     *,
-    virtual_stages: int | None = None,
     layers_per_stage: Sequence[int] | None = None,
     split_points: Sequence[str] | None = None,
     recompute: Sequence[float] | None = None,
@@ -85,7 +84,7 @@ def pipeline_layout(
     `recompute` (one ratio per rank) overrides `plan.recompute`; `memory_budget_bytes` (per
     rank) needs `micro_batch_tokens`. Raises PlanError naming the fix for any impossible
     combination."""
-    v = virtual_stages_for(plan.schedule, virtual_stages)
+    v = plan.stages_per_rank
     n_layers = len(model_shards(model)) - 2
     check_schedule(plan.schedule, plan.pp, plan.micro_batches, n_layers, v)
     mode = plan.recompute if recompute is None else recompute

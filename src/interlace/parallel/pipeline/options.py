@@ -38,19 +38,20 @@ def mesh_dims(plan: Any) -> tuple[tuple[str, int], ...]:
 
 
 def virtual_stages_for(schedule: str, requested: int | None) -> int:
-    """Stages per rank: `requested` (default 2) for interleaved, 1 for every other schedule."""
+    """Stages per rank: `requested` (default 2) for interleaved, 1 for every other schedule;
+    PlanError naming the fix for a count the schedule cannot run."""
     if schedule == "interleaved":
         v = 2 if requested is None else requested
         if v < 2:
             raise PlanError(
-                f"schedule=interleaved needs at least 2 virtual stages per rank, got {v}; "
-                "use 2, or schedule=1f1b"
+                f"schedule=interleaved needs at least 2 virtual stages per rank, got "
+                f"virtual_stages={v}; use virtual_stages=2 or more, or schedule=1f1b"
             )
         return v
     if requested not in (None, 1):
         raise PlanError(
-            f"{requested} virtual stages per rank need schedule=interleaved (got "
-            f"schedule={schedule})"
+            f"virtual_stages={requested} needs schedule=interleaved (got schedule={schedule}); "
+            "use schedule=interleaved, or leave virtual_stages out"
         )
     return 1
 
@@ -84,19 +85,29 @@ def check_schedule(
 
 
 def check_values(plan: Any) -> None:
-    """PlanError naming the fix for a bad pipeline option of `plan`: the schedule's name, and
-    `micro_batches`, `schedule` and the per-stage recomputation only with pp > 1."""
+    """PlanError naming the fix for a bad pipeline option of `plan`: the schedule's name, a
+    stages-per-rank count its schedule runs, and `micro_batches`, `schedule`,
+    `virtual_stages` and the per-stage recomputation only with pp > 1."""
     check_plan_choice("schedule", plan.schedule, PIPELINE_SCHEDULES)
+    v = plan.virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise PlanError(
+            f"virtual_stages={v!r} must be a whole number of stages per rank, e.g. "
+            "virtual_stages=4 (0: the schedule's own)"
+        )
     if plan.pp > 1:
+        virtual_stages_for(plan.schedule, v or None)  # a count the schedule cannot run raises
         return
     for name, value, default in (
         ("micro_batches", plan.micro_batches, 1),
         ("schedule", plan.schedule, "1f1b"),
+        ("virtual_stages", plan.virtual_stages, 0),
     ):
         if value != default:
+            accumulation = " (gradient accumulation is the trainer's micro_batch)"
             raise PlanError(
-                f"{name}={value} applies to pipeline parallelism; use pp > 1 with it "
-                f"(gradient accumulation is the trainer's micro_batch)"
+                f"{name}={value} applies to pipeline parallelism; use pp > 1 with it"
+                + (accumulation if name == "micro_batches" else "")
             )
     if plan.recompute in PIPELINE_ONLY_RECOMPUTE:
         raise PlanError(
@@ -116,5 +127,5 @@ def check_model(plan: Any, spec: Any) -> None:
             plan.pp,
             plan.micro_batches,
             spec.n_layers,
-            virtual_stages_for(plan.schedule, None),
+            plan.stages_per_rank,
         )

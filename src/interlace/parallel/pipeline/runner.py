@@ -68,7 +68,6 @@ class PipelineRunner:
     `interlace.loss.cross_entropy`; under tp the vocabulary-parallel loss, which `parallelize`
     passes). Options (each overrides the default the Plan implies):
     layers_per_stage / split_points: see `partition.partition` (one entry per virtual stage);
-    virtual_stages: stages per rank for schedule=interleaved (default 2);
     recompute: a list of per-rank checkpoint ratios instead of `plan.recompute`;
     memory_budget_bytes with micro_batch_tokens (b·T): derive stage-aware recomputation's
     stage-0 ratio from the budget instead of 1.0; precision: "bf16" or "fp16" runs every stage
@@ -87,7 +86,6 @@ class PipelineRunner:
         *,
         layers_per_stage: Sequence[int] | None = None,
         split_points: Sequence[str] | None = None,
-        virtual_stages: int | None = None,
         recompute: Sequence[float] | None = None,
         memory_budget_bytes: float | None = None,
         micro_batch_tokens: int | None = None,
@@ -114,7 +112,6 @@ class PipelineRunner:
         self.layout = pipeline_layout(
             shapes,
             plan,
-            virtual_stages=virtual_stages,
             layers_per_stage=layers_per_stage,
             split_points=split_points,
             recompute=recompute,
