@@ -1,16 +1,20 @@
 """`bench mfu` on the CPU (its smoke run): every mode of every shape measured, the figures
 derived from the model FLOP count, and bad options refused before any work."""
 
+import sys
+import types
+
 import pytest
 import torch
 
-from interlace.bench import get_benchmark, mfu_estimate
-from interlace.bench.mfu import _afresh
+from interlace.bench import get_benchmark, mfu_estimate, mfu_runs
+from interlace.bench.mfu import _afresh, in_blocks, time_loop
 from interlace.bench.mfu_estimate import EFFICIENCY, model_costs
 from interlace.bench.mfu_runs import batches, dense_equivalent, mode_precision, modes, shape
 from interlace.bench.runner import announce, parse_options
 from interlace.errors import ConfigError
 from interlace.mesh import DEVICE_ENV
+from interlace.models.gpt import build_model
 from interlace.throughput import model_flops_per_token
 
 BENCH = get_benchmark("mfu")
@@ -151,3 +155,54 @@ def test_fp8_rows_are_refused_where_there_is_no_float8_and_priced_against_bf16()
         BENCH.check({**BENCH.defaults(), "fp8": True})
     assert "trainer_fp8" in modes({**BENCH.options, "fp8": True}, moe=False)
     assert mode_precision(torch.device("cuda"), "trainer_fp8") == "bf16"
+
+
+def test_the_torchao_fp8_loop_is_the_fp8_peer_where_torchao_is_installed(monkeypatch):
+    fp8 = {**BENCH.options, "fp8": True}
+    monkeypatch.setattr(mfu_runs.importlib.util, "find_spec", lambda name: None)
+    assert "loop_fp8_torchao" not in modes(fp8, moe=False)
+    assert "torchao is not installed" in mfu_runs.fp8_peer_missing()
+    monkeypatch.setattr(mfu_runs.importlib.util, "find_spec", lambda name: object())
+    assert modes(fp8, moe=False)[-1] == "loop_fp8_torchao"
+    assert mode_precision(torch.device("cuda"), "loop_fp8_torchao") == "bf16"
+
+
+def test_the_fp8_loop_converts_the_blocks_linear_layers_through_torchao(monkeypatch):
+    converted = []
+
+    def convert(model, module_filter_fn):
+        converted.extend(
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module_filter_fn(module, name)
+        )
+        return model
+
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    float8 = types.ModuleType("torchao.float8")
+    float8.convert_to_float8_training = convert
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    config = shape("tiny", {**OPTIONS, "seq_len": None})
+    tokens_per_s = time_loop(config, "bf16", False, 2, OPTIONS, float8=True)
+    assert tokens_per_s > 0 and converted
+    assert all(name.startswith("blocks.") for name in converted)
+    linears = [n for n, m in build_model(config).named_modules() if isinstance(m, torch.nn.Linear)]
+    assert set(converted) == {n for n in linears if n.startswith("blocks.")}  # not the head
+    assert not in_blocks(torch.nn.Linear(8, 32), "blocks.0.mlp.fc")  # no float8 kernel for 8
+
+
+def test_the_fp8_rows_are_set_against_the_torchao_loop():
+    def row(mode, tokens_per_s):
+        figures = {"tokens_per_s": tokens_per_s, "model_tflops": 1.0, "mfu": None, "batch": 8}
+        return {"model": "m", "mode": mode, **figures}
+
+    rows = [
+        row("trainer", 100.0),
+        row("trainer_fp8", 150.0),
+        row("loop_bf16_compile", 90.0),
+        row("loop_fp8_torchao", 120.0),
+    ]
+    doc = {"result": {"device_name": "gpu", "rows": rows}}
+    lines = {line.split()[1]: line for line in BENCH.table(doc).splitlines()[2:]}
+    assert " 1.25x " in lines["trainer_fp8"] and " 1.11x " in lines["trainer"]
+    assert "fp8 1.50x the bf16 Trainer, 1.25x the torchao fp8 loop" in BENCH.headline(doc)

@@ -132,3 +132,17 @@ def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
         continued = _run(saved, sharded)[SAVED_AT:]
         checkpoint = tmp_path / sharded / "checkpoints" / checkpoint_name(SAVED_AT)
         assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5), sharded
+
+
+@pytest.mark.slow
+def test_interleaved_checkpoints_resume_under_other_stages_per_rank(tmp_path):
+    # the stages store their layers under the whole model's names, wherever the layers ran
+    spec = dataclasses.replace(get_preset("tiny"), n_layers=6)
+    path = tmp_path / "six.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    config = dataclasses.replace(BASE, model=str(path))
+    plans = [
+        "pp=2,micro_batches=2,schedule=interleaved,virtual_stages=3",
+        "pp=2,micro_batches=2,schedule=interleaved",
+    ]
+    _check_matrix(tmp_path, config, plans, [*plans, "dp=1"])

@@ -29,10 +29,12 @@ from interlace.bench.mfu_estimate import preview
 from interlace.bench.mfu_runs import (
     DENSE_SUFFIX,
     LOOP_COMPILED,
+    LOOP_FP8,
     LOOP_MODES,
     TRAINER_ACCUMULATING,
     TRAINER_FP8,
     batches,
+    fp8_peer_missing,
     micro_batches,
     mode_precision,
     modes,
@@ -58,13 +60,23 @@ from interlace.train_config import TrainConfig
 
 
 def time_loop(
-    config: GPTConfig, precision: str, compiled: bool, batch: int, options: dict[str, Any]
+    config: GPTConfig,
+    precision: str,
+    compiled: bool,
+    batch: int,
+    options: dict[str, Any],
+    float8: bool = False,
 ) -> float:
     """Tokens/s of the plain loop over `batch` sequences on this process's device: median over
-    the timed steps."""
+    the timed steps. `float8`: the blocks' linear layers converted by torchao's float8 training
+    first (the fp8 peer; tensorwise, its default)."""
     device = default_device()
     torch.manual_seed(0)
     model = build_model(config, device=device)
+    if float8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=in_blocks)
     optimizer = build_optimizer(model, 1e-4, 0.1)
     run = torch.compile(model) if compiled else model
     x = torch.randint(config.vocab_size, (batch, config.seq_len), device=device)
@@ -83,6 +95,14 @@ def time_loop(
         if step >= options["warmup"]:
             times.append(time.perf_counter() - start)
     return batch * config.seq_len / statistics.median(times)
+
+
+def in_blocks(module: torch.nn.Module, name: str) -> bool:
+    """Whether torchao converts linear layer `module` at `name`: those of the blocks, as
+    interlace's fp8 converts (the embedding and LM head stay bf16), whose sizes the float8
+    kernels take (multiples of 16)."""
+    sizes = (module.in_features, module.out_features)
+    return name.startswith("blocks.") and all(size % 16 == 0 for size in sizes)
 
 
 def time_trainer(
@@ -128,6 +148,10 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
                 for mode in modes(options, moe=len(pairs) > 1):
                     if mode in loops:
                         run = functools.partial(time_loop, cfg, *loops[mode], batch, options)
+                    elif mode == LOOP_FP8:
+                        run = functools.partial(
+                            time_loop, cfg, "bf16", True, batch, options, float8=True
+                        )
                     else:
                         precision = FP8 if mode == TRAINER_FP8 else "auto"
                         run = functools.partial(
@@ -152,7 +176,9 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
                             "mfu": tflops / peak if peak else None,
                         }
                     )
-    return {"device": str(device), "device_name": _device_name(device), "rows": rows}
+    result = {"device": str(device), "device_name": _device_name(device), "rows": rows}
+    missing = fp8_peer_missing() if options["fp8"] else None
+    return {**result, "fp8_peer_missing": missing} if missing else result
 
 
 def _afresh(device: torch.device, run: Callable[[], float]) -> dict[str, Any]:
@@ -211,7 +237,7 @@ def table(doc: dict[str, Any]) -> str:
         f"{'vs loop':>7s} {'GiB':>6s} {'retries':>7s}"
     )
     for row in rows:
-        best = _best_loop(rows, row["model"])
+        best = _best_loop(rows, row["model"], row["mode"])
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
         memory = row.get("peak_memory_gib")
         lines.append(
@@ -222,13 +248,15 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _best_loop(rows: list[dict[str, Any]], model: str) -> float:
-    """Tokens/s of `model`'s fastest low-precision loop row."""
-    return max(
-        r["tokens_per_s"]
-        for r in rows
-        if r["model"] == model and r["mode"] in ("loop_bf16", "loop_bf16_compile")
-    )
+def _best_loop(rows: list[dict[str, Any]], model: str, mode: str = "trainer") -> float:
+    """Tokens/s of the loop `model`'s `mode` is set against: the torchao float8 loop for the
+    float8 modes where it ran, else the fastest bf16 loop."""
+    peer_modes = [LOOP_FP8] if mode in (TRAINER_FP8, LOOP_FP8) else []
+    peers = [r for r in rows if r["model"] == model and r["mode"] in peer_modes]
+    bf16 = [
+        r for r in rows if r["model"] == model and r["mode"] in ("loop_bf16", "loop_bf16_compile")
+    ]
+    return max(r["tokens_per_s"] for r in (peers or bf16))
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -273,8 +301,16 @@ def headline(doc: dict[str, Any]) -> str:
             f"{row['batch']} sequences a step)"
             for m, r in versus.items()
         )
+        fp8 = trainer.get((model, TRAINER_FP8))
+        if fp8 is not None:
+            peer = "torchao fp8 loop" if any(r["mode"] == LOOP_FP8 for r in rows) else "loop"
+            against += (
+                f"; fp8 {fp8['tokens_per_s'] / row['tokens_per_s']:.2f}x the bf16 Trainer, "
+                f"{fp8['tokens_per_s'] / _best_loop(rows, model, TRAINER_FP8):.2f}x the {peer}"
+            )
         parts.append(f"{model}: Trainer {ratio:.2f}x the plain loop{mfu}{against}")
-    return "; ".join(parts)
+    missing = doc["result"].get("fp8_peer_missing")
+    return "; ".join(parts) + (f" ({missing})" if missing else "")
 
 
 def key_numbers(result: dict[str, Any]) -> dict[str, float]:
@@ -291,7 +327,10 @@ BENCHMARK = Benchmark(
         "torch.compile) for each model shape at its own vocabulary (padded to a multiple of "
         "128), on uniform random tokens; a MoE preset also beside its dense equivalent. "
         "With `fp8` (a GPU with float8 matmuls) the Trainer also runs at `--precision fp8` "
-        "(tensorwise), its MFU against the bf16 peak as torchtitan reports it. "
+        "(tensorwise), its MFU against the bf16 peak as torchtitan reports it, beside its peer: "
+        "the plain bf16 + compile loop with torchao's float8 training on the blocks' linear "
+        "layers (`loop_fp8_torchao`, where torchao is installed), which the fp8 rows' 'vs loop' "
+        "compares against. "
         "Each model runs at its own batch (`batch`, one count per model: by default 16 "
         "sequences for gpt2-124m and the MoE preset, 8 for gpt2-1.5b). "
         "A MoE preset and its dense equivalent also run through the Trainer at "

@@ -17,6 +17,7 @@ import torch
 
 from interlace.bench.mfu_runs import (
     LOOP_COMPILED,
+    LOOP_FP8,
     batches,
     micro_batches,
     mode_precision,
@@ -64,7 +65,7 @@ def model_costs(
             for mode in modes(options, moe=len(pairs) > 1):
                 rate = rates[mode_precision(device, mode)] * EFFICIENCY
                 seconds += micro_batches(mode) * flops / rate
-                compiled = mode in LOOP_COMPILED or (
+                compiled = mode in (*LOOP_COMPILED, LOOP_FP8) or (
                     mode.startswith("trainer") and device.type == "cuda"
                 )
                 seconds += COMPILE_S if compiled else 0.0

@@ -5,6 +5,7 @@ their precision; shared by the benchmark and its up-front estimate (`mfu_estimat
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import torch
@@ -15,6 +16,9 @@ from interlace.models.presets import get_preset
 
 LOOP_MODES = {"loop_fp32": ("fp32", False), "loop_bf16": ("bf16", False)}
 LOOP_COMPILED = {"loop_bf16_compile": ("bf16", True)}
+LOOP_FP8 = "loop_fp8_torchao"
+"""The fp8 peer: the plain bf16 + compile loop with torchao's float8 training on the blocks'
+linear layers (tensorwise), where torchao is installed."""
 TRAINER_ACCUMULATING = "trainer_micro_batches_"
 TRAINER_FP8 = "trainer_fp8"
 """The Trainer at `--precision fp8` (tensorwise), its MFU against the bf16 peak as peers report."""
@@ -65,13 +69,23 @@ def shapes(name: str, options: dict[str, Any]) -> list[tuple[str, GPTConfig]]:
 
 
 def modes(options: dict[str, Any], moe: bool) -> list[str]:
-    """The modes measured on each shape, in order: the Trainer; for a MoE model and its dense
-    equivalent the Trainer at `moe_micro_batches` micro-batches a step (from 2); each loop."""
+    """The modes measured on each shape, in order: the Trainer; with `fp8` the Trainer in
+    float8; for a MoE model and its dense equivalent the Trainer at `moe_micro_batches`
+    micro-batches a step (from 2); each loop, with `fp8` the torchao float8 loop where torchao
+    is installed (`fp8_peer_missing`)."""
     k = options["moe_micro_batches"]
     accumulating = [f"{TRAINER_ACCUMULATING}{k}"] if moe and k > 1 else []
     loops = [*LOOP_MODES, *(LOOP_COMPILED if options["compile"] else {})]
     fp8 = [TRAINER_FP8] if options["fp8"] else []
-    return ["trainer", *fp8, *accumulating, *loops]
+    fp8_loop = [LOOP_FP8] if options["fp8"] and fp8_peer_missing() is None else []
+    return ["trainer", *fp8, *accumulating, *loops, *fp8_loop]
+
+
+def fp8_peer_missing() -> str | None:
+    """Why the torchao float8 loop cannot run here (None: it can)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao), so the fp8 peer loop is left out"
+    return None
 
 
 def micro_batches(mode: str) -> int:
@@ -84,7 +98,7 @@ def micro_batches(mode: str) -> int:
 def mode_precision(device: torch.device, mode: str) -> str:
     """The precision `mode` computes in on `device`: the Trainer's default for the device
     (bf16 on CUDA, fp32 elsewhere), a loop's own."""
-    if mode == TRAINER_FP8:
+    if mode in (TRAINER_FP8, LOOP_FP8):
         return "bf16"
     if mode.startswith("trainer"):
         return "bf16" if device.type == "cuda" else "fp32"
