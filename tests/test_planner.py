@@ -458,3 +458,14 @@ def test_block_boundary_hides_each_forward_boundary_but_the_stages_last():
     assert across.hidden["tp.all_reduce"] == pytest.approx(split / 2 + (TINY.n_layers - 1) * piece)
     gain = inside.breakdown["tp.all_reduce"] - across.breakdown["tp.all_reduce"]
     assert gain == pytest.approx((TINY.n_layers - 1) * piece)
+
+
+def test_explain_names_the_interleaved_stages_per_rank():
+    a100 = get_hardware("dgx-a100")
+    plan = Plan.parse("dp=16,pp=8,tp=8,micro_batches=16,schedule=interleaved,virtual_stages=4")
+    text = explain(estimate(plan, get_preset("gpt3-175b"), a100, 1536))
+    assert "Pipeline bubble: 8 ranks of 4 stages each, 16 micro-batches" in text
+    plan = Plan.parse("dp=16,pp=8,tp=8,micro_batches=16")
+    assert "Pipeline bubble: 8 stages, 16" in explain(
+        estimate(plan, get_preset("gpt3-175b"), a100, 1536)
+    )

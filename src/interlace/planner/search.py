@@ -293,9 +293,10 @@ def explain(cost: PlanCost, terms: int = 3) -> str:
         name, seconds = max(comm.items(), key=lambda kv: kv[1])
         lines.append(f"Largest exposed communication: {name} ({seconds:.3g} s).")
     if cost.breakdown.get("pp.bubble"):
-        p, m = cost.plan.pp, cost.plan.micro_batches
+        p, m, v = cost.plan.pp, cost.plan.micro_batches, cost.plan.stages_per_rank
+        stages = f"{p} ranks of {v} stages each" if v > 1 else f"{p} stages"
         lines.append(
-            f"Pipeline bubble: {p} stages, {m} micro-batches, schedule {cost.plan.schedule}."
+            f"Pipeline bubble: {stages}, {m} micro-batches, schedule {cost.plan.schedule}."
         )
     if cost.moe:
         lines.append(explain_moe(cost))
