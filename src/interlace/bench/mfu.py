@@ -28,9 +28,8 @@ from interlace.bench.base import Benchmark
 from interlace.bench.mfu_estimate import preview
 from interlace.bench.mfu_runs import (
     DENSE_SUFFIX,
-    LOOP_COMPILED,
     LOOP_FP8,
-    LOOP_MODES,
+    LOOPS,
     TRAINER_ACCUMULATING,
     TRAINER_FP8,
     batches,
@@ -138,7 +137,6 @@ def time_trainer(
 def run_local(options: dict[str, Any]) -> dict[str, Any]:
     """Every mode on every model (and the MoE model's dense equivalent) on this device."""
     device = default_device()
-    loops = {**LOOP_MODES, **LOOP_COMPILED}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch in batches(options).items():
@@ -146,11 +144,10 @@ def run_local(options: dict[str, Any]) -> dict[str, Any]:
             for label, cfg in pairs:
                 flops = model_flops_per_token(cfg)
                 for mode in modes(options, moe=len(pairs) > 1):
-                    if mode in loops:
-                        run = functools.partial(time_loop, cfg, *loops[mode], batch, options)
-                    elif mode == LOOP_FP8:
+                    if mode in LOOPS:
+                        float8 = mode == LOOP_FP8
                         run = functools.partial(
-                            time_loop, cfg, "bf16", True, batch, options, float8=True
+                            time_loop, cfg, *LOOPS[mode], batch, options, float8=float8
                         )
                     else:
                         precision = FP8 if mode == TRAINER_FP8 else "auto"

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from interlace.bench.mfu_runs import (
-    LOOP_COMPILED,
-    LOOP_FP8,
+    LOOPS,
     batches,
     micro_batches,
     mode_precision,
@@ -65,7 +64,7 @@ def model_costs(
             for mode in modes(options, moe=len(pairs) > 1):
                 rate = rates[mode_precision(device, mode)] * EFFICIENCY
                 seconds += micro_batches(mode) * flops / rate
-                compiled = mode in (*LOOP_COMPILED, LOOP_FP8) or (
+                compiled = LOOPS.get(mode, ("", False))[1] or (
                     mode.startswith("trainer") and device.type == "cuda"
                 )
                 seconds += COMPILE_S if compiled else 0.0

@@ -19,6 +19,8 @@ LOOP_COMPILED = {"loop_bf16_compile": ("bf16", True)}
 LOOP_FP8 = "loop_fp8_torchao"
 """The fp8 peer: the plain bf16 + compile loop with torchao's float8 training on the blocks'
 linear layers (tensorwise), where torchao is installed."""
+LOOPS = {**LOOP_MODES, **LOOP_COMPILED, LOOP_FP8: ("bf16", True)}
+"""(precision, compiled) of every plain-loop mode."""
 TRAINER_ACCUMULATING = "trainer_micro_batches_"
 TRAINER_FP8 = "trainer_fp8"
 """The Trainer at `--precision fp8` (tensorwise), its MFU against the bf16 peak as peers report."""
@@ -98,8 +100,8 @@ def micro_batches(mode: str) -> int:
 def mode_precision(device: torch.device, mode: str) -> str:
     """The precision `mode` computes in on `device`: the Trainer's default for the device
     (bf16 on CUDA, fp32 elsewhere), a loop's own."""
-    if mode in (TRAINER_FP8, LOOP_FP8):
+    if mode == TRAINER_FP8:
         return "bf16"
     if mode.startswith("trainer"):
         return "bf16" if device.type == "cuda" else "fp32"
-    return {**LOOP_MODES, **LOOP_COMPILED}[mode][0]
+    return LOOPS[mode][0]
