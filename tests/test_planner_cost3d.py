@@ -60,7 +60,13 @@ def test_estimate_and_search_price_tp3d():
     assert {"tp_x.all_reduce", "tp_y.all_reduce", "dp.all_reduce"} <= set(cost.breakdown)
     assert cost.step_seconds == pytest.approx(sum(cost.breakdown.values()))
     flat = estimate(Plan(dp=8), CONFIG, hardware, global_batch=8, dtype="fp32")
-    # layer weights split over 4 ranks, the embedding and head replicated
+    # every weight split over the 4 ranks: the layers over x·y, the embedding and head by
+    # vocabulary rows over x·y, as 1D's over tp; so is their compute
     assert cost.memory["params_grads_optimizer"] < flat.memory["params_grads_optimizer"]
+    one_d = estimate(Plan(dp=2, tp=4), CONFIG, hardware, global_batch=8, dtype="fp32")
+    assert cost.breakdown["compute"] == pytest.approx(one_d.breakdown["compute"])
+    assert cost.memory["params_grads_optimizer"] == pytest.approx(
+        one_d.memory["params_grads_optimizer"]
+    )
     plans = {str(c.plan) for c in search(CONFIG, hardware, 8, global_batch=8, dtype="fp32")}
     assert "tp3d=2x2x2" in plans and "dp=2,tp3d=2x2x1" in plans

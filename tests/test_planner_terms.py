@@ -1,5 +1,6 @@
 """Step terms priced by hand: FSDP's gathers and reduce-scatters, HSDP's replica all-reduce, the
-expert gradients' all-reduce and 3D tensor parallelism's gathers before the head, from the
+expert gradients' all-reduce, 3D tensor parallelism's gathers before the head and its
+vocabulary-parallel all-reduces over the x·y ranks, from the
 model's sizes, the ring's wire bytes and the link each runs on, so that a term priced twice
 over, or on the wrong link, turns a test red. (`planner.step.step_terms`' other terms are
 priced by hand in test_planner.py, test_planner_context.py, test_planner_cost3d.py and
@@ -10,6 +11,7 @@ import pytest
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
+from interlace.planner.cost import estimate
 from interlace.planner.hardware import local
 from interlace.planner.step import step_terms
 
@@ -23,12 +25,14 @@ PARAMS = 2 * LAYER + ROOT
 BF16, FP32 = 2, 4  # gathered parameters in the compute dtype, gradients reduced in fp32
 
 
+HARDWARE = local(
+    RATE, BW, inter_node_bandwidth=SLOW, latency=ALPHA, devices_per_node=2, dtype="bf16"
+)
+
+
 def terms(plan, config=TINY, global_batch=8):
     """(exposed, hidden) seconds per term of one bf16 step on nodes of 2 devices."""
-    hardware = local(
-        RATE, BW, inter_node_bandwidth=SLOW, latency=ALPHA, devices_per_node=2, dtype="bf16"
-    )
-    return step_terms(plan, config, hardware, global_batch, dtype="bf16").breakdown()
+    return step_terms(plan, config, HARDWARE, global_batch, dtype="bf16").breakdown()
 
 
 def fsdp_gather(params):  # 2 ranks: one α and the other rank's shard
@@ -60,6 +64,14 @@ def test_under_long_compute_fsdp_exposes_the_first_gather_and_the_last_reduce_sc
     assert exposed["dp_shard.reduce_scatter"] == pytest.approx(last * reduce)
 
 
+@pytest.mark.parametrize("plan", ["dp_shard=2,tp=2", "dp_shard=2,tp3d=2x1x1"])
+def test_fsdp_holds_the_roots_and_two_blocks_gathered_each_split_over_the_tensor_ranks(plan):
+    # the root (embedding, head: vocabulary rows over tp, or the grid's x·y; the position
+    # embedding and final norm counted with them) and two blocks, in bf16
+    cost = estimate(Plan.parse(plan), TINY, HARDWARE, 8, dtype="bf16")
+    assert cost.memory["fsdp_gathered"] == pytest.approx((ROOT + 2 * LAYER) / 2 * BF16)
+
+
 def test_hsdp_all_reduces_the_gradient_shards_over_the_replicas_across_nodes():
     # dp_replicate ranks sit dp_shard = 2 apart: a group of 2 spans 4 ranks, two nodes
     exposed, hidden = terms(Plan(dp=2, dp_shard=2))
@@ -78,9 +90,19 @@ def test_expert_gradients_are_all_reduced_over_the_replicas_of_each_expert():
 
 
 def test_3d_gathers_over_x_the_residual_before_the_head_and_its_gradient_at_the_embedding():
-    # tp3d = (2, 1, 1): the replicated head's input and the split embedding output's gradient,
+    # tp3d = (2, 1, 1): the final norm's input and the split embedding output's gradient,
     # [tokens, d / x] per rank of 4 sequences, gathered over x = 2 ranks of one node
     exposed, hidden = terms(Plan(tp3d=(2, 1, 1)), global_batch=4)
     one = ALPHA + 4 * T * D / 2 * BF16 / BW
     assert exposed["tp_x.all_gather"] == pytest.approx(2 * one)
     assert "tp_x.all_gather" not in hidden
+
+
+def test_3d_all_reduces_the_vocab_parallel_ends_over_the_xy_ranks():
+    # tp3d = (2, 2, 1) on nodes of 2: the embedding's output (forward) and the head's input
+    # gradient (backward), [tokens, d] of 4 sequences, each a ring all-reduce over x·y = 4
+    # ranks spanning two nodes: 2·3 messages of a quarter of it on the slow link
+    exposed, hidden = terms(Plan(tp3d=(2, 2, 1)), global_batch=4)
+    one = 2 * 3 * (ALPHA + 4 * T * D / 4 * BF16 / SLOW)
+    assert exposed["tp_xy.all_reduce"] == pytest.approx(2 * one)
+    assert "tp_xy.all_reduce" not in hidden

@@ -97,6 +97,9 @@ def _expected_piece(name: str, full: torch.Tensor, at: dict[str, tuple[int, int]
         return piece
     if name.startswith("blocks.") and ".ln_" in name:
         return _cut(full, 0, *at["x"])
+    if name in ("wte.weight", "lm_head.weight"):  # vocabulary rows over the x·y ranks
+        (x, xs), (y, ys) = at["x"], at["y"]
+        return _cut(full, 0, y * xs + x, xs * ys)
     return full
 
 
@@ -314,6 +317,16 @@ def test_bytes_per_collective_equal_the_axonn_formula():
 def test_plans_the_grid_cannot_split_are_refused(plan, message):
     with pytest.raises(PlanError, match=re.escape(message)):
         plan.validate(plan.world_size, get_preset("tiny"))
+
+
+def test_a_vocabulary_the_xy_ranks_cannot_split_is_refused():
+    spec = dataclasses.replace(get_preset("tiny"), vocab_size=98)
+    message = "vocab_size=98 is not divisible by 4, the tp3d=2x2x1 factor x·y"
+    with pytest.raises(PlanError, match=re.escape(message)):
+        Plan(tp3d=(2, 2, 1)).validate(4, spec)
+    model = build_model(spec)
+    with pytest.raises(PlanError, match=re.escape("wte: " + message)):
+        check_tensor3d(model, find_structure(model), (2, 2, 1))
 
 
 def test_mixture_of_experts_and_other_models_are_refused():

@@ -7,7 +7,9 @@ every data-parallel rank (dp · dp_shard); with sharded data parallelism it is a
 The innermost dimensions hold the chattiest groups, so consecutive ranks (one node) share a
 tensor parallel group.
 With cp > 1, `dp_cp` flattens `dp` × `cp`: the ranks that hold the same parameters and see
-different tokens, over which gradients and losses are averaged.
+different tokens, over which gradients and losses are averaged. With 3D tensor parallelism
+`tp_xy` flattens `tp_y` × `tp_x` (local rank y_i · x + x_i): the ranks of one z slice, over which
+the embedding and the LM head are split by vocabulary rows.
 Global rank (dp_i over all dp · dp_shard data-parallel ranks; cp = 1 and cp_i = 0 without cp)
     r = (((pp_i · dp + dp_i) · cp + cp_i) · tp_size) + tp_i           (1D)
     r = (((pp_i · dp + dp_i) · z + z_i) · y + y_i) · x + x_i   (3D)
@@ -66,7 +68,7 @@ def data_group_name(plan: Plan) -> str:
     return "dp_cp" if plan.context_parallel else "dp"
 
 
-FLATTENED = {"dp_cp": ("dp", "cp")}
+FLATTENED = {"dp_cp": ("dp", "cp"), "tp_xy": ("tp_y", "tp_x")}
 """Groups made of several mesh dimensions as one, by name: their dimensions, outermost first."""
 
 SHARDED_DIMS = ("dp_replicate", "dp_shard")
@@ -79,7 +81,8 @@ class Mesh:
     `data_mesh`: with sharded data parallelism, `dp` split into `dp_replicate` × `dp_shard`
     (only `dp_shard` when dp = 1), the mesh FSDP2 shards over (under cp its `dp_shard` spans
     dp_shard × cp ranks); else None. `flattened`: meshes of
-    several dimensions as one, by name (`dp_cp` under context parallelism)."""
+    several dimensions as one, by name (`dp_cp` under context parallelism, `tp_xy` under 3D
+    tensor parallelism)."""
 
     plan: Plan
     device_mesh: DeviceMesh
@@ -148,6 +151,8 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
     flattened = {}
     if plan.context_parallel:  # torch asks that a flattened mesh be kept, not sliced again
         flattened["dp_cp"] = device_mesh[FLATTENED["dp_cp"]]._flatten("dp_cp")
+    if plan.tensor3d_parallel:
+        flattened["tp_xy"] = device_mesh[FLATTENED["tp_xy"]]._flatten("tp_xy")
     data_mesh = None
     if plan.sharded_data_parallel:  # torch has no public way to split a mesh dimension
         # by index: torch 2.11's check of a named dimension is inverted and refuses "dp".

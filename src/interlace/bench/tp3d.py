@@ -3,12 +3,14 @@ layout (x, y, z) of the same ranks, as the comm meter counts them and as predict
 for layouts with z > 1 also without the weight prefetch (`tp3d_prefetch=false`).
 
 One forward + backward of the built-in GPT per layout, all ranks in the tensor parallel group.
-Measured: the meter's wire bytes (ring model) per group ("tp", or "tp_x", "tp_y", "tp_z") in one
-step. Predicted: AxoNN's per-layer formula (`tensor3d.layer_wire_bytes`) summed over every block
-linear, plus what the layout adds beside its linears — the LayerNorm statistics and the residual
-split / gather over X, the loss mean and the replicated parameters' gradients over Z; for 1D TP,
-Megatron's two all-reduces of [T, d] per block each way, the vocab-parallel embedding and head,
-and the sharded cross-entropy's three [T] reductions. Measured must equal predicted exactly.
+Measured: the meter's wire bytes (ring model) per group ("tp", or "tp_x", "tp_y", "tp_z",
+"tp_xy") in one step. Predicted: AxoNN's per-layer formula (`tensor3d.layer_wire_bytes`)
+summed over every block linear, plus what the layout adds beside its linears: the LayerNorm
+statistics and the residual split / gather over X, the loss mean and the replicated
+parameters' gradients over Z, and over the x·y ranks (`tp_xy`) the vocab-parallel embedding
+and head and the sharded cross-entropy's three [T] reductions; for 1D TP, Megatron's two
+all-reduces of [T, d] per block each way, the vocab-parallel embedding and head, and the
+sharded cross-entropy's three [T] reductions. Measured must equal predicted exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from interlace.parallel.tensor3d.layers import layer_wire_bytes
 from interlace.parallel.tensor3d.shard import shard3d_spec
 from interlace.plan import Overlap, Plan
 
-_GROUPS = ("tp", "tp_x", "tp_y", "tp_z")
+_GROUPS = ("tp", "tp_x", "tp_y", "tp_z", "tp_xy")
 _B = 4  # bytes per fp32 element
 
 
@@ -56,15 +58,16 @@ def predicted_3d(
     """(AxoNN's formula over the block linears, + this layout's other collectives) in wire bytes
     per group for one step; `tokens` per rank, `z_params` elements whose gradients are all-reduced
     over Z (every parameter but the 3D weights)."""
-    x, _, z = grid
+    x, y, z = grid
     d, f = cfg.d_model, cfg.ffn_dim
     linears = [(d, d, False)] * 3 + [(d, d, True), (d, f, False), (f, d, True)]
     formula = dict.fromkeys(("tp_x", "tp_y", "tp_z"), 0.0)
     for n_in, n_out, transposed in linears:
         for group, nbytes in layer_wire_bytes(n_in, n_out, tokens, grid, transposed).items():
             formula[group] += cfg.n_layers * nbytes
-    ring = {k: 2 * (k - 1) / k for k in (x, z)}
+    ring = {k: 2 * (k - 1) / k for k in (x, z, x * y)}
     total = dict(formula)
+    total["tp_xy"] = ring[x * y] * vocab_parallel_elements(cfg.d_model, tokens) * _B
     total["tp_x"] += cfg.n_layers * 2 * 2 * ring[x] * tokens * 2 * _B  # LayerNorm Σx, Σx²
     total["tp_x"] += 2 * (x - 1) * tokens * d // x * _B  # residual split (bwd) + gather (fwd)
     total["tp_z"] += ring[z] * (1 + z_params) * _B  # the loss, replicated gradients
@@ -76,7 +79,15 @@ def predicted_1d(cfg: GPTConfig, tokens: int, p: int) -> dict[str, float]:
     (forward) and entry (backward), the embedding (forward) and head entry (backward), and the
     sharded cross-entropy's row max and [2, T] sums."""
     act = tokens * cfg.d_model * _B
-    return {"tp": 2 * (p - 1) / p * ((4 * cfg.n_layers + 2) * act + 3 * tokens * _B)}
+    vocab = vocab_parallel_elements(cfg.d_model, tokens) * _B
+    return {"tp": 2 * (p - 1) / p * (4 * cfg.n_layers * act + vocab)}
+
+
+def vocab_parallel_elements(d: int, tokens: int) -> int:
+    """Elements all-reduced per step by a vocab-parallel embedding and head and the sharded
+    cross-entropy: [T, d] out of the embedding (forward) and into the head (backward), the
+    loss's row max and [2, T] sums."""
+    return 2 * tokens * d + 3 * tokens
 
 
 def _measure(
@@ -243,7 +254,8 @@ BENCHMARK = Benchmark(
         "and under every 3D layout x·y·z of the same ranks. The comm meter's wire bytes per "
         "rank per group are compared with AxoNN's per-layer formula (REFERENCE.md §3) summed "
         "over the block linears plus the layout's other collectives (LayerNorm statistics and "
-        "residual split/gather over X, loss and replicated gradients over Z). A bytes benchmark: "
+        "residual split/gather over X, loss and replicated gradients over Z, the vocab-parallel "
+        "embedding, head and cross-entropy over the x·y ranks, tp_xy). A bytes benchmark: "
         "loopback is enough; step times on loopback show compute, not the network. Layouts "
         "with z > 1 are timed again without the weight prefetch (each Z all-gather issued when "
         "its layer needs it instead of one layer ahead)."

@@ -104,12 +104,13 @@ def parallelize(
     order of the module docstring; returns the `Parallelized` result.
 
     Every rank must pass the same full model (same seed). `sequence_parallel` overrides the
-    plan's; `gather_logits`: a 1D-split head all-gathers full logits [..., V] (for a model's own
-    loss or `generate`) instead of leaving this rank's [..., V/tp] to the vocabulary-parallel
-    loss; `split_points` / `layers_per_stage` override the pipeline partitioner; `precision`:
-    the number formats (`interlace.precision.Precision`: autocast's dtype, float8 linears, the
-    data-parallel gradient reduction's wire dtype); `compile`: each block compiled
-    (`interlace.compile`; check the plan with `resolve_compile` first). Raises PlanError
+    plan's; `gather_logits`: a split head (1D or 3D) all-gathers full logits [..., V] (for a
+    model's own loss or `generate`) instead of leaving this rank's [..., V/tp] (3D: [...,
+    V/(x·y)]) to the vocabulary-parallel loss; `split_points` / `layers_per_stage` override
+    the pipeline partitioner; `precision`: the number formats (`interlace.precision.Precision`:
+    autocast's dtype, float8 linears, the data-parallel gradient reduction's wire dtype);
+    `compile`: each block compiled (`interlace.compile`; check the plan with
+    `resolve_compile` first). Raises PlanError
     before modifying anything if the plan does not fit the mesh or the model.
 
     `weights`: `model` was built on the meta device and is split as such; once this rank's
@@ -136,7 +137,7 @@ def parallelize(
     if plan.tensor_parallel:
         tensor_step(result, mesh, gather_logits)
     if plan.tensor3d_parallel:
-        tensor3d_step(result, mesh)
+        tensor3d_step(result, mesh, gather_logits)
     if plan.context_parallel:
         context_step(result, mesh)
     experts = expert_step(result, mesh)

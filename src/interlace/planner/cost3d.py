@@ -22,11 +22,13 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
   every gather is exposed;
 - each of the block's two LayerNorms all-reduces [T, 2] statistics over X forward and
   backward; the first stage splits the embedding output over X and the last gathers the
-  residual [T, d/x] over X before the replicated final norm and head.
+  residual [T, d/x] over X before the replicated final norm;
+- the embedding and the LM head are split by vocabulary rows over the x·y ranks (`tp_xy`):
+  the embedding's output [T, d] all-reduced there in the forward, the head's input gradient
+  in the backward (the cross-entropy's [T] reductions are not priced, as under 1D).
 
-Groups sit in rank order x (stride 1), y (stride x), z (stride x·y). The embedding and LM
-head are replicated: their compute is divided by z only (their tokens), their weights not at
-all.
+Groups sit in rank order x (stride 1), y (stride x), z (stride x·y). The embedding's and the
+head's compute is divided by x·y·z, their weights by x·y.
 """
 
 from __future__ import annotations
@@ -199,13 +201,18 @@ def ends_seconds(
     tokens: float,
     act_bytes: int,
     hardware: Hardware,
-) -> float:
-    """The all-gather over X of the residual [T, d/x] before the replicated final norm and head
-    (once per micro-batch on the last stage)."""
-    x, _, z = tp3d
-    shard = tokens / z * config.d_model / x * act_bytes
+) -> dict[str, float]:
+    """The collectives of one end of the model (the embedding, or the head) per micro-batch,
+    by term: the residual [T, d/x] all-gathered over X (the head's forward, before the
+    replicated final norm; the embedding's backward, its gradient) and the vocab-parallel
+    [T, d] all-reduced over the x·y ranks (the embedding's forward, the head's backward)."""
+    x, y, z = tp3d
+    residual = tokens / z * config.d_model * act_bytes
     inside = group_inside_node(x, 1, hardware.devices_per_node)
-    return collective_seconds("all_gather", shard, x, inside, hardware)
+    gather = collective_seconds("all_gather", residual / x, x, inside, hardware)
+    inside = group_inside_node(x * y, 1, hardware.devices_per_node)
+    reduce = collective_seconds("all_reduce", residual, x * y, inside, hardware)
+    return {"tp_x.all_gather": gather, "tp_xy.all_reduce": reduce}
 
 
 def tensor3d_terms(
@@ -220,8 +227,9 @@ def tensor3d_terms(
     """The 3D tensor parallel collectives of `stage` per micro-batch of `tokens` tokens (before
     the split over z) at `act_bytes` bytes per element and `rate` FLOP/s per device: its
     layers' `layer_cost` (checkpointed layers replaying their forward's), the first gather of
-    each pass under prefetch, and the gathers before the replicated head. `forward_calls` is
-    the exposed seconds' forward share (`calls` 1); empty without 3D tensor parallelism."""
+    each pass under prefetch, and the collectives of the model's ends (`ends_seconds`).
+    `forward_calls` is the exposed seconds' forward share (`calls` 1); empty without 3D
+    tensor parallelism."""
     if plan.tp3d is None:
         return CommTerms()
     exposed: dict[str, float] = {}
@@ -248,11 +256,11 @@ def tensor3d_terms(
             exposed[gather] = exposed.get(gather, 0.0) + start
             hidden[gather] = hidden.get(gather, 0.0) + replayed - start
             forward += layer.first_forward
-    ends = (int(stage.has_embed) + int(stage.has_head)) * ends_seconds(
-        config, plan.tp3d, tokens, act_bytes, hardware
-    )
-    if ends:
-        exposed["tp_x.all_gather"] = exposed.get("tp_x.all_gather", 0.0) + ends
-        forward += int(stage.has_head) * ends / (int(stage.has_embed) + int(stage.has_head))
+    ends = ends_seconds(config, plan.tp3d, tokens, act_bytes, hardware)
+    count = stage.has_embed + stage.has_head
+    for key, seconds in ends.items():
+        if count and seconds:
+            exposed[key] = exposed.get(key, 0.0) + count * seconds
+    forward += stage.has_head * ends["tp_x.all_gather"] + stage.has_embed * ends["tp_xy.all_reduce"]
     total = sum(exposed.values())
     return CommTerms(exposed, hidden, forward / total if total else 0.0, 1.0)

@@ -7,8 +7,8 @@ tensors it recomputes at the hardware's memory bandwidth.
 Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows, dtype, d_model)`), at the model's
 width (where the hardware knows how its non-matmul work scales) and the rows each matmul sees:
 
-- the micro-batch's tokens; under 3D tensor parallelism tokens / z, and the replicated
-  embedding and head are split by z only;
+- the micro-batch's tokens; under 3D tensor parallelism tokens / z (its x·y ranks split the
+  embedding and head by vocabulary rows, so every part is split by x·y·z, as 1D splits by tp);
 - under `tp_subbatches` s > 1, a layer's tokens / s (each sub-batch runs its own matmuls);
 - for each expert its share of the ep group's tokens, tokens · top_k · ep / E (balanced).
 
@@ -54,9 +54,6 @@ def stage_work(
     rate = hardware.matmul_flops(dtype, tokens / batch_split, width)
     compute = 3 * stage.flops * tokens / tp / rate
     recompute = stage.recompute_flops * tokens / tp / rate
-    if plan.tp3d is not None:  # the embedding and head are replicated: only z splits them
-        ends = stage.flops - stage.layer_flops
-        compute = 3 * (stage.layer_flops / tp + ends / batch_split) * tokens / rate
     subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
     if subbatches > 1:  # each layer runs on tokens / s rows at a time
         sub_rate = hardware.matmul_flops(dtype, tokens / subbatches, width)

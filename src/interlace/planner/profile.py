@@ -199,15 +199,23 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
 def device_params(stage: Stage, plan: Plan) -> float:
     """Parameters one device of `stage` keeps between steps: non-expert parameters split by tp,
     expert parameters as the runtime splits them (`expert.options.expert_split`); under 3D tensor
-    parallelism the layers' split by x·y·z and the embedding and head replicated; the
+    parallelism the layers' split by x·y·z and the rest by `ends_split`; the
     non-expert parameters split again over FSDP's `plan.shard_ranks` (dp_shard, × cp under
     context parallelism)."""
     tp = plan.tp_size
     if plan.tp3d is not None:
-        held = stage.layer_params / tp + (stage.params - stage.layer_params)
+        held = stage.layer_params / tp + (stage.params - stage.layer_params) / ends_split(plan)
         return held / plan.shard_ranks
     dense = (stage.params - stage.expert_params) / (tp * plan.shard_ranks)
     return dense + stage.expert_params / expert_split(plan)
+
+
+def ends_split(plan: Plan) -> int:
+    """Ranks the embedding and the LM head are split over by vocabulary rows: tp, or the x·y
+    ranks of a 3D grid (each z rank holds the same pieces)."""
+    if plan.tp3d is not None:
+        return plan.tp3d[0] * plan.tp3d[1]
+    return plan.tp_size
 
 
 def _block_params(stage: Stage, plan: Plan) -> float:
@@ -222,7 +230,7 @@ def gathered_bytes(stage: Stage, plan: Plan, param_bytes: int) -> float:
     block's without `reshard_after_forward`). 0 without dp_shard."""
     if not plan.sharded_data_parallel:
         return 0.0
-    root = (stage.params - stage.layer_params) / plan.tp_size
+    root = (stage.params - stage.layer_params) / ends_split(plan)
     blocks = 2 if plan.reshard_after_forward else stage.n_layers
     return (root + blocks * _block_params(stage, plan)) * param_bytes
 
@@ -262,14 +270,16 @@ def stage_memory(
         kept(shard) if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
-    if plan.tp3d is not None:  # layers split x·y·z (tokens over z), embedding and head only z
+    if plan.tp3d is not None:  # tokens over z; layers split x·y, the head's V over x·y
         x, y, z = plan.tp3d
-        saved = sum(
-            (kept(shard) / x if ckpt else shard.activations / (x * y)) / z
-            if shard.kind == "layer"
-            else shard.activations / z
-            for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
-        )
+
+        def saved3d(shard: Shard, ckpt: bool) -> float:
+            if shard.kind == "layer":
+                return kept(shard) / x if ckpt else shard.activations / (x * y)
+            return _per_rank(shard, x * y, False) if shard.kind == "head" else shard.activations
+
+        pairs = zip(stage.shards, stage.checkpointed, strict=True)
+        saved = sum(saved3d(shard, ckpt) for shard, ckpt in pairs) / z
     if plan.pipelined:
         in_flight = micro_batches_in_flight(plan.schedule, s, plan.pp, plan.micro_batches, v)
     else:

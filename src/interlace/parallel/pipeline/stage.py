@@ -153,7 +153,7 @@ def copy_head(head: nn.Module) -> nn.Module:
     for name, value in vars(head.weight).items():
         setattr(weight, name, value)
     summed_over = getattr(weight, SUMMED_OVER, None)
-    if summed_over is not None:  # a replicated head fed a share of the rows (tp3d's z)
+    if summed_over is not None:  # a head replicated over tp3d's z, each z rank fed its rows
         sum_gradient_over(weight, summed_over)
     clone = copy.copy(head)
     clone._parameters = dict(head._parameters)

@@ -6,6 +6,8 @@ change."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from interlace.comm import Group
@@ -15,16 +17,11 @@ from interlace.parallel.detect import Attention, FeedForward, Structure, linear_
 from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.heads import heads_held, set_local_heads
 from interlace.parallel.tensor.comm import gather_sequence, scatter_sequence
-from interlace.parallel.tensor.layers import (
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-    enter_block,
-    replace_hidden,
-)
+from interlace.parallel.tensor.layers import RowParallelLinear, enter_block, replace_hidden
 from interlace.parallel.tensor.moe import shard_expert_block
 from interlace.parallel.tensor.options import kv_degrees, kv_heads_split
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter, shard_spec
+from interlace.parallel.tensor.vocab import split_vocab
 
 
 def check_divisible(structure: Structure, tp: int) -> None:
@@ -76,7 +73,11 @@ def apply_tensor_parallel(
         enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
     for b in structure.expert_blocks:
         lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
-    lines.append(_shard_vocab(model, structure, group, sequence_parallel, gather_logits))
+    if structure.vocab is not None:
+        split = functools.partial(shard_parameter, spec=ShardSpec(0), group=group)
+        lines.append(
+            split_vocab(model, structure.vocab, group, split, sequence_parallel, gather_logits)
+        )
     if sequence_parallel:
         lines.append(_shard_sequence(model, structure, group))
     return lines + structure.notes
@@ -136,41 +137,6 @@ def _shard_feed_forward(module: nn.Module, f: FeedForward, group: Group, sp: boo
         f"{f.name}: {', '.join(f.producers)} column-parallel ({f.ffn_dim // group.size} of "
         f"{f.ffn_dim} features per rank); {f.down} row-parallel"
     )
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
-def _shard_vocab(
-    model: nn.Module, structure: Structure, group: Group, sp: bool, gather: bool
-) -> str:
-    vocab = structure.vocab
-    assert vocab is not None
-    embedding = model.get_submodule(vocab.embedding)
-    if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
-        raise PlanError(
-            f"{vocab.embedding}: vocab-parallel embedding does not support max_norm, sparse "
-            "or scale_grad_by_freq; build the embedding without them"
-        )
-    weight = shard_parameter(embedding.weight, ShardSpec(0), group)
-    new_embedding = VocabParallelEmbedding(weight, vocab.vocab, group, embedding.padding_idx)
-    _set_module(model, vocab.embedding, new_embedding)
-    if vocab.head is None:
-        return f"{vocab.embedding}: vocab-parallel embedding; no LM head found"
-    head = model.get_submodule(vocab.head)
-    head_weight = weight if vocab.tied else shard_parameter(head.weight, ShardSpec(0), group)
-    head_bias = head.bias
-    if head_bias is not None:
-        head_bias = shard_parameter(head_bias, ShardSpec(0), group)
-    _set_module(model, vocab.head, VocabParallelHead(head_weight, head_bias, group, gather, sp))
-    if gather:
-        output = "logits all-gathered to [..., V]"
-    else:
-        output = "this rank's logits [..., V/p], scored by vocab_parallel_cross_entropy"
-    tied = " (tied)" if vocab.tied else ""
-    return f"{vocab.embedding}, {vocab.head}{tied}: vocab-parallel; {output}"
 
 
 def _shard_sequence(model: nn.Module, structure: Structure, group: Group) -> str:

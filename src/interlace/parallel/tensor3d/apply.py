@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -12,6 +14,7 @@ from interlace.parallel.detect import Attention, Structure
 from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.heads import heads_held, set_local_heads
 from interlace.parallel.tensor.layers import replace_hidden
+from interlace.parallel.tensor.vocab import split_vocab
 from interlace.parallel.tensor3d.comm import (
     gather_last,
     split_last_dim,
@@ -19,7 +22,7 @@ from interlace.parallel.tensor3d.comm import (
 from interlace.parallel.tensor3d.layers import LayerNorm3D, Linear3D, RMSNorm3D, rms_norm_eps
 from interlace.parallel.tensor3d.options import check_grid
 from interlace.parallel.tensor3d.prefetch import attach_prefetcher
-from interlace.parallel.tensor3d.shard import Grid, shard3d_spec
+from interlace.parallel.tensor3d.shard import VOCAB_ROWS, Grid, shard3d_parameter, shard3d_spec
 
 
 def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int, int]) -> None:
@@ -47,6 +50,7 @@ def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int,
         structure.d_model,
         [(a.name, a.n_heads, a.head_dim, a.n_kv_heads) for a in structure.attentions],
         [(f.name, f.ffn_dim) for f in structure.feed_forwards],
+        None if structure.vocab is None else (structure.vocab.embedding, structure.vocab.vocab),
     )
     _block_norms(model, structure)
 
@@ -55,13 +59,19 @@ def apply_tensor3d(
     model: nn.Module,
     structure: Structure,
     grid: Grid,
+    vocab_group: Group,
     prefetch: bool = True,
     sharded: bool = False,
+    gather_logits: bool = False,
 ) -> list[str]:
     """Split `model` (call `check_tensor3d` first) in place over `grid`; return the report
-    lines. See the module docstring for the layout; `prefetch` (z > 1): all-gather each 3D
-    weight over Z one layer ahead (`tensor3d_prefetch`); `sharded`: FSDP2 will shard the
-    pieces (`Linear3D.z_grad_in_backward`)."""
+    lines. Attention and feed-forward linears become `Linear3D`s, the block norms and the
+    residual stream are split over x, the tokens over z; the embedding and LM head by
+    vocabulary rows over `vocab_group`, the grid's x·y ranks (`tp_xy`, rank y_i·x + x_i,
+    pieces `VOCAB_ROWS`), replicated over z: the head gives logits [..., V/(x·y)] for
+    `vocab_parallel_cross_entropy` over it ([..., V] with `gather_logits`). `prefetch`
+    (z > 1): all-gather each 3D weight over Z one layer ahead (`tensor3d_prefetch`);
+    `sharded`: FSDP2 will shard the pieces (`Linear3D.z_grad_in_backward`)."""
     x, y, z = grid.x.size, grid.y.size, grid.z.size
     lines = [f"3D tensor parallel over x={x}, y={y}, z={z} ranks"]
     for a in structure.attentions:
@@ -80,10 +90,17 @@ def apply_tensor3d(
         setattr(model.get_submodule(parent), leaf, new)
     lines.append(f"{structure.layers}: {len(norms)} norms split over x (statistics all-reduced)")
     _split_residual(model, structure, grid.x)
+    split_vocab_rows = structure.vocab is not None and vocab_group.size > 1
     lines.append(
         f"{structure.layers}: residual stream split over x (hidden d/{x}), tokens over z; "
-        f"{structure.vocab.embedding}, {structure.final_norm} and the LM head replicated"  # type: ignore[union-attr]
+        f"{structure.final_norm}{'' if split_vocab_rows else ', embedding and LM head'} "
+        "replicated"
     )
+    if split_vocab_rows:
+        if vocab_group.rank != grid.y.rank * x + grid.x.rank:
+            raise RuntimeError(f"{vocab_group.name} ranks are not in the grid's y·x order")
+        piece = functools.partial(shard3d_parameter, spec=VOCAB_ROWS, grid=grid)
+        lines.append(split_vocab(model, structure.vocab, vocab_group, piece, False, gather_logits))
     if z > 1:
         synced = 0
         for param in model.parameters():

@@ -36,8 +36,10 @@ def check_grid(
     d_model: int,
     attentions: Sequence[Attention],
     feed_forwards: Sequence[FeedForward],
+    vocab: tuple[str, int] | None = None,
 ) -> None:
-    """PlanError naming the first size that the grid (x, y, z) cannot split, and a fix."""
+    """PlanError naming the first size that the grid (x, y, z) cannot split, and a fix;
+    `vocab` (embedding name, vocabulary size): its rows are split over the x·y ranks."""
     x, y, z = grid
     where = f"tp3d={x}x{y}x{z}"
     sizes = [
@@ -53,6 +55,8 @@ def check_grid(
         ]
     for name, ffn in feed_forwards:
         sizes += [(name, "ffn_dim", ffn, "y", y), (name, "ffn_dim / y", ffn // y, "z", z)]
+    if vocab is not None:
+        sizes.append((vocab[0], "vocab_size", vocab[1], "x·y", x * y))
     for part, what, value, axis, k in sizes:
         if value % k:
             raise PlanError(
@@ -106,4 +110,5 @@ def check_model(plan: Any, spec: Any) -> None:
         spec.d_model,
         [("the model", spec.n_heads, head_dim, spec.n_heads)],
         [("the model", spec.ffn_dim)],
+        ("the model", spec.vocab_size),
     )

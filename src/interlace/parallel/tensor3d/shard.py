@@ -60,6 +60,10 @@ class Shard3D:
         return tuple(a for a in (self.rows, self.cols, self.flat) if a is not None)
 
 
+VOCAB_ROWS = Shard3D(rows="y", flat="x")
+"""The embedding's and LM head's pieces: vocabulary rows over y, then over x (rank (x_i, y_i)
+holds chunk y_i·x + x_i of x·y), the same on every z rank."""
+
 _SPEC_ATTR = "_interlace_tp3d_shard"
 
 

@@ -4,12 +4,13 @@ step (rows over z, loss averaged over z, gradient norm, checkpoint layout)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from interlace.loss import cross_entropy
 from interlace.mesh import Mesh
 from interlace.parallel.fits import tensor3d_structure
 from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.storage import Storage
+from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.shard import parameters_split_by
 from interlace.parallel.tensor3d.apply import apply_tensor3d, z_rows
 from interlace.parallel.tensor3d.comm import mean_over
@@ -22,20 +23,32 @@ from interlace.parallel.tensor3d.shard import (
 )
 
 
-def tensor3d_step(result: Parallelized, mesh: Mesh) -> None:
+def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     """Step 1 of `parallelize` under `tp3d`: 3D tensor parallelism over "tp_x", "tp_y",
-    "tp_z"; with z > 1 each rank's rows of a batch and the loss averaged over z, the norm's
-    shares and the checkpoint layout of the split parameters."""
+    "tp_z", the vocabulary over "tp_xy"; the loss scored from this rank's vocabulary slice
+    (unless `gather_logits`); with z > 1 each rank's rows of a batch and the loss averaged over
+    z; the norm's shares and the checkpoint layout of the split parameters."""
     model, plan = result.model, result.plan
     structure = tensor3d_structure(model, plan)
-    grid = Grid.from_mesh(mesh)
+    grid, xy = Grid.from_mesh(mesh), mesh.group("tp_xy")
     result.report += apply_tensor3d(
-        model, structure, grid, plan.overlap.tp3d_prefetch, plan.sharded_data_parallel
+        model,
+        structure,
+        grid,
+        xy,
+        plan.overlap.tp3d_prefetch,
+        plan.sharded_data_parallel,
+        gather_logits,
     )
+    score = result.scores
+    if structure.vocab is not None and xy.size > 1 and not gather_logits:
+        score = functools.partial(vocab_parallel_cross_entropy, group=xy)
     if grid.z.size > 1:
         z = grid.z
         result.row_cuts.append(lambda b: z_rows(b, z))
-        result.scores = lambda logits, targets: mean_over(cross_entropy(logits, targets), z)
+        result.scores = lambda logits, targets: mean_over(score(logits, targets), z)
+    else:
+        result.scores = score
     result.norm_shares += tensor3d_norm_shares(grid)
     grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
     result.storage = Storage(
