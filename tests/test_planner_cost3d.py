@@ -3,6 +3,7 @@
 import pytest
 
 from interlace.models.config import GPTConfig
+from interlace.models.presets import get_preset
 from interlace.parallel.tensor3d.layers import layer_wire_bytes
 from interlace.plan import Plan
 from interlace.planner.cost import estimate
@@ -70,3 +71,16 @@ def test_estimate_and_search_price_tp3d():
     )
     plans = {str(c.plan) for c in search(CONFIG, hardware, 8, global_batch=8, dtype="fp32")}
     assert "tp3d=2x2x2" in plans and "dp=2,tp3d=2x2x1" in plans
+
+
+def test_experts_under_a_grid_are_held_whole_by_their_owners_as_under_1d():
+    # every non-expert weight split over the grid's 2 ranks, each expert whole on one of ep = 2
+    hardware = local(1e12, BANDWIDTH, latency=1e-5, devices_per_node=8)
+    moe = get_preset("moe-tiny")
+    grid, one_d = (
+        estimate(Plan.parse(p), moe, hardware, global_batch=8, dtype="fp32")
+        for p in ("dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2,tp=2")
+    )
+    state = "params_grads_optimizer"
+    assert grid.memory[state] == pytest.approx(one_d.memory[state])
+    assert grid.breakdown["compute"] == pytest.approx(one_d.breakdown["compute"])

@@ -106,3 +106,15 @@ def test_3d_all_reduces_the_vocab_parallel_ends_over_the_xy_ranks():
     one = 2 * 3 * (ALPHA + 4 * T * D / 4 * BF16 / SLOW)
     assert exposed["tp_xy.all_reduce"] == pytest.approx(2 * one)
     assert "tp_xy.all_reduce" not in hidden
+
+
+def test_expert_layers_under_3d_gather_their_input_over_x_and_share_tokens_over_xy():
+    # dp=2, ep=2, tp3d=2x1x1 on nodes of 2: moe-tiny's one MoE layer takes its input [T, d/x]
+    # gathered over x (forward; its output's gradient, backward), and the x·y = 2 ranks (one
+    # node) gather the halves of the tokens each dispatched (forward; the input gradient,
+    # backward); the embedding and head gather over x too, as dense grids do
+    tokens = 4 * T  # 8 sequences over dp = 2
+    exposed, _ = terms(Plan(dp=2, ep=2, tp3d=(2, 1, 1)), get_preset("moe-tiny"))
+    half = ALPHA + tokens * D / 2 * BF16 / BW
+    assert exposed["tp_xy.all_gather"] == pytest.approx(2 * half)
+    assert exposed["tp_x.all_gather"] == pytest.approx(2 * half + 2 * half)

@@ -72,6 +72,14 @@ def test_expert_and_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_pa
     _check_matrix(tmp_path, config, plans, [*plans, "tp=2"])
 
 
+@pytest.mark.slow
+def test_expert_and_3d_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_path):
+    # ep × tp3d: the grid's pieces under their 3D keys, each expert whole on its owners
+    config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
+    plans = ["dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2"]
+    _check_matrix(tmp_path, config, plans, [*plans, "dp=1", "dp=2,ep=2,tp=2"])
+
+
 def test_sharded_stacked_experts_resume_under_expert_parallelism_and_back(tmp_path):
     # dp_shard=2 shards each stacked expert tensor's rows (FSDP2), each rank storing the
     # experts it holds under their own keys: the keys expert parallelism stores them under

@@ -310,7 +310,6 @@ def test_bytes_per_collective_equal_the_axonn_formula():
             Plan(tp3d=(1, 2, 64)),
             "query width / y=32 is not divisible by 64, the tp3d=1x2x64 factor z",
         ),
-        (Plan(dp=2, ep=2, tp3d=(2, 1, 1)), "ep=2 combined with tp3d=2x1x1 is not implemented yet"),
         (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
     ],
 )
@@ -330,7 +329,7 @@ def test_a_vocabulary_the_xy_ranks_cannot_split_is_refused():
 
 
 def test_mixture_of_experts_and_other_models_are_refused():
-    with pytest.raises(PlanError, match="does not split Mixture-of-Experts"):
+    with pytest.raises(PlanError, match="does not split Mixture-of-Experts layers; use ep > 1"):
         Plan(tp3d=(2, 1, 1)).validate(2, get_preset("moe-tiny"))
     other = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256))
     with pytest.raises(PlanError, match=r"needs a layer list .* found in Sequential; use tp=N"):

@@ -38,7 +38,7 @@ from interlace.planner.collective_cost import (
     group_inside_node,
 )
 from interlace.planner.hardware import Hardware
-from interlace.planner.profile import Stage
+from interlace.planner.profile import Stage, dense_params
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,11 @@ def data_terms(
     over its `stages`, hidden under the micro-batches' `compute` seconds each (forward and
     backward, of which the backward is 2/3; see the module docstring)."""
     terms = DataTerms()
-    tp = plan.tp_size
-    dense_params = max(st.params - st.expert_params for st in stages) / tp
-    if plan.tp3d is not None:
-        dense_params = max(st.layer_params / tp + st.params - st.layer_params for st in stages)
+    dense = max(dense_params(st, plan) for st in stages)
     if plan.sharded_data_parallel:
-        _sharded_terms(terms, plan, stages, dense_params, compute, hardware, param_bytes)
+        _sharded_terms(terms, plan, stages, dense, compute, hardware, param_bytes)
     elif plan.dp_size * plan.cp > 1:
-        _replicated_terms(terms, plan, dense_params * GRAD_BYTES, compute, hardware)
+        _replicated_terms(terms, plan, dense * GRAD_BYTES, compute, hardware)
     _expert_terms(terms, plan, stages, hardware, param_bytes)
     return terms
 
@@ -82,10 +79,10 @@ def _expert_terms(
     apart): an all_reduce, or where sharded data parallelism shards the experts
     (`expert.options.expert_split`) a reduce_scatter and their gathers before the forward and
     (with `reshard_after_forward`) the backward, none prefetched; under ep × tp the tp ranks'
-    expert gradients summed over tp too (`tp.all_reduce`). All after or outside the backward's
-    overlap: exposed."""
+    expert gradients summed over tp too (`tp.all_reduce`; under ep × tp3d over the x·y ranks,
+    `tp_xy.all_reduce`). All after or outside the backward's overlap: exposed."""
     ep_dp, tp = plan.dp_size // plan.ep, plan.tp_size
-    if not plan.expert_parallel or plan.tp3d is not None:
+    if not plan.expert_parallel:
         return
     whole = max(st.expert_params for st in stages) / plan.ep  # one device's experts, unsplit
     split = expert_split(plan) // plan.ep  # 1, or ep_dp where sharded
@@ -106,7 +103,8 @@ def _expert_terms(
         )
     if tp > 1:
         inside = group_inside_node(tp, 1, hardware.devices_per_node)
-        terms.exposed["tp.all_reduce"] = collective_seconds(
+        sharing = "tp_xy" if plan.tp3d is not None else "tp"
+        terms.exposed[f"{sharing}.all_reduce"] = collective_seconds(
             "all_reduce", whole / split * GRAD_BYTES, tp, inside, hardware
         )
 

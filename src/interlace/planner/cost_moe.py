@@ -42,7 +42,10 @@ F_e / (tp · rate) forward, twice that backward (negative when capacity drops to
 **Under ep × tp** each expert is whole on its owner and each tp rank dispatches its 1/tp share
 of the micro-batch's tokens (so every count above is of tokens / tp); without sequence
 parallelism the tp group all-gathers the combined shares after each layer (and the input
-gradient's in backward, and again when a layer is replayed): `tp.all_gather`.
+gradient's in backward, and again when a layer is replayed): `tp.all_gather`. **Under ep ×
+tp3d** (z = 1) the x·y ranks share the tokens the same way (`tp_xy.all_gather`), and each
+layer's input [T, d/x] is all-gathered over x as often (its output's gradient in backward):
+`tp_x.all_gather`.
 
 **Per stage** and micro-batch, each MoE layer runs a dispatch and a combine all_to_all forward
 and both again backward (+2 when recomputed), plus the replicas' Trans and Agg, and one
@@ -235,12 +238,20 @@ def expert_terms(
         * collective_seconds("all_gather", 8 * config.n_experts, plan.ep, inside, hardware),
     }
     gathers = 0
-    if plan.tensor_parallel and not plan.sequence_parallel:  # the tp ranks' shares gathered
+    sharing = "tp_xy" if plan.tp3d is not None else "tp"  # the ranks sharing the tokens
+    if plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
         gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
         tp_inside = group_inside_node(tp, 1, hardware.devices_per_node)
         share = tokens / tp * config.d_model * act_bytes
-        exposed["tp.all_gather"] = gathers * collective_seconds(
+        exposed[f"{sharing}.all_gather"] = gathers * collective_seconds(
             "all_gather", share, tp, tp_inside, hardware
+        )
+    if plan.tp3d is not None:  # the input gathered over x (and replayed), its gradient too
+        x = plan.tp3d[0]
+        x_inside = group_inside_node(x, 1, hardware.devices_per_node)
+        residual = tokens * config.d_model / x * act_bytes
+        exposed["tp_x.all_gather"] = gathers * collective_seconds(
+            "all_gather", residual, x, x_inside, hardware
         )
     hidden = {}
     if layer.trans_hidden + layer.agg_hidden:

@@ -202,12 +202,18 @@ def device_params(stage: Stage, plan: Plan) -> float:
     parallelism the layers' split by x·y·z and the rest by `ends_split`; the
     non-expert parameters split again over FSDP's `plan.shard_ranks` (dp_shard, × cp under
     context parallelism)."""
-    tp = plan.tp_size
-    if plan.tp3d is not None:
-        held = stage.layer_params / tp + (stage.params - stage.layer_params) / ends_split(plan)
-        return held / plan.shard_ranks
-    dense = (stage.params - stage.expert_params) / (tp * plan.shard_ranks)
-    return dense + stage.expert_params / expert_split(plan)
+    return dense_params(stage, plan) / plan.shard_ranks + stage.expert_params / expert_split(plan)
+
+
+def dense_params(stage: Stage, plan: Plan) -> float:
+    """Non-expert parameters one device of `stage` holds before sharded data parallelism:
+    split by tp; under 3D tensor parallelism the layers' by x·y·z and the rest by
+    `ends_split`."""
+    dense = stage.params - stage.expert_params
+    if plan.tp3d is None:
+        return dense / plan.tp_size
+    ends = stage.params - stage.layer_params
+    return (dense - ends) / plan.tp_size + ends / ends_split(plan)
 
 
 def ends_split(plan: Plan) -> int:

@@ -73,7 +73,7 @@ def check_plan(plan: Plan, n_devices: int, spec: GPTConfig, runnable_only: bool 
     """Raise PlanError if `plan` is not a valid plan of `spec` on `n_devices`. With
     `runnable_only`, and for every context parallel plan, this is `Plan.validate`; otherwise
     plans the runtime cannot run yet but the Plan can describe (the rows of
-    `plan_pending.pending_rows`, e.g. ep with tp3d) pass."""
+    `plan_pending.pending_rows`, e.g. tp3d with sequence parallelism) pass."""
     try:
         plan.validate(n_devices, spec)
         return
@@ -145,35 +145,47 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
     """3D tensor parallel plans (tp3d × pp × dp, what the runtime runs): every grid x·y·z ≥ 2
     of powers of two dividing the devices, alone (its data parallel ranks replicated or, FSDP2,
     sharded; with z > 1 without the weight prefetch) or in pipelines of every power-of-two depth
-    up to the layers (with the pipeline options of 1D plans), for dense models; the batch split
-    over dp, then a rank's micro-batches, then z."""
-    if spec.is_moe:
-        return
+    up to the layers (with the pipeline options of 1D plans); the batch split over dp, then a
+    rank's micro-batches, then z. A Mixture-of-Experts model takes grids with z = 1 and every
+    power-of-two ep > 1 dividing dp (experts whole on their owners)."""
     for x in powers_of_two(n_devices):
         for y in powers_of_two(n_devices // x):
             for z in powers_of_two(n_devices // (x * y)):
                 size = x * y * z
-                if size < 2 or n_devices % size:
+                if size < 2 or n_devices % size or (spec.is_moe and z > 1):
                     continue
                 for pp in powers_of_two(min(n_devices // size, spec.n_layers)):
                     dp = n_devices // (size * pp)
                     if n_devices % (size * pp) or global_batch % dp:
                         continue
                     per_dp = global_batch // dp
-                    if pp == 1:
-                        if per_dp % z == 0:
-                            yield Plan(dp=dp, tp3d=(x, y, z))
-                        if per_dp % z == 0 and dp > 1:  # the pieces sharded over dp (FSDP2)
-                            overlap = Overlap(tp3d_prefetch=z == 1)
-                            yield Plan(dp_shard=dp, tp3d=(x, y, z), overlap=overlap)
-                        continue
-                    for pipeline in _pipeline_options(pp, per_dp):
-                        if (per_dp // pipeline["micro_batches"]) % z:
-                            continue
-                        # selective recomputation with z > 1 runs without the weight prefetch
-                        prefetch = z == 1 or pipeline["recompute"] != "selective"
-                        overlap = Overlap(tp3d_prefetch=prefetch)
-                        yield Plan(dp=dp, pp=pp, tp3d=(x, y, z), overlap=overlap, **pipeline)
+                    eps = [1]
+                    if spec.is_moe:
+                        eps = [e for e in power_of_two_divisors(spec.n_experts, dp) if e > 1]
+                    for ep in eps:
+                        yield from _grid_plans(dp, pp, (x, y, z), ep, per_dp)
+
+
+def _grid_plans(
+    dp: int, pp: int, grid: tuple[int, int, int], ep: int, per_dp: int
+) -> Iterator[Plan]:
+    """The plans of one 3D grid with `dp` data-parallel ranks, `pp` stages and `ep`, a data
+    rank's `per_dp` rows (see `_tp3d_plans`)."""
+    z = grid[2]
+    if pp == 1:
+        if per_dp % z == 0:
+            yield Plan(dp=dp, tp3d=grid, ep=ep)
+        if per_dp % z == 0 and dp > 1:  # the pieces sharded over dp (FSDP2)
+            overlap = Overlap(tp3d_prefetch=z == 1)
+            yield Plan(dp_shard=dp, tp3d=grid, ep=ep, overlap=overlap)
+        return
+    for pipeline in _pipeline_options(pp, per_dp):
+        if (per_dp // pipeline["micro_batches"]) % z:
+            continue
+        # selective recomputation with z > 1 runs without the weight prefetch
+        prefetch = z == 1 or pipeline["recompute"] != "selective"
+        overlap = Overlap(tp3d_prefetch=prefetch)
+        yield Plan(dp=dp, pp=pp, tp3d=grid, ep=ep, overlap=overlap, **pipeline)
 
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:

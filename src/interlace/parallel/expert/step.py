@@ -8,20 +8,33 @@ from interlace.mesh import Mesh
 from interlace.parallel.expert.apply import parallelize_experts, share_tokens_over_tp
 from interlace.parallel.expert.grads import expert_norm_share
 from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
+from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.parallelized import Parallelized
+from interlace.parallel.tensor3d.apply import keep_whole
 
 
 def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
     """Step 2 of `parallelize`: experts split over "ep" (carved out of "dp"; collective),
     reduced over "ep_dp"; under 1D tensor parallelism each tp rank dispatches its share of the
-    tokens, the experts reduced over "tp" too (`expert.tp_tokens`). Returns the groups (None
-    without ep), which the data step shards and reduces the experts over."""
+    tokens, the experts reduced over "tp" too (`expert.tp_tokens`); under 3D tensor
+    parallelism (z = 1) each layer takes the hidden states gathered over "tp_x"
+    (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way.
+    Returns the groups (None without ep), which the data step shards and reduces the experts
+    over."""
     plan = result.plan
     if not plan.expert_parallel:
         return None
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance)
-    tp = mesh.group("tp") if plan.tensor_parallel else None  # its ranks dispatch other tokens
+    tp = None  # the ranks of one tensor-parallel group, which dispatch different tokens
+    if plan.tensor_parallel:
+        tp = mesh.group("tp")
+    elif plan.tensor3d_parallel:
+        tp, x = mesh.group("tp_xy"), mesh.group("tp_x")
+        for layer in result.model.modules():
+            if isinstance(layer, ExpertParallelMoE):
+                keep_whole(layer, layer.router.d_model, x)
+        result.report.append("ep × tp3d: each expert-parallel layer's input gathered over tp_x")
     if tp is not None:
         result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts

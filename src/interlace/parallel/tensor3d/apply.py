@@ -25,16 +25,27 @@ from interlace.parallel.tensor3d.prefetch import attach_prefetcher
 from interlace.parallel.tensor3d.shard import VOCAB_ROWS, Grid, shard3d_parameter, shard3d_spec
 
 
-def check_tensor3d(model: nn.Module, structure: Structure, tp3d: tuple[int, int, int]) -> None:
+def check_tensor3d(
+    model: nn.Module,
+    structure: Structure,
+    tp3d: tuple[int, int, int],
+    expert_parallel: bool = False,
+) -> None:
     """Raise PlanError, before anything is modified, if `model` cannot be split on the grid
-    (x, y, z): experts, a missing layer list or final norm, norms it cannot split, and every
+    (x, y, z): experts without `expert_parallel` (which keeps them whole, `keep_whole`) or
+    fused in one module, a missing layer list or final norm, norms it cannot split, and every
     width or head count that the grid must divide."""
     x, y, z = tp3d
     where = f"tp3d={x}x{y}x{z}"
-    if structure.experts:
+    if structure.experts and not expert_parallel:
         raise PlanError(
-            f"{where} does not split Mixture-of-Experts layers {structure.experts}; use a "
-            "dense model or tp=N"
+            f"{where} does not split Mixture-of-Experts layers {structure.experts}; use ep > 1 "
+            "(experts whole on their owners), a dense model, or tp=N"
+        )
+    if structure.expert_blocks and expert_parallel:
+        raise PlanError(
+            f"ep with {where} is implemented for MoE layers whose experts are whole modules; "
+            f"{[b.name for b in structure.expert_blocks]} fuse theirs: use tp=N or ep=1"
         )
     for absent, what in (
         (structure.layers is None, "a layer list (nn.ModuleList) holding the attention blocks"),
@@ -144,6 +155,7 @@ def _block_norms(model: nn.Module, structure: Structure) -> list[tuple[str, floa
     blocks: eps None for an nn.LayerNorm, the RMS norm's eps otherwise. PlanError for any other
     parameterised module there."""
     split = [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]
+    split += structure.experts  # whole under expert parallelism
     layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
     norms: list[tuple[str, float | None]] = []
     for name, module in layers.named_modules():
@@ -178,6 +190,18 @@ def _split_residual(model: nn.Module, structure: Structure, x: Group) -> None:
 
     first.register_forward_pre_hook(split, with_kwargs=True)
     norm.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def keep_whole(module: nn.Module, d: int, x: Group) -> None:
+    """Let `module` (a layer the grid leaves whole: an expert-parallel MoE layer) take the full
+    hidden states: its input [..., d/x] all-gathered over x (backward: this rank's slice), its
+    output [..., d] cut to this rank's slice [..., d/x] (backward: all-gathered over x)."""
+
+    def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return replace_hidden(args, kwargs, d // x.size, lambda h: gather_last(h, x))
+
+    module.register_forward_pre_hook(gather, with_kwargs=True)
+    module.register_forward_hook(lambda mod, args, out: split_last_dim(out, x))
 
 
 def z_rows(x: torch.Tensor, z: Group) -> torch.Tensor:

@@ -96,13 +96,14 @@ def check_values(plan: Any) -> None:
 
 def check_model(plan: Any, spec: Any) -> None:
     """PlanError unless `plan`'s grid splits model `spec` (GPTConfig-like; `check_grid`, the
-    runtime's rule); experts are not split."""
+    runtime's rule); experts are not split: a Mixture-of-Experts model needs ep > 1, which
+    keeps them whole on their owners."""
     if plan.tp3d is None:
         return
-    if spec.n_experts:
+    if spec.n_experts and plan.ep == 1:
         raise PlanError(
-            f"tp3d={fmt_tp3d(plan.tp3d)} does not split Mixture-of-Experts models; use a "
-            "dense model or tp=N"
+            f"tp3d={fmt_tp3d(plan.tp3d)} does not split Mixture-of-Experts layers; use ep > 1 "
+            "(experts whole on their owners), a dense model, or tp=N"
         )
     head_dim = spec.d_model // spec.n_heads
     check_grid(
