@@ -194,3 +194,15 @@ def test_the_probe_leaves_selective_recomputation_under_fsdp_as_it_computes(plan
     assert measured["final_loss"] == unmeasured[0]["final_loss"]  # the measured step's loss
     for rank, mine in enumerate(measured["memory"]["per_rank"]):
         assert mine["activations"] > 0 and mine["step_peak"] >= mine["activations"], rank
+
+
+def test_3d_grid_activations_are_estimated_as_measured():
+    """Under tp3d the d-wide tensors a block saves are split over x and its heads and
+    feed-forward features over y (the 1D split's replicated and split parts): at x = 2, y = 1
+    the feed-forward's [T, 4d] stays whole, which a split of everything over x·y misses by
+    40 %. (y > 1 saves more than priced: LayerNorm3D keeps three [T, d/x] tensors where
+    torch's LayerNorm keeps one.)"""
+    config = dataclasses.replace(BASE, steps=3)
+    result = run_ranks(2, _memory, config, "tp3d=2x1x1", 2)[0]
+    measured = min(rank["activations"] for rank in result["per_rank"])
+    assert measured == pytest.approx(result["predicted"]["activations"], rel=0.15)

@@ -276,12 +276,13 @@ def stage_memory(
         kept(shard) if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
-    if plan.tp3d is not None:  # tokens over z; layers split x·y, the head's V over x·y
+    if plan.tp3d is not None:  # tokens over z; the head's V over x·y
         x, y, z = plan.tp3d
 
         def saved3d(shard: Shard, ckpt: bool) -> float:
-            if shard.kind == "layer":
-                return kept(shard) / x if ckpt else shard.activations / (x * y)
+            if shard.kind == "layer":  # d-wide tensors (1D's replicated part) over x, the rest
+                inner = shard.activations - shard.replicated  # (heads, ffn features) over y
+                return kept(shard) / x if ckpt else shard.replicated / x + inner / y
             return _per_rank(shard, x * y, False) if shard.kind == "head" else shard.activations
 
         pairs = zip(stage.shards, stage.checkpointed, strict=True)
