@@ -38,7 +38,7 @@ from interlace.planner.collective_cost import (
     group_inside_node,
 )
 from interlace.planner.hardware import Hardware
-from interlace.planner.profile import Stage, dense_params
+from interlace.planner.profile import Stage, dense_params, split_group
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,7 @@ def _expert_terms(
         )
     if tp > 1:
         inside = group_inside_node(tp, 1, hardware.devices_per_node)
-        sharing = "tp_xy" if plan.tp3d is not None else "tp"
-        terms.exposed[f"{sharing}.all_reduce"] = collective_seconds(
+        terms.exposed[f"{split_group(plan)[0]}.all_reduce"] = collective_seconds(
             "all_reduce", whole / split * GRAD_BYTES, tp, inside, hardware
         )
 

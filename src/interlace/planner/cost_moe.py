@@ -73,7 +73,7 @@ from interlace.planner.collective_cost import (
 )
 from interlace.planner.cost_work import StageWork
 from interlace.planner.hardware import Hardware
-from interlace.planner.profile import Stage
+from interlace.planner.profile import Stage, split_group
 
 MODELLED_BALANCES = ("shadow", "prophet")
 """Strategies whose placements come from a search driven by the performance model."""
@@ -238,7 +238,7 @@ def expert_terms(
         * collective_seconds("all_gather", 8 * config.n_experts, plan.ep, inside, hardware),
     }
     gathers = 0
-    sharing = "tp_xy" if plan.tp3d is not None else "tp"  # the ranks sharing the tokens
+    sharing = split_group(plan)[0]  # the ranks sharing the tokens
     if plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
         gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
         tp_inside = group_inside_node(tp, 1, hardware.devices_per_node)

@@ -199,7 +199,7 @@ def _per_rank(shard: Shard, tp: int, sequence_parallel: bool) -> float:
 def device_params(stage: Stage, plan: Plan) -> float:
     """Parameters one device of `stage` keeps between steps: non-expert parameters split by tp,
     expert parameters as the runtime splits them (`expert.options.expert_split`); under 3D tensor
-    parallelism the layers' split by x·y·z and the rest by `ends_split`; the
+    parallelism the layers' split by x·y·z and the rest over `split_group`; the
     non-expert parameters split again over FSDP's `plan.shard_ranks` (dp_shard, × cp under
     context parallelism)."""
     return dense_params(stage, plan) / plan.shard_ranks + stage.expert_params / expert_split(plan)
@@ -208,20 +208,21 @@ def device_params(stage: Stage, plan: Plan) -> float:
 def dense_params(stage: Stage, plan: Plan) -> float:
     """Non-expert parameters one device of `stage` holds before sharded data parallelism:
     split by tp; under 3D tensor parallelism the layers' by x·y·z and the rest by
-    `ends_split`."""
+    `split_group`."""
     dense = stage.params - stage.expert_params
     if plan.tp3d is None:
         return dense / plan.tp_size
     ends = stage.params - stage.layer_params
-    return (dense - ends) / plan.tp_size + ends / ends_split(plan)
+    return (dense - ends) / plan.tp_size + ends / split_group(plan)[1]
 
 
-def ends_split(plan: Plan) -> int:
-    """Ranks the embedding and the LM head are split over by vocabulary rows: tp, or the x·y
-    ranks of a 3D grid (each z rank holds the same pieces)."""
+def split_group(plan: Plan) -> tuple[str, int]:
+    """(name, size) of the tensor-parallel group that splits the embedding and the LM head by
+    vocabulary rows and whose ranks share an expert-parallel layer's tokens: ("tp", tp), or a
+    3D grid's x·y ranks ("tp_xy", x·y; each z rank holds the same pieces)."""
     if plan.tp3d is not None:
-        return plan.tp3d[0] * plan.tp3d[1]
-    return plan.tp_size
+        return "tp_xy", plan.tp3d[0] * plan.tp3d[1]
+    return "tp", plan.tp_size
 
 
 def _block_params(stage: Stage, plan: Plan) -> float:
@@ -236,7 +237,7 @@ def gathered_bytes(stage: Stage, plan: Plan, param_bytes: int) -> float:
     block's without `reshard_after_forward`). 0 without dp_shard."""
     if not plan.sharded_data_parallel:
         return 0.0
-    root = (stage.params - stage.layer_params) / ends_split(plan)
+    root = (stage.params - stage.layer_params) / split_group(plan)[1]
     blocks = 2 if plan.reshard_after_forward else stage.n_layers
     return (root + blocks * _block_params(stage, plan)) * param_bytes
 
