@@ -1,21 +1,19 @@
-"""Expert parallelism inside 3D tensor parallelism with z = 1 (`dp=2,ep=2,tp3d=2x1x1` and
-`1x2x1` on 4 ranks): attention and dense feed-forwards split over the grid, each MoE layer whole
-on its owners, its input gathered over x and its tokens shared by the x·y ranks (each dispatches
-its chunk once). Trains step for step as one process on the same global batch (dropless routing,
-no aux loss: losses and pre-clipping gradient norms over four steps; also under dp_shard and
-inside a pipeline), sends the all-to-all bytes
-of `ep=2` alone, and equals `dp=4,ep=2` with capacity drops and the aux loss too (each x·y
-rank's tokens are that plan's rank's rows); experts replicated by Pro-Prophet keep the serial
-run; a grid with z > 1 is refused with the fix."""
+"""Expert parallelism inside 3D tensor parallelism (`dp=2,ep=2,tp3d=2x1x1`, `1x2x1` and
+`1x1x2` on 4 ranks, `2x1x2` on 8): attention and dense feed-forwards split over the grid, each
+MoE layer whole on its owners, its input gathered over x and its tokens shared by the x·y ranks
+(each dispatches its chunk once), the z slices routing their own rows (experts summed over z,
+the aux loss averaged over it). Trains step for step as one process on the same global batch
+(dropless routing, no aux loss: losses and pre-clipping gradient norms over four steps; also
+under dp_shard and inside a pipeline), sends the all-to-all bytes of `ep=2` alone, and equals
+`dp=4,ep=2` with capacity drops and the aux loss too (each grid rank's tokens are that plan's
+rank's rows); experts replicated by Pro-Prophet keep the serial run."""
 
 import dataclasses
 
 import pytest
 
 from interlace import comm
-from interlace.errors import PlanError
 from interlace.mesh import build_mesh
-from interlace.models.presets import get_preset
 from interlace.moe.balance import Prophet
 from interlace.plan import Plan
 from interlace.testing import run_ranks
@@ -24,7 +22,8 @@ from interlace.train_config import TrainConfig
 from test_expert_tensor_parallel import BASE, FAST_LINK, _model_file
 
 STEPS = 4
-GRIDS = ["dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2,tp3d=1x2x1"]
+GRIDS = ["dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2,tp3d=1x2x1", "dp=2,ep=2,tp3d=1x1x2"]
+Z_GRID = GRIDS[2]
 
 
 def _run(config: TrainConfig, plan_text: str, balancer=None) -> dict:
@@ -68,17 +67,19 @@ def serial(dropless) -> dict:
     return _run(dropless, "dp=1")
 
 
-@pytest.mark.parametrize("plan_text", GRIDS)
+@pytest.mark.parametrize("plan_text", [*GRIDS, "dp=2,ep=2,tp3d=2x1x2"])
 def test_expert_and_3d_tensor_parallel_training_equals_serial(dropless, serial, plan_text):
     results = _ranks(dropless, plan_text)
     for rank, result in enumerate(results):
         _assert_same(result, serial, f"{plan_text}, rank {rank}")
     assert any("gathered over tp_x" in line for line in results[0]["report"])
-    # rank = dp index · 2 + x·y index: the two grid ranks of a dp rank dispatch its tokens once
-    # between them, the rows `ep=2` alone dispatches from that dp rank
+    # rank = dp index · grid + grid index: the grid ranks of a dp rank dispatch its tokens once
+    # between them (x·y ranks a share each, z slices their rows), the rows `ep=2` alone
+    # dispatches from that dp rank
     alone = _ranks(dropless, "dp=2,ep=2")
+    size = len(results) // 2
     for dp_index, expert_only in enumerate(alone):
-        grid = results[2 * dp_index : 2 * dp_index + 2]
+        grid = results[size * dp_index : size * (dp_index + 1)]
         per_step = [sum(steps) for steps in zip(*(r["all_to_all"] for r in grid), strict=True)]
         assert per_step == expert_only["all_to_all"]
         assert min(per_step) > 0
@@ -86,7 +87,12 @@ def test_expert_and_3d_tensor_parallel_training_equals_serial(dropless, serial, 
 
 @pytest.mark.parametrize(
     "plan_text",
-    ["dp_shard=2,ep=2,tp3d=2x1x1", "pp=2,dp=2,ep=2,tp3d=2x1x1,micro_batches=2"],
+    [
+        "dp_shard=2,ep=2,tp3d=2x1x1",
+        "dp_shard=2,ep=2,tp3d=1x1x2,tp3d_prefetch=false",
+        "pp=2,dp=2,ep=2,tp3d=2x1x1,micro_batches=2",
+        "pp=2,dp=2,ep=2,tp3d=1x1x2,micro_batches=2",
+    ],
 )
 def test_sharded_and_pipelined_expert_3d_layouts_equal_serial(dropless, serial, plan_text):
     # FSDP2 shards the experts over ep_dp and the grid's pieces over dp_shard; pipeline stages
@@ -95,26 +101,26 @@ def test_sharded_and_pipelined_expert_3d_layouts_equal_serial(dropless, serial, 
         _assert_same(result, serial, f"{plan_text}, rank {rank}")
 
 
-def test_capacity_and_aux_loss_follow_the_data_parallel_twin(tmp_path):
-    # each x·y rank routes the rows a dp=4 rank gets: the same capacity drops and aux losses
-    model = _model_file(tmp_path, capacity_factor=1.0)
-    config = dataclasses.replace(BASE, model=model, steps=STEPS)
-    twin = _ranks(config, "dp=4,ep=2")[0]
-    assert twin["rows"][0]["loss"] != pytest.approx(_run(config, "dp=1")["rows"][0]["loss"])
-    for rank, result in enumerate(_ranks(config, GRIDS[0])):
-        _assert_same(result, twin, f"rank {rank}")
+@pytest.fixture(scope="module")
+def capacity(tmp_path_factory) -> TrainConfig:
+    model = _model_file(tmp_path_factory.mktemp("capacity"), capacity_factor=1.0)
+    return dataclasses.replace(BASE, model=model, steps=STEPS)
 
 
-def test_experts_replicated_by_prophet_keep_the_serial_run(dropless, serial):
-    plan_text = f"{GRIDS[0]},moe_balance=prophet"
+@pytest.mark.parametrize("grid", [GRIDS[0], Z_GRID])
+def test_capacity_and_aux_loss_follow_the_data_parallel_twin(capacity, grid):
+    # each grid rank routes the rows a dp=4 rank gets: the same capacity drops and aux losses
+    twin = _ranks(capacity, "dp=4,ep=2")[0]
+    assert twin["rows"][0]["loss"] != pytest.approx(_run(capacity, "dp=1")["rows"][0]["loss"])
+    for rank, result in enumerate(_ranks(capacity, grid)):
+        _assert_same(result, twin, f"{grid}, rank {rank}")
+
+
+@pytest.mark.parametrize("grid", [GRIDS[0], Z_GRID])
+def test_experts_replicated_by_prophet_keep_the_serial_run(dropless, serial, grid):
+    plan_text = f"{grid},moe_balance=prophet"
     results = _ranks(dropless, plan_text, Prophet(**FAST_LINK))
     for rank, result in enumerate(results):
         _assert_same(result, serial, f"{plan_text}, rank {rank}")
     replicated = [layer["replicated"] for r in results for row in r["rows"] for layer in row["moe"]]
     assert any(replicated)
-
-
-def test_a_grid_with_z_is_refused_with_the_fix():
-    plan = Plan.parse("dp=2,ep=2,tp3d=1x1x2")
-    with pytest.raises(PlanError, match=r"z > 1.*use a grid with z = 1 \(tp3d=XxYx1\)"):
-        plan.validate(plan.world_size, get_preset("moe-tiny"))

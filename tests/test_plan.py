@@ -122,7 +122,7 @@ def test_invalid_values_are_rejected(plan, words):
     "plan, word",
     [
         (Plan(tp3d=(2, 1, 1), sequence_parallel=True), "tp3d=2x1x1 with sequence_parallel"),
-        (Plan(dp=2, ep=2, tp3d=(2, 1, 2)), "ep=2 combined with tp3d=2x1x2 (z > 1"),
+        (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):

@@ -1,6 +1,6 @@
 """Step terms priced by hand: FSDP's gathers and reduce-scatters, HSDP's replica all-reduce, the
 expert gradients' all-reduce, 3D tensor parallelism's gathers before the head and its
-vocabulary-parallel all-reduces over the x·y ranks, from the
+vocabulary-parallel all-reduces over the x·y ranks, the gradients a grid sums over z, from the
 model's sizes, the ring's wire bytes and the link each runs on, so that a term priced twice
 over, or on the wrong link, turns a test red. (`planner.step.step_terms`' other terms are
 priced by hand in test_planner.py, test_planner_context.py, test_planner_cost3d.py and
@@ -118,3 +118,27 @@ def test_expert_layers_under_3d_gather_their_input_over_x_and_share_tokens_over_
     half = ALPHA + tokens * D / 2 * BF16 / BW
     assert exposed["tp_xy.all_gather"] == pytest.approx(2 * half)
     assert exposed["tp_x.all_gather"] == pytest.approx(2 * half + 2 * half)
+
+
+def test_expert_layers_under_a_grid_with_z_route_each_slice_and_sum_over_z():
+    # dp=2, ep=2, tp3d=2x1x2 on nodes of 2: a dp rank's 4 sequences are cut over z = 2, so an
+    # MoE layer gathers [2T, d/x] over x and its x·y = 2 ranks share 2T tokens (T each); the
+    # ends gather the same residual over x. Summed over z (x·y = 2 ranks apart: two nodes):
+    # the ends' vocabulary rows, (V + T)·d + 2d over x·y, and the owners' two whole experts
+    moe = get_preset("moe-tiny")
+    exposed, _ = terms(Plan(dp=2, ep=2, tp3d=(2, 1, 2)), moe)
+    one = ALPHA + T * D * BF16 / BW
+    assert exposed["tp_xy.all_gather"] == pytest.approx(2 * one)
+    assert exposed["tp_x.all_gather"] == pytest.approx(2 * one + 2 * one)
+    ends = ROOT / 2 * FP32
+    experts = 4 * (2 * D * 4 * D + 4 * D + D) / 2 * FP32
+    z_sum = 2 * (ALPHA + ends / 2 / SLOW) + 2 * (ALPHA + experts / 2 / SLOW)
+    assert exposed["tp_z.all_reduce"] == pytest.approx(z_sum)
+
+
+@pytest.mark.parametrize("plan, shards", [("tp3d=1x1x2", 1), ("dp_shard=2,tp3d=1x1x2", 2)])
+def test_a_grid_with_z_sums_the_ends_gradients_over_z(plan, shards):
+    # the vocabulary rows and position embedding every z slice holds alike, fp32 over z = 2
+    # ranks of one node: by a hook each micro-batch (one here), or FSDP2's shard once a step
+    exposed, _ = terms(Plan.parse(plan))
+    assert exposed["tp_z.all_reduce"] == pytest.approx(2 * (ALPHA + ROOT / shards * FP32 / 2 / BW))

@@ -74,9 +74,10 @@ def test_expert_and_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_pa
 
 @pytest.mark.slow
 def test_expert_and_3d_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_path):
-    # ep × tp3d: the grid's pieces under their 3D keys, each expert whole on its owners
+    # ep × tp3d: the grid's pieces under their 3D keys (z > 1: alike on every z slice), each
+    # expert whole on its owners
     config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
-    plans = ["dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2"]
+    plans = ["dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2,tp3d=1x1x2", "dp=2,ep=2"]
     _check_matrix(tmp_path, config, plans, [*plans, "dp=1", "dp=2,ep=2,tp=2"])
 
 

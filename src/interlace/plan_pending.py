@@ -20,12 +20,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
     tp3d = f"tp3d={fmt_tp3d(plan.tp3d)}" if plan.tp3d is not None else ""
     return [
         (
-            plan.ep > 1 and bool(tp3d) and plan.tp3d[2] > 1,
-            f"ep={plan.ep} combined with {tp3d} (z > 1: the grid splits the batch rows and sums "
-            "every other gradient over z, the experts' among them)",
-            "a grid with z = 1 (tp3d=XxYx1), or 1D tensor parallelism (tp=N)",
-        ),
-        (
             bool(tp3d)
             and plan.sharded_data_parallel
             and plan.tp3d[2] > 1

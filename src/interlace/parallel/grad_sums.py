@@ -21,14 +21,15 @@ from interlace import comm
 from interlace.comm import Group
 
 SUMMED_OVER = "grad_summed_over"
-"""Attribute of a parameter naming the group its gradient is summed over."""
+"""Attribute of a parameter: the tuple of groups its gradient is summed over (a router under
+ep × tp3d is summed over the x·y ranks that share its tokens and the z slices of the rows)."""
 
 
 def sum_gradient_over(param: torch.Tensor, group: Group) -> None:
-    """Make `param`'s gradient its sum over `group`: a hook now, and the group recorded for
-    `sum_replaced_gradients`."""
+    """Make `param`'s gradient its sum over `group` (as well as over any group it is summed
+    over already): a hook now, and the group recorded for `sum_replaced_gradients`."""
     param.register_hook(lambda grad: _summed(grad, group))
-    setattr(param, SUMMED_OVER, group)
+    setattr(param, SUMMED_OVER, (*getattr(param, SUMMED_OVER, ()), group))
 
 
 def _summed(grad: torch.Tensor, group: Group) -> torch.Tensor:
@@ -39,13 +40,13 @@ def _summed(grad: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def sum_replaced_gradients(parameters: Iterable[torch.Tensor]) -> None:
-    """Sum over its recorded group the gradient of each parameter that replaced one with a
-    hook (a DTensor: FSDP2's shard), one flat all-reduce per group; collective over each."""
+    """Sum over its recorded groups the gradient of each parameter that replaced one with
+    hooks (a DTensor: FSDP2's shard), one flat all-reduce per group; collective over each."""
     groups: dict[str, tuple[Group, list[torch.Tensor]]] = defaultdict(lambda: (None, []))
     for param in parameters:
-        group = getattr(param, SUMMED_OVER, None)
-        if group is None or not isinstance(param, DTensor) or param.grad is None:
+        if not isinstance(param, DTensor) or param.grad is None:
             continue
-        groups[group.name] = (group, [*groups[group.name][1], param.grad.to_local()])
+        for group in getattr(param, SUMMED_OVER, ()):
+            groups[group.name] = (group, [*groups[group.name][1], param.grad.to_local()])
     for group, grads in groups.values():
         comm.all_reduce_flat_(grads, group)

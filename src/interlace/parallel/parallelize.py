@@ -264,15 +264,15 @@ def _apply_data_split(
 
 def _add_expert_steps(result: Parallelized, experts: ExpertGroups, experts_sharded: bool) -> None:
     """After the data step: expert gradients reduced over their replicas (FSDP2 did it over
-    ep_dp for sharded experts; under ep × tp they are summed over tp here), and each
-    expert-parallel layer's balance summary as a metric."""
-    _, ep_dp, tp = experts
+    ep_dp for sharded experts; under tensor parallelism they are summed over the groups that
+    route other tokens here), and each expert-parallel layer's balance summary as a metric."""
+    _, ep_dp, others = experts
     model = result.model
     if not experts_sharded:
         dp_size = result.plan.dp_size
-        result.gradient_syncs.append(lambda: reduce_expert_gradients(model, ep_dp, dp_size, tp))
-    elif tp is not None:
-        result.gradient_syncs.append(lambda: reduce_expert_gradients(model, None, 1, tp))
+        result.gradient_syncs.append(lambda: reduce_expert_gradients(model, ep_dp, dp_size, others))
+    elif others:
+        result.gradient_syncs.append(lambda: reduce_expert_gradients(model, None, 1, others))
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     result.metric_sources.append(lambda: {"moe": [m.balance_summary() for m in layers]})
 

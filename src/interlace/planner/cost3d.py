@@ -25,7 +25,8 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
   residual [T, d/x] over X before the replicated final norm;
 - the embedding and the LM head are split by vocabulary rows over the x·y ranks (`tp_xy`):
   the embedding's output [T, d] all-reduced there in the forward, the head's input gradient
-  in the backward (the cross-entropy's [T] reductions are not priced, as under 1D).
+  in the backward (the cross-entropy's [T] reductions are not priced, as under 1D); with
+  z > 1 their weight gradients are summed over z (`ends_z_sum_seconds`, `tp_z.all_reduce`).
 
 Groups sit in rank order x (stride 1), y (stride x), z (stride x·y). The embedding's and the
 head's compute is divided by x·y·z, their weights by x·y.
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
+from interlace.planner.bytes import GRAD_BYTES
 from interlace.planner.collective_cost import (
     CommTerms,
     collective_seconds,
@@ -215,6 +217,22 @@ def ends_seconds(
     return {"tp_x.all_gather": gather, "tp_xy.all_reduce": reduce}
 
 
+def ends_z_sum_seconds(plan: Plan, stage: Stage, hardware: Hardware, shards: int) -> float:
+    """Seconds of the all-reduce over z (z > 1, else 0) of the gradients every z slice holds
+    alike, each fed its own rows: the embedding's and head's vocabulary rows, ends / (x·y)
+    fp32 gradients per rank, or their FSDP2 shard of them (`shards` ranks). A hook sums them as
+    backward makes them, each micro-batch; FSDP2's shards are summed once a step after its
+    reduce-scatter (`grad_sums`). The blocks' norms and biases ([d] each) are left out."""
+    if plan.tp3d is None or plan.tp3d[2] == 1:
+        return 0.0
+    x, y, z = plan.tp3d
+    ends = (stage.params - stage.layer_params) / (x * y * shards)
+    if not ends:
+        return 0.0
+    inside = group_inside_node(z, x * y, hardware.devices_per_node)
+    return collective_seconds("all_reduce", ends * GRAD_BYTES, z, inside, hardware)
+
+
 def tensor3d_terms(
     plan: Plan,
     stage: Stage,
@@ -262,5 +280,9 @@ def tensor3d_terms(
         if count and seconds:
             exposed[key] = exposed.get(key, 0.0) + count * seconds
     forward += stage.has_head * ends["tp_x.all_gather"] + stage.has_embed * ends["tp_xy.all_reduce"]
+    if not plan.sharded_data_parallel:  # FSDP2's shards sum once a step (`cost_data`)
+        z_sum = ends_z_sum_seconds(plan, stage, hardware, shards=1)
+        if z_sum:
+            exposed["tp_z.all_reduce"] = z_sum
     total = sum(exposed.values())
     return CommTerms(exposed, hidden, forward / total if total else 0.0, 1.0)

@@ -37,6 +37,7 @@ from interlace.planner.collective_cost import (
     exposed_after_overlap,
     group_inside_node,
 )
+from interlace.planner.cost3d import ends_z_sum_seconds
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage, dense_params, split_group
 
@@ -80,7 +81,8 @@ def _expert_terms(
     (`expert.options.expert_split`) a reduce_scatter and their gathers before the forward and
     (with `reshard_after_forward`) the backward, none prefetched; under ep × tp the tp ranks'
     expert gradients summed over tp too (`tp.all_reduce`; under ep × tp3d over the x·y ranks,
-    `tp_xy.all_reduce`). All after or outside the backward's overlap: exposed."""
+    `tp_xy.all_reduce`, then over z, `tp_z.all_reduce`). All after or outside the backward's
+    overlap: exposed."""
     ep_dp, tp = plan.dp_size // plan.ep, plan.tp_size
     if not plan.expert_parallel:
         return
@@ -101,11 +103,15 @@ def _expert_terms(
         terms.exposed["ep_dp.all_reduce"] = collective_seconds(
             "all_reduce", whole * GRAD_BYTES, ep_dp, inside, hardware
         )
-    if tp > 1:
-        inside = group_inside_node(tp, 1, hardware.devices_per_node)
-        terms.exposed[f"{split_group(plan)[0]}.all_reduce"] = collective_seconds(
-            "all_reduce", whole / split * GRAD_BYTES, tp, inside, hardware
-        )
+    sharing, ranks = split_group(plan)
+    z = tp // ranks  # tp3d's z slices (1 otherwise), x·y ranks apart
+    for name, size, stride in ((sharing, ranks, 1), ("tp_z", z, ranks)):
+        if size > 1:
+            inside = group_inside_node(size, stride, hardware.devices_per_node)
+            key = f"{name}.all_reduce"  # tp_z: the 3D grid's ends may sum there too
+            terms.exposed[key] = terms.exposed.get(key, 0.0) + collective_seconds(
+                "all_reduce", whole / split * GRAD_BYTES, size, inside, hardware
+            )
 
 
 def _replicated_terms(
@@ -164,6 +170,9 @@ def _sharded_terms(
     terms.exposed["dp_shard.reduce_scatter"] = exposed_reduce
     terms.hidden["dp_shard.all_gather"] = gather_forward + gather_backward - exposed_gather
     terms.hidden["dp_shard.reduce_scatter"] = reduce - exposed_reduce
+    z_sum = max(ends_z_sum_seconds(plan, st, hardware, shard) for st in stages)
+    if z_sum:  # 3D grids' ends: each shard summed over z once a step
+        terms.exposed["tp_z.all_reduce"] = z_sum
     if plan.dp > 1:
         inside = group_inside_node(plan.dp, plan.tp_size * shard, dpn)
         terms.exposed["dp_replicate.all_reduce"] = collective_seconds(

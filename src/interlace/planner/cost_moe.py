@@ -43,9 +43,9 @@ F_e / (tp · rate) forward, twice that backward (negative when capacity drops to
 of the micro-batch's tokens (so every count above is of tokens / tp); without sequence
 parallelism the tp group all-gathers the combined shares after each layer (and the input
 gradient's in backward, and again when a layer is replayed): `tp.all_gather`. **Under ep ×
-tp3d** (z = 1) the x·y ranks share the tokens the same way (`tp_xy.all_gather`), and each
-layer's input [T, d/x] is all-gathered over x as often (its output's gradient in backward):
-`tp_x.all_gather`.
+tp3d** each z slice routes its own tokens / z and its x·y ranks share them the same way
+(`tp_xy.all_gather`; counts of tokens / (x·y·z)), and each layer's input [T/z, d/x] is
+all-gathered over x as often (its output's gradient in backward): `tp_x.all_gather`.
 
 **Per stage** and micro-batch, each MoE layer runs a dispatch and a combine all_to_all forward
 and both again backward (+2 when recomputed), plus the replicas' Trans and Agg, and one
@@ -238,18 +238,18 @@ def expert_terms(
         * collective_seconds("all_gather", 8 * config.n_experts, plan.ep, inside, hardware),
     }
     gathers = 0
-    sharing = split_group(plan)[0]  # the ranks sharing the tokens
+    sharing, ranks = split_group(plan)  # the ranks sharing the tokens
     if plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
         gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
-        tp_inside = group_inside_node(tp, 1, hardware.devices_per_node)
+        tp_inside = group_inside_node(ranks, 1, hardware.devices_per_node)
         share = tokens / tp * config.d_model * act_bytes
         exposed[f"{sharing}.all_gather"] = gathers * collective_seconds(
-            "all_gather", share, tp, tp_inside, hardware
+            "all_gather", share, ranks, tp_inside, hardware
         )
     if plan.tp3d is not None:  # the input gathered over x (and replayed), its gradient too
-        x = plan.tp3d[0]
+        x, _, z = plan.tp3d
         x_inside = group_inside_node(x, 1, hardware.devices_per_node)
-        residual = tokens * config.d_model / x * act_bytes
+        residual = tokens / z * config.d_model / x * act_bytes
         exposed["tp_x.all_gather"] = gathers * collective_seconds(
             "all_gather", residual, x, x_inside, hardware
         )

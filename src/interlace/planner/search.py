@@ -146,13 +146,13 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
     of powers of two dividing the devices, alone (its data parallel ranks replicated or, FSDP2,
     sharded; with z > 1 without the weight prefetch) or in pipelines of every power-of-two depth
     up to the layers (with the pipeline options of 1D plans); the batch split over dp, then a
-    rank's micro-batches, then z. A Mixture-of-Experts model takes grids with z = 1 and every
-    power-of-two ep > 1 dividing dp (experts whole on their owners)."""
+    rank's micro-batches, then z. A Mixture-of-Experts model takes every power-of-two ep > 1
+    dividing dp (experts whole on their owners)."""
     for x in powers_of_two(n_devices):
         for y in powers_of_two(n_devices // x):
             for z in powers_of_two(n_devices // (x * y)):
                 size = x * y * z
-                if size < 2 or n_devices % size or (spec.is_moe and z > 1):
+                if size < 2 or n_devices % size:
                     continue
                 for pp in powers_of_two(min(n_devices // size, spec.n_layers)):
                     dp = n_devices // (size * pp)

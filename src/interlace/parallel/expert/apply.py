@@ -66,17 +66,21 @@ def link_within(stages: Iterable[nn.Module]) -> None:
         schedule_transfers([m for m in stage.modules() if isinstance(m, ExpertParallelMoE)])
 
 
-def share_tokens_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) -> list[str]:
+def share_tokens_over_tp(
+    model: nn.Module, tp: Group, sequence_parallel: bool, rows: Group | None = None
+) -> list[str]:
     """Make every `ExpertParallelMoE` of `model` dispatch each token once per `tp` group (see the
-    module docstring); returns the report line."""
+    module docstring), the aux loss averaged over `rows` too (tp3d's z slices, which route
+    other batch rows); returns the report line."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     for layer in layers:
-        layer.tokens = TokenShare(tp, replicated=not sequence_parallel)
+        layer.tokens = TokenShare(tp, replicated=not sequence_parallel, rows=rows)
         if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
             for param in layer.router.parameters():
                 sum_gradient_over(param, tp)
     how = "its own sequence shard" if sequence_parallel else f"1/{tp.size} of the tokens"
+    over = " and ".join(["ep_dp", tp.name] + ([rows.name] if rows is not None else []))
     return [
-        f"ep × tp: each tp rank dispatches {how} in {len(layers)} expert-parallel layers; "
-        "expert gradients summed over ep_dp and tp"
+        f"ep × tp: each {tp.name} rank dispatches {how} in {len(layers)} expert-parallel "
+        f"layers; expert gradients summed over {over}"
     ]

@@ -4,6 +4,8 @@ norm that counts each expert once."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from interlace import comm
@@ -36,19 +38,20 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def reduce_expert_gradients(
-    model: nn.Module, ep_dp: Group | None, dp_size: int, tp: Group | None = None
+    model: nn.Module, ep_dp: Group | None, dp_size: int, others: Sequence[Group] = ()
 ) -> None:
     """Turn each local expert's gradient (the sum over the tokens its expert group dispatched)
-    into data parallelism's average: sum over the ranks holding the same experts, `ep_dp` and,
-    under ep × tp, `tp` (whose ranks dispatch different tokens, `tp_tokens`), divide by
-    `dp_size` (the whole data parallel degree). One flat all-reduce per group; collective over
-    ep_dp (None: already reduced there, as FSDP2 does for sharded experts) and tp. A sharded
-    gradient is reduced by its local piece (the pieces lie alike on every tp rank)."""
+    into data parallelism's average: sum over the ranks holding the same experts, `ep_dp` and
+    `others` (groups whose ranks dispatch other tokens: ep × tp's tp, `tp_tokens`; tp3d's x·y
+    ranks and z slices), divide by `dp_size` (the whole data parallel degree). One flat
+    all-reduce per group; collective over ep_dp (None: already reduced there, as FSDP2 does
+    for sharded experts) and each of `others`. A sharded gradient is reduced by its local
+    piece (the pieces lie alike on every tp rank)."""
     grads = [local_tensor(p.grad) for p in expert_parameters(model) if p.grad is not None]
     if ep_dp is not None:
         comm.all_reduce_flat_(grads, ep_dp, dp_size)
-    if tp is not None:
-        comm.all_reduce_flat_(grads, tp)
+    for group in others:
+        comm.all_reduce_flat_(grads, group)
 
 
 def expert_norm_share(model: nn.Module, ep: Group) -> NormShare:

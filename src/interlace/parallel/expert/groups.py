@@ -33,12 +33,13 @@ from interlace.mesh import Mesh
 
 class ExpertGroups(NamedTuple):
     """A rank's expert-parallel groups: `ep` splits the experts between its ranks, `ep_dp` holds
-    the same experts (their replicas), `tp` (under ep × tp, else None) dispatches other tokens
-    to them."""
+    the same experts (their replicas), `others` route other tokens to the same experts: ep ×
+    tp's `tp`, ep × tp3d's `tp_xy` and, with z > 1, `tp_z` (empty without tensor
+    parallelism)."""
 
     ep: Group
     ep_dp: Group
-    tp: Group | None
+    others: tuple[Group, ...]
 
 
 def build_expert_groups(mesh: Mesh, ep: int) -> tuple[Group, Group]:

@@ -17,8 +17,10 @@ def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
     """Step 2 of `parallelize`: experts split over "ep" (carved out of "dp"; collective),
     reduced over "ep_dp"; under 1D tensor parallelism each tp rank dispatches its share of the
     tokens, the experts reduced over "tp" too (`expert.tp_tokens`); under 3D tensor
-    parallelism (z = 1) each layer takes the hidden states gathered over "tp_x"
-    (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way.
+    parallelism each layer takes the hidden states gathered over "tp_x"
+    (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way;
+    the grid's z slices route other rows, so the experts are summed over "tp_z" too and the aux
+    loss averaged over it.
     Returns the groups (None without ep), which the data step shards and reduces the experts
     over."""
     plan = result.plan
@@ -26,17 +28,19 @@ def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
         return None
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance)
-    tp = None  # the ranks of one tensor-parallel group, which dispatch different tokens
+    tp = z = None  # the ranks that share one set of tokens; the grid's slices of the rows
     if plan.tensor_parallel:
         tp = mesh.group("tp")
     elif plan.tensor3d_parallel:
         tp, x = mesh.group("tp_xy"), mesh.group("tp_x")
+        z = mesh.group("tp_z") if plan.tp3d[2] > 1 else None
         for layer in result.model.modules():
             if isinstance(layer, ExpertParallelMoE):
                 keep_whole(layer, layer.router.d_model, x)
         result.report.append("ep × tp3d: each expert-parallel layer's input gathered over tp_x")
     if tp is not None:
-        result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel)
+        result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel, z)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
         result.norm_shares.append(expert_norm_share(result.model, ep))
-    return ExpertGroups(ep, ep_dp, tp)
+    others = tuple(g for g in (tp, z) if g is not None)
+    return ExpertGroups(ep, ep_dp, others)

@@ -104,10 +104,13 @@ def gather_tokens(chunk: torch.Tensor, group: Group, n: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TokenShare:
     """An expert-parallel layer's tokens over its tensor parallel `group`: `replicated` (no
-    sequence parallelism; each rank dispatches its chunk) or already split."""
+    sequence parallelism; each rank dispatches its chunk) or already split; `rows`: a group
+    whose ranks route other batch rows (tp3d's z slices, whose cross-entropy is averaged over
+    them, `tensor3d.step`), over which the aux loss is averaged too."""
 
     group: Group
     replicated: bool
+    rows: Group | None = None
 
     def enter(self, tokens: torch.Tensor) -> torch.Tensor:
         """The layer's tokens [N, d] → those this rank routes and dispatches [n_r, d]; without
@@ -126,5 +129,9 @@ class TokenShare:
         return gather_tokens(out, self.group, n) if self.replicated else out
 
     def aux_loss(self, aux: torch.Tensor) -> torch.Tensor:
-        """This rank's aux loss (0-d) → the mean over the group (backward: 1/p each)."""
-        return reduce_from_tp(aux / self.group.size, self.group)
+        """This rank's aux loss (0-d) → the mean over the group and `rows` (backward: 1/p
+        each)."""
+        for group in (self.group, self.rows):
+            if group is not None:
+                aux = reduce_from_tp(aux / group.size, group)
+        return aux

@@ -152,9 +152,9 @@ def copy_head(head: nn.Module) -> nn.Module:
     weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
     for name, value in vars(head.weight).items():
         setattr(weight, name, value)
-    summed_over = getattr(weight, SUMMED_OVER, None)
-    if summed_over is not None:  # a head replicated over tp3d's z, each z rank fed its rows
-        sum_gradient_over(weight, summed_over)
+    groups = vars(weight).pop(SUMMED_OVER, ())
+    for group in groups:  # a head replicated over tp3d's z, each z rank fed its rows
+        sum_gradient_over(weight, group)
     clone = copy.copy(head)
     clone._parameters = dict(head._parameters)
     clone.weight = weight
