@@ -196,13 +196,14 @@ def test_the_probe_leaves_selective_recomputation_under_fsdp_as_it_computes(plan
         assert mine["activations"] > 0 and mine["step_peak"] >= mine["activations"], rank
 
 
-def test_3d_grid_activations_are_estimated_as_measured():
+@pytest.mark.parametrize("grid", ["2x1x1", "1x2x1"])
+def test_3d_grid_activations_are_estimated_as_measured(grid):
     """Under tp3d the d-wide tensors a block saves are split over x and its heads and
     feed-forward features over y (the 1D split's replicated and split parts): at x = 2, y = 1
     the feed-forward's [T, 4d] stays whole, which a split of everything over x·y misses by
-    40 %. (y > 1 saves more than priced: LayerNorm3D keeps three [T, d/x] tensors where
-    torch's LayerNorm keeps one.)"""
+    40 %. LayerNorm3D saves its input and row statistics, as torch's LayerNorm does (the same
+    formula in autograd ops kept three [T, d/x] tensors: 30 % over at 1x2x1)."""
     config = dataclasses.replace(BASE, steps=3)
-    result = run_ranks(2, _memory, config, "tp3d=2x1x1", 2)[0]
+    result = run_ranks(2, _memory, config, f"tp3d={grid}", 2)[0]
     measured = min(rank["activations"] for rank in result["per_rank"])
-    assert measured == pytest.approx(result["predicted"]["activations"], rel=0.15)
+    assert measured == pytest.approx(result["predicted"]["activations"], rel=0.1)

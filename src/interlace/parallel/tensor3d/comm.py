@@ -19,7 +19,6 @@ features over one of the X / Y groups (its `in_group`) and its output features o
 The other conjugate pairs of the layout:
 
     split_last_dim    forward: this rank's slice of the last dim   backward: all-gather
-    sum_over          forward: all-reduce (sum)                     backward: all-reduce (sum)
     mean_over         forward: all-reduce / p                       backward: gradient / p
 
 (`gather_last_dim` of `parallel.tensor.comm` is the inverse of `split_last_dim`.) Every
@@ -94,7 +93,9 @@ def gather_weight(shard: torch.Tensor, z: Group) -> torch.Tensor:
     return _gathered(shard, z, async_op=False)[0]
 
 
-def _summed(x: torch.Tensor, group: Group) -> torch.Tensor:
+def summed(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Σ of x over `group`, a new tensor (x itself for one rank); not differentiable: the
+    callers' backward passes reduce their gradients themselves."""
     if group.size == 1:
         return x
     out = x.clone(memory_format=torch.contiguous_format)
@@ -128,7 +129,7 @@ class _Linear3D(torch.autograd.Function):
         ctx.matmul = matmul
         ctx.autocast = autocast_in_force(x.device.type)
         block = gather_weight(weight, z) if gather is None else gather()
-        return _summed(matmul.output(x, block), in_group)
+        return summed(matmul.output(x, block), in_group)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -207,28 +208,11 @@ def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else gather_last_dim(x, group)
 
 
-class _SumOver(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _summed(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _summed(grad, ctx.group), None
-
-
-def sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum of x (any shape) over `group` on every rank; each rank's use of the sum differs, so
-    the gradient is summed too (statistics of a LayerNorm over a sharded hidden)."""
-    return x if group.size == 1 else _SumOver.apply(x, group)
-
-
 class _MeanOver(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.size = group.size
-        return _summed(x, group) / group.size
+        return summed(x, group) / group.size
 
     @staticmethod
     def backward(ctx, grad):

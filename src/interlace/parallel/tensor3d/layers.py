@@ -11,10 +11,7 @@ from torch import nn
 from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.detect import linear_shape
 from interlace.parallel.tensor.shard import ShardSpec, replica_sum_hook
-from interlace.parallel.tensor3d.comm import (
-    linear3d,
-    sum_over,
-)
+from interlace.parallel.tensor3d.comm import linear3d, summed
 from interlace.parallel.tensor3d.prefetch import WeightPrefetcher
 from interlace.parallel.tensor3d.shard import Grid, Shard3D, shard3d_parameter
 
@@ -91,9 +88,48 @@ class Linear3D(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
+class _SplitNorm(torch.autograd.Function):
+    """A LayerNorm (`centered`) or RMS norm of rows whose features are split over `group`:
+    x [..., n] (n = width / p) → x̂ · w (+ b), x̂ = (x − mean) · inv or x · inv, from the row
+    sums Σx, Σx² all-reduced over the group ([..., 2], or Σx² alone). Written by hand because
+    torch's norms need the whole row; it saves what torch's own LayerNorm saves, the input and
+    the row statistics, where the same formula in autograd ops keeps three [..., n] tensors.
+    Backward, with g = dy · w: dx = inv · (g − Σg/width − x̂ · Σ(g·x̂)/width) (RMS: no Σg
+    term), its two row sums all-reduced over the group; dw = Σ_rows dy · x̂, db = Σ_rows dy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, width, eps, centered):
+        sums = [x.sum(-1), x.pow(2).sum(-1)] if centered else [x.pow(2).sum(-1)]
+        stats = summed(torch.stack(sums, -1), group) / width
+        mean = stats[..., 0] if centered else None
+        square = stats[..., -1] - (mean.pow(2) if centered else 0.0)
+        inv = torch.rsqrt(square + eps).unsqueeze(-1)
+        normed = (x if mean is None else x - mean.unsqueeze(-1)) * inv
+        ctx.save_for_backward(x, weight, mean, inv)
+        ctx.group, ctx.width, ctx.has_bias = group, width, bias is not None
+        y = normed * weight
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, inv = ctx.saved_tensors
+        normed = (x if mean is None else x - mean.unsqueeze(-1)) * inv
+        g = dy * weight
+        sums = [g.sum(-1), (g * normed).sum(-1)] if mean is not None else [(g * normed).sum(-1)]
+        stats = summed(torch.stack(sums, -1), ctx.group) / ctx.width
+        dx = g - normed * stats[..., -1:]
+        if mean is not None:
+            dx = dx - stats[..., :1]
+        rows = dy.reshape(-1, dy.shape[-1])
+        dw = (rows * normed.reshape(rows.shape)).sum(0).to(weight.dtype)
+        db = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return (dx * inv).to(x.dtype), dw, db, None, None, None, None
+
+
 class LayerNorm3D(nn.Module):
     """LayerNorm over a hidden split over X: x [..., d/x] → [..., d/x]; the row statistics
-    Σx and Σx² are summed over X. Holds this rank's [d/x] slice of weight and bias."""
+    Σx and Σx² are summed over X (`_SplitNorm`). Holds this rank's [d/x] slice of weight and
+    bias."""
 
     def __init__(self, norm: nn.LayerNorm, grid: Grid):
         super().__init__()
@@ -107,16 +143,13 @@ class LayerNorm3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d/x] → [..., d/x]."""
-        stats = sum_over(torch.stack([x.sum(-1), x.pow(2).sum(-1)], -1), self.x) / self.width
-        mean, square = stats.unbind(-1)
-        inv = torch.rsqrt(square - mean.pow(2) + self.eps).unsqueeze(-1)
-        y = (x - mean.unsqueeze(-1)) * inv * self.weight
-        return y if self.bias is None else y + self.bias
+        return _SplitNorm.apply(x, self.weight, self.bias, self.x, self.width, self.eps, True)
 
 
 class RMSNorm3D(nn.Module):
     """RMS norm over a hidden split over X: x [..., d/x] → x / sqrt(mean(x²) + eps) · weight,
-    mean(x²) from Σx² summed over X. Holds this rank's [d/x] slice of the weight."""
+    mean(x²) from Σx² summed over X (`_SplitNorm`). Holds this rank's [d/x] slice of the
+    weight."""
 
     def __init__(self, norm: nn.Module, eps: float, grid: Grid):
         super().__init__()
@@ -127,8 +160,7 @@ class RMSNorm3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d/x] → [..., d/x]."""
-        square = sum_over(x.pow(2).sum(-1, keepdim=True), self.x) / self.width
-        return x * torch.rsqrt(square + self.eps) * self.weight
+        return _SplitNorm.apply(x, self.weight, None, self.x, self.width, self.eps, False)
 
 
 def rms_norm_eps(module: nn.Module, d: int) -> float | None:
@@ -152,15 +184,6 @@ def rms_norm_eps(module: nn.Module, d: int) -> float | None:
         output = torch.func.functional_call(module, {"weight": weight}, (probe,))
         matches = torch.allclose(output, expected, rtol=1e-4, atol=1e-5)
     return eps if matches else None
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-# ----------------------------------------------------------------------------- application
-
-
-# ----------------------------------------------------------------------------- bytes and norm
 
 
 def layer_wire_bytes(
