@@ -7,7 +7,8 @@ from interlace.models.presets import get_preset
 from interlace.parallel.tensor3d.layers import layer_wire_bytes
 from interlace.plan import Plan
 from interlace.planner.cost import estimate
-from interlace.planner.cost3d import block_linears, layer_cost
+from interlace.planner.cost3d import layer_cost
+from interlace.planner.gemm import block_linears
 from interlace.planner.hardware import local
 from interlace.planner.search import search
 

@@ -12,6 +12,7 @@ from interlace.models.presets import get_preset
 from interlace.plan import Overlap, Plan
 from interlace.planner.calibrate import fit_half_rows
 from interlace.planner.cost import estimate
+from interlace.planner.gemm import layer_shape_efficiency
 from interlace.planner.hardware import PRESETS, get_hardware, local
 from interlace.planner.profile import model_profile
 
@@ -174,7 +175,10 @@ def test_a_steps_compute_is_priced_at_its_models_width():
         config = get_preset(name)
         stage = pipeline_stages(model_profile(config), plan)[0]
         work = stage_work(plan, config, stage, 8192, h100, "bf16")
-        assert work.rate == pytest.approx(989e12 * h100.efficiency(8192, "bf16", config.d_model))
+        shapes = layer_shape_efficiency(plan, config, 8192, 132)
+        assert work.shape_factor == shapes < 1
+        efficiency = h100.efficiency(8192, "bf16", config.d_model)
+        assert work.rate == pytest.approx(989e12 * efficiency * shapes)
         assert work.compute == pytest.approx(3 * stage.flops * 8192 / work.rate)
 
 
@@ -185,10 +189,12 @@ def test_explain_gives_each_rate_with_where_it_came_from():
 
     config = get_preset("gpt2-124m")
     h100 = estimate(Plan(dp=8), config, get_hardware("dgx-h100"), 64)
-    rate = 989e12 * get_hardware("dgx-h100").efficiency(8 * 1024, "bf16", 768)
+    shapes = layer_shape_efficiency(Plan(dp=8), config, 8 * 1024, 132)
+    rate = 989e12 * get_hardware("dgx-h100").efficiency(8 * 1024, "bf16", 768) * shapes
     assert h100.rates["compute"]["flops"] == pytest.approx(rate)
     text = explain(h100)
     assert f"compute {rate / 1e12:.4g} TFLOP/s" in text
+    assert f"matmul shapes {shapes:.1%} of it (tile and wave quantisation on 132 SMs" in text
     assert "measured on one H100" in text and "datasheet link rates" in text
     local = estimate(Plan(dp=2), config, hardware_from(fake_calibration(), 2), 8, dtype="fp32")
     assert set(local.rates) == {"compute", "links", "overlap", "memory"}

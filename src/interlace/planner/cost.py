@@ -164,14 +164,17 @@ def estimate(
 def priced_rates(hardware: Hardware, dtype: str, terms: StepTerms) -> dict[str, dict[str, Any]]:
     """Per kind of figure (`hardware.RATE_KINDS`), the values `terms` were priced with and
     their `source`: compute (FLOP/s of the slowest stage's matmuls, its share of the `dtype`
-    peak), links (α seconds and bytes/s inside and between nodes), overlap (the share of a
-    hideable collective that hides), memory (bytes/s of the optimizer step)."""
+    peak, the factor their shapes cost on the device's SMs), links (α seconds and bytes/s
+    inside and between nodes), overlap (the share of a hideable collective that hides), memory
+    (bytes/s of the optimizer step)."""
     intra, inter = hardware.link(True), hardware.link(False)
     values: dict[str, dict[str, Any]] = {
         "compute": {
             "flops": terms.compute_rate,
             "of_peak": terms.compute_rate / hardware.peak(dtype),
             "dtype": dtype,
+            "shape_factor": terms.shape_factor,
+            "sms": hardware.sm_count,
         },
         "links": {
             "intra_latency": intra[0],

@@ -45,31 +45,9 @@ from interlace.planner.collective_cost import (
     exposed_after_overlap,
     group_inside_node,
 )
+from interlace.planner.gemm import Linear, block_linears
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage
-
-
-@dataclass(frozen=True)
-class Linear3DShape:
-    """One linear layer of a block: n_in → n_out, normal or transposed."""
-
-    n_in: int
-    n_out: int
-    transposed: bool
-
-
-def block_linears(config: GPTConfig) -> tuple[Linear3DShape, ...]:
-    """The built-in GPT block's linears in execution order: q, k, v, out (transposed), up,
-    down (transposed)."""
-    d, f = config.d_model, config.ffn_dim
-    return (
-        Linear3DShape(d, d, False),
-        Linear3DShape(d, d, False),
-        Linear3DShape(d, d, False),
-        Linear3DShape(d, d, True),
-        Linear3DShape(d, f, False),
-        Linear3DShape(f, d, True),
-    )
 
 
 @dataclass(frozen=True)
@@ -162,7 +140,7 @@ def layer_cost(
 
 
 def prefetched_gathers(
-    linears: tuple[Linear3DShape, ...],
+    linears: tuple[Linear, ...],
     tp3d: tuple[int, int, int],
     t: float,
     act_bytes: int,

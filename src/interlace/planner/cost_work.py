@@ -4,8 +4,10 @@ FLOPs per token of each layer, the embeddings and the head come from the stage's
 (`planner.profile`): forward F, backward 2F, a checkpointed layer's recomputed forward +F.
 Selective recomputation replays elementwise work only: priced as writing and reading once the
 tensors it recomputes at the hardware's memory bandwidth.
-Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows, dtype, d_model)`), at the model's
-width (where the hardware knows how its non-matmul work scales) and the rows each matmul sees:
+Time = FLOPs / (peak(dtype) · `hardware.efficiency(rows, dtype, d_model)` · q), at the model's
+width (where the hardware knows how its non-matmul work scales) and the rows each matmul sees,
+q the tile and wave quantisation of the layer's matmul shapes on the hardware's `sm_count`
+SMs (`gemm.layer_shape_efficiency`, 1 without SMs; experts: `gemm.expert_shape_efficiency`):
 
 - the micro-batch's tokens; under 3D tensor parallelism tokens / z (its x·y ranks split the
   embedding and head by vocabulary rows, so every part is split by x·y·z, as 1D splits by tp);
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
+from interlace.planner.gemm import expert_shape_efficiency, layer_shape_efficiency
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage
 
@@ -30,12 +33,14 @@ from interlace.planner.profile import Stage
 class StageWork:
     """Seconds of compute of one micro-batch on a stage: `compute` its forward and backward
     (3F), `recompute` its checkpointed layers' replayed forward; `rate` the FLOP/s of the
-    micro-batch's matmuls and `expert_rate` of one expert's (at the rows each sees)."""
+    micro-batch's matmuls and `expert_rate` of one expert's (at the rows each sees);
+    `shape_factor` the part of `rate` the layer's matmul shapes cost (`gemm`, 1 without)."""
 
     compute: float
     recompute: float
     rate: float
     expert_rate: float
+    shape_factor: float = 1.0
 
 
 def stage_work(
@@ -48,29 +53,33 @@ def stage_work(
 ) -> StageWork:
     """The compute of `stage` for a micro-batch of `tokens` tokens in `dtype` under `plan`
     (see the module docstring); experts at their balanced share of the tokens."""
-    tp = plan.tp_size
+    tp, sms = plan.tp_size, hardware.sm_count
     batch_split = plan.tp3d[2] if plan.tp3d is not None else 1  # 3D: z splits the tokens
     width = config.d_model  # the model's width: how much non-matmul work each token carries
-    rate = hardware.matmul_flops(dtype, tokens / batch_split, width)
+    rows = tokens / batch_split
+    shape_factor = layer_shape_efficiency(plan, config, rows, sms)
+    rate = hardware.matmul_flops(dtype, rows, width) * shape_factor
     compute = 3 * stage.flops * tokens / tp / rate
     recompute = stage.recompute_flops * tokens / tp / rate
     subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
     if subbatches > 1:  # each layer runs on tokens / s rows at a time
-        sub_rate = hardware.matmul_flops(dtype, tokens / subbatches, width)
+        rows = tokens / subbatches
+        sub_rate = hardware.matmul_flops(dtype, rows, width)
+        sub_rate *= layer_shape_efficiency(plan, config, rows, sms)
         compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)
         recompute += _slower(stage.recompute_flops * tokens / tp, sub_rate, rate)
     expert_rate = rate
     if stage.n_moe:  # an expert computes its share of the ep group's tokens
-        expert_rate = hardware.matmul_flops(
-            dtype, tokens * config.top_k * plan.ep / config.n_experts, width
-        )
+        rows = tokens * config.top_k * plan.ep / config.n_experts
+        expert_rate = hardware.matmul_flops(dtype, rows, width)
+        expert_rate *= expert_shape_efficiency(config, rows, sms)
         expert = tokens * config.top_k * 4 * config.d_model * config.ffn_dim / tp  # per layer
         compute += _slower(3 * stage.n_moe * expert, expert_rate, rate)
         if not stage.selective:  # selective keeps the experts' matmul outputs
             recompute += _slower(stage.n_moe_checkpointed * expert, expert_rate, rate)
     traffic = 2 * stage.selective_elements * tokens / tp * activation_bytes(dtype)
     recompute += traffic / hardware.memory_bandwidth
-    return StageWork(compute, recompute, rate, expert_rate)
+    return StageWork(compute, recompute, rate, expert_rate, shape_factor)
 
 
 def _slower(flops: float, rate_at: float, rate: float) -> float:

@@ -28,6 +28,9 @@ loss) grows per token as the model's width d, its matmuls as d², so at a tensor
 speed a narrow model spends a larger share of its step outside the matmuls. For the dtypes in
 `width_half_by_dtype` the efficiency is multiplied by d / (d + w), w the width at which both
 take as long (dgx-h100's bf16 and fp16, fitted on two measured steps: see its entry).
+
+**Tile and wave quantisation.** On a GPU preset (`sm_count` > 0) each layer's matmul shapes
+cost a further factor (`planner.gemm`), multiplied in by the cost model (`cost_work`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class Hardware:
         pipeline bubbles then run the busy stages faster).
     matmul_half_rows: the rows (tokens) a matmul needs to reach half of matmul_efficiency
         (`efficiency`); 0: matmul_efficiency at every size.
+    sm_count: the device's streaming multiprocessors (compute units), over which a matmul's
+        output tiles run in waves (`planner.gemm`: its shape costs a factor of the rate); 0:
+        no shape model (a CPU, or an efficiency measured on the model's own step).
     efficiency_by_dtype: matmul_efficiency of the dtypes named here, where a step in that
         dtype was measured to reach another fraction of its peak (each in (0, 1]).
     width_half_by_dtype: for the dtypes named here, the model width d (d_model) at which a
@@ -84,6 +90,7 @@ class Hardware:
     memory_bandwidth: float = math.inf
     idle_speedup: float = 1.0
     matmul_half_rows: float = 0.0
+    sm_count: int = 0
     efficiency_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
     width_half_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
     sources: dict[str, str] = field(default_factory=dict, hash=False)
@@ -104,6 +111,11 @@ class Hardware:
         if not 0 <= self.overlap_efficiency <= 1:
             raise ConfigError(
                 f"{self.name}: overlap_efficiency={self.overlap_efficiency} must be in [0, 1]"
+            )
+        if not isinstance(self.sm_count, int) or self.sm_count < 0:
+            raise ConfigError(
+                f"{self.name}: sm_count={self.sm_count!r} must be an integer >= 0 (streaming "
+                "multiprocessors; 0 = no matmul shape model), e.g. 132"
             )
         if not self.idle_speedup >= 1:
             raise ConfigError(f"{self.name}: idle_speedup={self.idle_speedup} must be >= 1")
@@ -202,6 +214,7 @@ PRESETS: dict[str, Hardware] = {
         name="dgx-a100",
         peak_flops=_a100_peaks(),
         matmul_efficiency=0.75,
+        sm_count=108,
         memory_bytes=80 * GIB,
         devices_per_node=8,
         intra_node_bandwidth=300 * GB,
@@ -216,6 +229,7 @@ PRESETS: dict[str, Hardware] = {
         name="perlmutter",
         peak_flops=_a100_peaks(),
         matmul_efficiency=0.75,
+        sm_count=108,
         memory_bytes=40 * GIB,
         devices_per_node=4,
         intra_node_bandwidth=300 * GB,
@@ -230,7 +244,8 @@ PRESETS: dict[str, Hardware] = {
     # bf16 autocast + torch.compile reaches 34.8 % of the bf16 peak for gpt2-124m (d 768,
     # batch 16) and 40.6 % for gpt2-1.5b (d 1600, batch 8): non-matmul work (norms,
     # activations, residuals; per token ∝ d against the matmuls' ∝ d²) weighs more on the
-    # narrower model. E · d / (d + w) through both points gives E = 0.48, w = 291; Megatron-LM's
+    # narrower model. E · d / (d + w) through both points gives E = 0.48, w = 291 (fitted
+    # without the matmul shapes' factor, kept with it: docs/planner.md); Megatron-LM's
     # published H100 runs (41–49 % MFU at d 2048–20480, `bench published`) sit on the same
     # curve. fp32 reaches 68 % of the fp32 peak
     # (4.6 % of bf16's), which 0.7 prices. tf32 is not measured. The optimizer step streams at
@@ -243,6 +258,7 @@ PRESETS: dict[str, Hardware] = {
         matmul_efficiency=0.7,
         efficiency_by_dtype={"bf16": 0.48, "fp16": 0.48},
         width_half_by_dtype={"bf16": 291.0, "fp16": 291.0},
+        sm_count=132,
         memory_bytes=80 * GIB,
         devices_per_node=8,
         intra_node_bandwidth=450 * GB,
@@ -263,6 +279,7 @@ PRESETS: dict[str, Hardware] = {
         name="frontier",
         peak_flops={"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},
         matmul_efficiency=0.55,
+        sm_count=110,
         memory_bytes=64 * GIB,
         devices_per_node=8,
         intra_node_bandwidth=50 * GB,
@@ -277,6 +294,7 @@ PRESETS: dict[str, Hardware] = {
         name="rtx3090-ib",
         peak_flops={"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
         matmul_efficiency=0.65,
+        sm_count=82,
         memory_bytes=24 * GIB,
         devices_per_node=8,
         intra_node_bandwidth=16 * GB,

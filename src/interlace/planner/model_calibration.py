@@ -157,12 +157,13 @@ def cached_model_flops(
 def with_model_efficiency(hardware: Hardware, dtype: str, achieved_flops: float) -> Hardware:
     """`hardware` with its matmuls in `dtype` at the efficiency a model step reaching
     `achieved_flops` FLOP/s has against its peak (at most 1), at every size (a step measured
-    at one batch: the curve's half rows set to 0), so its compute is priced at the measured
-    step's time."""
+    at one batch: the curve's half rows set to 0, and no shape model: the measured step's
+    shapes are in it), so its compute is priced at the measured step's time."""
     efficiency = min(1.0, achieved_flops / hardware.peak(dtype))
     return dataclasses.replace(
         hardware,
         efficiency_by_dtype={**hardware.efficiency_by_dtype, dtype: efficiency},
         matmul_half_rows=0.0,
+        sm_count=0,
         sources={**hardware.sources, "compute": "the model's own step measured on this device"},
     )

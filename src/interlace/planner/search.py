@@ -333,10 +333,17 @@ def explain_rates(cost: PlanCost) -> str:
     r = cost.rates
     compute, links, memory = r["compute"], r["links"], r["memory"]["bandwidth"]
     optimizer = "not priced" if math.isinf(memory) else f"{memory / 1e9:.4g} GB/s"
+    shapes = ""
+    if compute["sms"]:
+        shapes = (
+            f", matmul shapes {compute['shape_factor']:.1%} of it (tile and wave quantisation "
+            f"on {compute['sms']} SMs, modelled)"
+        )
     return (
         f"Rates: compute {compute['flops'] / 1e12:.4g} TFLOP/s ({compute['of_peak']:.1%} of the "
-        f"{compute['dtype']} peak; {compute['source']}); links {links['intra_bandwidth'] / 1e9:.4g}"
-        f" GB/s, {links['intra_latency'] * 1e6:.3g} µs in a node and "
+        f"{compute['dtype']} peak; {compute['source']}{shapes}); links "
+        f"{links['intra_bandwidth'] / 1e9:.4g} GB/s, {links['intra_latency'] * 1e6:.3g} µs in a "
+        "node and "
         f"{links['inter_bandwidth'] / 1e9:.4g} GB/s, {links['inter_latency'] * 1e6:.3g} µs "
         f"between nodes ({links['source']}); overlap {r['overlap']['efficiency']:.0%} "
         f"({r['overlap']['source']}); optimizer memory {optimizer} ({r['memory']['source']})."

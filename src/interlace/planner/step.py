@@ -59,7 +59,8 @@ class StepTerms:
     data-parallel collectives per term, exposed and hidden (`cost_data`: `dp.all_reduce`, or
     `dp_cp.all_reduce` under context parallelism, `ep_dp.all_reduce`, FSDP's `dp_shard.*` and
     `dp_replicate.all_reduce`); `optimizer` the optimizer step (with gradient clipping) of the
-    device's parameters; `compute_rate` the FLOP/s the slowest stage's matmuls were priced at.
+    device's parameters; `compute_rate` the FLOP/s the slowest stage's matmuls were priced at,
+    `shape_factor` the part of it their shapes cost (`gemm`).
     """
 
     plan: Plan
@@ -82,6 +83,7 @@ class StepTerms:
     stages: tuple[Stage, ...]
     moe: dict[str, float] = field(default_factory=dict)
     compute_rate: float = 0.0
+    shape_factor: float = 1.0
 
     @property
     def stage_micro_batch(self) -> float:
@@ -167,6 +169,7 @@ def step_terms(
         stages=stages,
         moe=expert.summary,
         compute_rate=work.rate,
+        shape_factor=work.shape_factor,
     )
 
 

@@ -1,0 +1,135 @@
+"""Matmul efficiency by shape on a GPU: tile and wave quantisation.
+
+A GEMM kernel computes its [M, N] output in tiles of tile_m × tile_n, one tile per streaming
+multiprocessor (SM) at a time, the tiles running in waves of `sms`. The shape alone costs two
+losses (NVIDIA's performance guide calls them tile and wave quantisation):
+
+- the last row and column of tiles are partly empty: M·N of ⌈M/tile_m⌉·⌈N/tile_n⌉ tiles' slots
+  are useful;
+- the last wave leaves SMs idle: tiles of ⌈tiles / sms⌉ · sms slots are used.
+
+Their product is the fraction of the SMs' slots that computes useful output. An output of
+fewer tiles than SMs (a weight gradient [N, K] summed over many tokens) is split along its
+inner dimension as well (split-K: s chunks of at least `MIN_SPLIT_DEPTH`, each tile's chunks
+on s SMs, their partial sums added afterwards, not priced). A library picks its tile and split
+per shape; this model takes the best of the tile sizes in `TILES`, each at its own throughput
+relative to the largest (a smaller tile reuses each element it loads on fewer outputs), and of
+the power-of-two splits. The relative throughputs are assumed, not measured; stream-K kernels,
+which cut the wave loss further, are not modelled, so the factor is a lower bound for shapes
+near a wave boundary.
+
+`shape_efficiency(m, n, k, sms)` ∈ (0, 1] multiplies a hardware's large-matmul efficiency
+(`Hardware.efficiency`); it tends to 1 for large outputs. `layer_shape_efficiency` is the
+FLOP-weighted harmonic mean over the matmuls one device runs for a transformer layer under a
+plan — forward [M, N] (inner K), input gradient [M, K] (inner N), weight gradient [N, K]
+(inner M) of each linear — so that a layer's matmul time is its FLOPs / (rate · factor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from interlace.models.config import GPTConfig
+from interlace.plan import Plan
+
+TILES: tuple[tuple[int, int, float], ...] = (
+    (256, 128, 1.0),
+    (128, 128, 0.9),
+    (128, 64, 0.8),
+    (64, 64, 0.6),
+)
+"""(tile_m, tile_n, throughput relative to the largest) of the tiles a GEMM library may pick;
+each also transposed (tile_n × tile_m). Assumed: a smaller tile loads more per output."""
+MIN_SPLIT_DEPTH = 256
+"""The shallowest chunk of the inner dimension a split-K GEMM gives one SM."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of a block: n_in → n_out; `transposed` for the layers whose input is
+    split where the others' output is (Megatron's row-parallel: the out projection, down)."""
+
+    n_in: int
+    n_out: int
+    transposed: bool
+
+
+def block_linears(config: GPTConfig) -> tuple[Linear, ...]:
+    """The built-in GPT block's linears in execution order: q, k, v (kv heads · head width
+    each), out (transposed), up, gate (swiglu), down (transposed)."""
+    d, f = config.d_model, config.ffn_dim
+    kv = config.kv_heads * config.head_dim
+    feed_forward = (Linear(d, f, False),) * (2 if config.feed_forward == "swiglu" else 1)
+    return (
+        Linear(d, d, False),
+        Linear(d, kv, False),
+        Linear(d, kv, False),
+        Linear(d, d, True),
+        *feed_forward,
+        Linear(f, d, True),
+    )
+
+
+def expert_linears(config: GPTConfig) -> tuple[Linear, ...]:
+    """One expert's linears (whole on its owner): up, gate (swiglu), down."""
+    d, f = config.d_model, config.ffn_dim
+    up = (Linear(d, f, False),) * (2 if config.feed_forward == "swiglu" else 1)
+    return (*up, Linear(f, d, False))
+
+
+def shape_efficiency(m: float, n: float, k: float, sms: int) -> float:
+    """Fraction of `sms` SMs' tile slots an [m, n] GEMM output with inner dimension `k` fills
+    usefully, at the best of `TILES` and of the splits of k (see the module docstring); 1
+    without SMs (`sms` 0: no shape model)."""
+    if not sms:
+        return 1.0
+    m, n = max(1, math.ceil(m)), max(1, math.ceil(n))
+    splits = [2**i for i in range(int(math.log2(max(1.0, k / MIN_SPLIT_DEPTH))) + 1)]
+    best = 0.0
+    for tile_m, tile_n, relative in TILES:
+        for a, b in ((tile_m, tile_n), (tile_n, tile_m)):
+            tiles = math.ceil(m / a) * math.ceil(n / b)
+            for split in splits:
+                slots = math.ceil(tiles * split / sms) * sms * a * b / split
+                best = max(best, relative * m * n / slots)
+    return best
+
+
+def _split(plan: Plan, linear: Linear) -> tuple[int, int]:
+    """(in, out) divisors of `linear` on one device: 1D tp splits the output of a normal layer
+    and the input of a transposed one; a 3D grid (x, y, z) splits in over x and out over y (a
+    transposed layer: in over y, out over x)."""
+    if plan.tp3d is not None:
+        x, y, _ = plan.tp3d
+        return (y, x) if linear.transposed else (x, y)
+    return (plan.tp_size, 1) if linear.transposed else (1, plan.tp_size)
+
+
+def harmonic_efficiency(gemms: Iterable[tuple[float, float, float]], sms: int) -> float:
+    """FLOP-weighted harmonic mean of `shape_efficiency` over GEMMs (m, n, k), each run
+    forward ([m, n], inner k), for the input gradient ([m, k], inner n) and for the weight
+    gradient ([n, k], inner m)."""
+    flops = slow = 0.0
+    for m, n, k in gemms:
+        for rows, cols, inner in ((m, n, k), (m, k, n), (n, k, m)):
+            flops += m * n * k
+            slow += m * n * k / shape_efficiency(rows, cols, inner, sms)
+    return flops / slow if slow else 1.0
+
+
+def layer_shape_efficiency(plan: Plan, config: GPTConfig, rows: float, sms: int) -> float:
+    """The shape factor of one dense transformer layer's matmuls on one device under `plan`,
+    each seeing `rows` rows (see the module docstring)."""
+    gemms = []
+    for linear in block_linears(config):
+        split_in, split_out = _split(plan, linear)
+        gemms.append((rows, linear.n_out / split_out, linear.n_in / split_in))
+    return harmonic_efficiency(gemms, sms)
+
+
+def expert_shape_efficiency(config: GPTConfig, rows: float, sms: int) -> float:
+    """The shape factor of one expert's matmuls on `rows` rows (experts are whole on their
+    owners under every plan)."""
+    return harmonic_efficiency(((rows, e.n_out, e.n_in) for e in expert_linears(config)), sms)
