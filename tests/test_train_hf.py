@@ -1,6 +1,8 @@
-"""Hugging Face causal LMs as a run's model (`--model hf:PATH`): tiny GPT-2, Llama and Mixtral
-folders written by `save_pretrained` train through the Trainer under dp=2, tp=2, pp=2 and (the
-MoE model) ep=2 with the losses of the single-process run step for step; the folder's weights
+"""Hugging Face causal LMs as a run's model (`--model hf:PATH`): tiny GPT-2, Llama, Mixtral and
+Qwen2-MoE folders written by `save_pretrained` train through the Trainer under dp=2, tp=2, pp=2
+and (the MoE models) ep=2, and ep=2 with tp=2 (experts whole on their owners, the block's tokens
+shared by the tp ranks; the shared expert split as a dense feed-forward), with the losses of the
+single-process run step for step; the folder's weights
 are the ones trained (the first loss is the HF model's own on the same batch); what cannot run
 is refused before any rank starts."""
 
@@ -33,6 +35,7 @@ PLANS = {
         "tp3d=2x1x1",
     ],
     "mixtral": ["dp=2", "dp=2,ep=2", "pp=2,micro_batches=2"],
+    "qwen2_moe": ["dp=2,ep=2"],
 }
 
 
@@ -43,12 +46,16 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return {kind: saved_tiny_model(kind, root / kind, VOCAB) for kind in PLANS}
 
 
-def _losses(model: str, plan_text: str, world_size: int) -> list[float]:
+def _rows(model: str, plan_text: str, world_size: int) -> list[dict]:
     plan = Plan.parse(plan_text)
     config = dataclasses.replace(TINY_RUN, model=model)
     mesh = build_mesh(plan) if world_size > 1 else None
     trainer = Trainer(prepare_run(config, plan, world_size), mesh)
-    return [trainer.train_step()["loss"] for _ in range(config.steps)]
+    return [trainer.train_step() for _ in range(config.steps)]
+
+
+def _losses(model: str, plan_text: str, world_size: int) -> list[float]:
+    return [row["loss"] for row in _rows(model, plan_text, world_size)]
 
 
 @pytest.mark.parametrize(
@@ -58,6 +65,25 @@ def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_te
     serial = _losses(folders[kind], "dp=1", 1)
     for losses in run_ranks(2, _losses, folders[kind], plan_text, 2, timeout=120):
         assert losses == pytest.approx(serial, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "plan_text"),
+    [
+        ("mixtral", "dp=2,ep=2,tp=2"),
+        ("qwen2_moe", "dp=2,ep=2,tp=2"),
+        ("qwen2_moe", "dp_shard=2,ep=2,tp=2"),
+        ("mixtral", "dp=2,ep=2,tp=2,moe_balance=prophet"),
+    ],
+)
+def test_hf_experts_split_over_ep_beside_tensor_parallelism_train_as_in_one_process(
+    folders, kind, plan_text
+):
+    # losses and pre-clipping gradient norms: Adam's update would hide a gradient scaled by tp
+    serial = _rows(folders[kind], "dp=1", 1)
+    for rows in run_ranks(4, _rows, folders[kind], plan_text, 4, timeout=180):
+        for key, tolerance in (("loss", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-5})):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in serial], **tolerance)
 
 
 @pytest.mark.slow

@@ -34,12 +34,13 @@ def tensor_structure(model: nn.Module, plan: Plan) -> Structure:
     structure = _structure(model, f"tp={plan.tp}")
     subbatches = plan.overlap.tp_subbatches
     check_divisible(structure, plan.tp)
-    check_expert_blocks(model, structure, plan.tp, subbatches)
-    if plan.expert_parallel and structure.expert_blocks:
+    check_expert_blocks(model, structure, plan.tp, subbatches, plan.expert_parallel)
+    if plan.expert_parallel and structure.expert_blocks and plan.sequence_parallel:
         raise PlanError(
-            f"ep={plan.ep} with tp={plan.tp} is implemented for MoE layers whose experts are whole "
-            f"modules; the fused experts of {[b.name for b in structure.expert_blocks]} would be "
-            "split by both: use ep=1 (tensor-split experts) or tp=1"
+            f"ep={plan.ep} with tp={plan.tp} and sequence_parallel=true is not implemented for "
+            f"the fused-expert blocks {[b.name for b in structure.expert_blocks]} (their "
+            "router, shared expert and experts would each need the sequence shards handled); "
+            "use sequence_parallel=false"
         )
     check_tp_overlap(structure, subbatches, plan.sequence_parallel)
     return structure

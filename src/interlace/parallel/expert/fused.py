@@ -165,7 +165,12 @@ class FusedExpertParallel(ExpertParallelMoE):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """[N, d] tokens routed to experts `top_k_index` [N, k] with `top_k_weights` [N, k] →
-        [N, d]; collective over the expert group. Never traced by torch.compile."""
+        [N, d]; collective over the expert group. Never traced by torch.compile. Under ep ×
+        tp the routing is cut to the tokens this rank dispatches, as its hidden states are
+        (`tp_tokens`): the block routed them all, alike on every tp rank."""
+        share = self.tokens
+        if share is not None:
+            top_k_index, top_k_weights = share.enter(top_k_index), share.enter(top_k_weights)
         self.router.give(top_k_index, top_k_weights)
         return super().forward(hidden)
 

@@ -13,7 +13,7 @@ from torch import nn
 from interlace.comm import Group
 from interlace.divisors import check_divides
 from interlace.errors import PlanError
-from interlace.parallel.detect import Attention, FeedForward, Structure, linear_shape
+from interlace.parallel.detect import Attention, ExpertBlock, FeedForward, Structure, linear_shape
 from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.heads import heads_held, set_local_heads
 from interlace.parallel.tensor.comm import gather_sequence, scatter_sequence
@@ -59,7 +59,8 @@ def apply_tensor_parallel(
     `vocab_parallel_cross_entropy`; `gather_logits` all-gathers them to [..., V] instead (one
     all-gather of B·T·V/p elements per rank), for code that needs the full distribution (a
     Hugging Face model's own `labels` loss, `generate`). `expert_parallel`: expert parallelism
-    splits the other MoE layers next (`expert.tp_tokens`), so they may take sequence shards."""
+    splits the other MoE layers next (`expert.tp_tokens`), so they may take sequence shards,
+    and leaves fused-expert blocks' experts whole."""
     if sequence_parallel:
         _check_sequence_parallel(structure, expert_parallel)
     modules = dict(model.named_modules())
@@ -72,7 +73,10 @@ def apply_tensor_parallel(
         lines.append(_shard_feed_forward(modules[f.name], f, group, sequence_parallel))
         enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
     for b in structure.expert_blocks:
-        lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
+        if expert_parallel:  # experts whole: expert parallelism splits them next
+            lines.append(_keep_experts_whole(modules, b, structure.d_model, group))
+        else:
+            lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
     if structure.vocab is not None:
         split = functools.partial(shard_parameter, spec=ShardSpec(0), group=group)
         lines.append(
@@ -100,6 +104,23 @@ def _check_sequence_parallel(structure: Structure, expert_parallel: bool) -> Non
             f"{whole} (routing capacity and load balance need every token); "
             "use sequence_parallel=False, or ep > 1"
         )
+
+
+def _keep_experts_whole(
+    modules: dict[str, nn.Module], block: ExpertBlock, d: int, group: Group
+) -> str:
+    """Under ep × tp (no sequence parallelism), leave `block`'s fused experts whole for expert
+    parallelism, whose tp ranks then share the block's tokens (`expert.tp_tokens`); its router
+    and shared gate stay replicated, computing on the full input alike on every rank (no
+    gradient sum); a shared expert is split as a dense feed-forward, with its own entry and
+    row-parallel exit."""
+    line = f"{block.name}: experts kept whole for expert parallelism; router replicated"
+    if block.shared is None:
+        return line
+    shared = modules[block.shared.name]
+    split = _shard_feed_forward(shared, block.shared, group, False)
+    enter_block(shared, d, group, False)
+    return f"{line}; shared expert {split}"
 
 
 def _row_parallel(layer: nn.Module, group: Group, sequence_parallel: bool) -> RowParallelLinear:

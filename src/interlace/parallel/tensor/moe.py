@@ -46,10 +46,17 @@ FFN_WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "ffn_dim")
 """Attributes of an experts module or feed-forward holding its full width (by convention)."""
 
 
-def check_expert_blocks(model: nn.Module, structure: Structure, tp: int, subbatches: int) -> None:
+def check_expert_blocks(
+    model: nn.Module,
+    structure: Structure,
+    tp: int,
+    subbatches: int,
+    experts_whole: bool = False,
+) -> None:
     """Raise PlanError, before anything changes, if `tp` ranks cannot split `structure`'s
-    expert blocks: an expert or shared width not divisible by `tp`, a biased shared down
-    projection, or sub-batch overlap (`subbatches` > 1)."""
+    expert blocks: an expert width (unless `experts_whole`: expert parallelism keeps them) or
+    shared width not divisible by `tp`, a biased shared down projection, or sub-batch overlap
+    (`subbatches` > 1)."""
     if tp == 1 or not structure.expert_blocks:
         return
     names = [b.name for b in structure.expert_blocks]
@@ -59,11 +66,12 @@ def check_expert_blocks(model: nn.Module, structure: Structure, tp: int, subbatc
             f"{names}; use tp_subbatches=1"
         )
     for b in structure.expert_blocks:
-        widths = [(f"{b.name}.{b.experts}", b.ffn_dim)]
+        widths = [] if experts_whole else [(f"{b.name}.{b.experts}", b.ffn_dim)]
         if b.shared is not None:
             widths.append((b.shared.name, b.shared.ffn_dim))
             down = model.get_submodule(f"{b.shared.name}.{b.shared.down}")
-            if getattr(down, "bias", None) is not None:
+            # with whole experts the shared expert reduces its own output, bias added after
+            if getattr(down, "bias", None) is not None and not experts_whole:
                 raise PlanError(
                     f"{b.shared.name}.{b.shared.down}: a shared expert's down projection with "
                     "a bias cannot join the block's single all-reduce; build it without bias"
