@@ -1,8 +1,8 @@
 """Hugging Face causal LMs as a run's model (`--model hf:PATH`): tiny GPT-2, Llama, Mixtral and
 Qwen2-MoE folders written by `save_pretrained` train through the Trainer under dp=2, tp=2, pp=2
-and (the MoE models) ep=2, and ep=2 with tp=2 (experts whole on their owners, the block's tokens
-shared by the tp ranks; the shared expert split as a dense feed-forward), with the losses of the
-single-process run step for step; the folder's weights
+and (the MoE models) ep=2, and ep=2 with tp=2 or a 3D grid (experts whole on their owners, the
+block's tokens shared by the tensor-parallel ranks; under tp the shared expert split as a dense
+feed-forward), with the losses of the single-process run step for step; the folder's weights
 are the ones trained (the first loss is the HF model's own on the same batch); what cannot run
 is refused before any rank starts."""
 
@@ -74,6 +74,8 @@ def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_te
         ("qwen2_moe", "dp=2,ep=2,tp=2"),
         ("qwen2_moe", "dp_shard=2,ep=2,tp=2"),
         ("mixtral", "dp=2,ep=2,tp=2,moe_balance=prophet"),
+        ("mixtral", "dp=2,ep=2,tp3d=2x1x1"),
+        ("qwen2_moe", "dp=2,ep=2,tp3d=1x1x2"),
     ],
 )
 def test_hf_experts_split_over_ep_beside_tensor_parallelism_train_as_in_one_process(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from interlace.mesh import Mesh
 from interlace.parallel.expert.apply import parallelize_experts, share_tokens_over_tp
+from interlace.parallel.expert.fused import FusedExpertParallel
 from interlace.parallel.expert.grads import expert_norm_share
 from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
@@ -34,8 +35,11 @@ def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
     elif plan.tensor3d_parallel:
         tp, x = mesh.group("tp_xy"), mesh.group("tp_x")
         z = mesh.group("tp_z") if plan.tp3d[2] > 1 else None
-        for layer in result.model.modules():
-            if isinstance(layer, ExpertParallelMoE):
+        for name, layer in result.model.named_modules():
+            if isinstance(layer, FusedExpertParallel):  # its block routes: the block is whole
+                block = result.model.get_submodule(name.rpartition(".")[0])
+                keep_whole(block, layer.router.d_model, x)
+            elif isinstance(layer, ExpertParallelMoE):
                 keep_whole(layer, layer.router.d_model, x)
         result.report.append("ep × tp3d: each expert-parallel layer's input gathered over tp_x")
     if tp is not None:

@@ -43,8 +43,9 @@ its indices):
 `Shard3D` records which grid axes split a parameter, for checkpoint keys, the gradient norm,
 the runs of the full tensor a piece is read from (`shard3d_runs`: a model split on the meta
 device, `interlace.parallel.pieces`) and tests. Dense decoders found by structure are supported
-(the built-in GPT, HF GPT-2 and Llama); Mixture-of-Experts layers, and parameterised modules in
-the layers that are neither blocks nor norms, are refused with a PlanError.
+(the built-in GPT, HF GPT-2 and Llama); Mixture-of-Experts layers (the built-in ones, and HF
+blocks with fused experts) stay whole under expert parallelism (`keep_whole`) and are refused
+without it, as are parameterised modules in the layers that are neither blocks nor norms.
 
 Modules: `comm` (the collectives as autograd functions), `shard` (the grid, `Shard3D`, the runs
 a piece holds, checkpoint keys and the gradient norm of 3D pieces), `layers` (`Linear3D`,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,20 +33,15 @@ def check_tensor3d(
     expert_parallel: bool = False,
 ) -> None:
     """Raise PlanError, before anything is modified, if `model` cannot be split on the grid
-    (x, y, z): experts without `expert_parallel` (which keeps them whole, `keep_whole`) or
-    fused in one module, a missing layer list or final norm, norms it cannot split, and every
-    width or head count that the grid must divide."""
+    (x, y, z): experts without `expert_parallel` (which keeps them whole, `keep_whole`), a
+    missing layer list or final norm, norms it cannot split, and every width or head count
+    that the grid must divide."""
     x, y, z = tp3d
     where = f"tp3d={x}x{y}x{z}"
     if structure.experts and not expert_parallel:
         raise PlanError(
             f"{where} does not split Mixture-of-Experts layers {structure.experts}; use ep > 1 "
             "(experts whole on their owners), a dense model, or tp=N"
-        )
-    if structure.expert_blocks and expert_parallel:
-        raise PlanError(
-            f"ep with {where} is implemented for MoE layers whose experts are whole modules; "
-            f"{[b.name for b in structure.expert_blocks]} fuse theirs: use tp=N or ep=1"
         )
     for absent, what in (
         (structure.layers is None, "a layer list (nn.ModuleList) holding the attention blocks"),
@@ -193,15 +189,22 @@ def _split_residual(model: nn.Module, structure: Structure, x: Group) -> None:
 
 
 def keep_whole(module: nn.Module, d: int, x: Group) -> None:
-    """Let `module` (a layer the grid leaves whole: an expert-parallel MoE layer) take the full
-    hidden states: its input [..., d/x] all-gathered over x (backward: this rank's slice), its
-    output [..., d] cut to this rank's slice [..., d/x] (backward: all-gathered over x)."""
+    """Let `module` (a layer the grid leaves whole: an expert-parallel MoE layer, or a block
+    with fused experts) take the full hidden states: its input [..., d/x] all-gathered over x
+    (backward: this rank's slice), its output [..., d] (a tuple's first item: HF blocks also
+    return their router logits) cut to this rank's slice [..., d/x] (backward: all-gathered
+    over x)."""
 
     def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return replace_hidden(args, kwargs, d // x.size, lambda h: gather_last(h, x))
 
+    def split(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple):
+            return (split_last_dim(out[0], x), *out[1:])
+        return split_last_dim(out, x)
+
     module.register_forward_pre_hook(gather, with_kwargs=True)
-    module.register_forward_hook(lambda mod, args, out: split_last_dim(out, x))
+    module.register_forward_hook(split)
 
 
 def z_rows(x: torch.Tensor, z: Group) -> torch.Tensor:
