@@ -61,13 +61,14 @@ def saved_tiny_model(
     vocab: int = 320,
     max_shard_size: int | str = "50GB",
     dtype: torch.dtype = torch.float32,
+    **sizes,
 ) -> str:
     """`hf:folder` of a tiny `kind` model (d 32, 2 layers, 32 positions) saved there with its
     weights moved off their initialisation, so a model built from the config alone (with a
     run's seed) would differ. `vocab` (320) exceeds the byte tokenizer's 256 ids; a
     `max_shard_size` below the model's bytes saves several files and their index; `dtype`: the
-    files' (the model is saved converted to it)."""
-    model = tiny_hf_model(kind, 32, 2, vocab, positions=32)
+    files' (the model is saved converted to it); `sizes` as `tiny_hf_model`'s."""
+    model = tiny_hf_model(kind, 32, 2, vocab, positions=32, **sizes)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))

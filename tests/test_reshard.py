@@ -10,6 +10,7 @@ import json
 import pytest
 
 from helpers import TINY_RUN, train_steps
+from hf_models import needs_hf, saved_tiny_model
 from interlace.checkpoint import checkpoint_name
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
@@ -79,6 +80,17 @@ def test_expert_and_3d_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp
     config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
     plans = ["dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2,tp3d=1x1x2", "dp=2,ep=2"]
     _check_matrix(tmp_path, config, plans, [*plans, "dp=1", "dp=2,ep=2,tp=2"])
+
+
+@pytest.mark.slow
+@needs_hf
+def test_hf_fused_experts_resume_between_expert_layouts_with_tensor_splits(tmp_path):
+    # a Qwen2-MoE folder (fused experts, shared expert): each expert stored under its own key
+    # whole, beside the tensor split's pieces; multi-head attention, whose split pieces reshard
+    model = saved_tiny_model("qwen2_moe", tmp_path / "model", 320, kv_heads=4)
+    config = dataclasses.replace(BASE, model=model)
+    plans = ["dp=2,ep=2,tp=2", "dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2"]
+    _check_matrix(tmp_path, config, plans, plans)
 
 
 def test_sharded_stacked_experts_resume_under_expert_parallelism_and_back(tmp_path):

@@ -46,16 +46,17 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return {kind: saved_tiny_model(kind, root / kind, VOCAB) for kind in PLANS}
 
 
-def _rows(model: str, plan_text: str, world_size: int) -> list[dict]:
+def _rows(model: str, plan_text: str, world_size: int) -> tuple[list[dict], list[str]]:
+    """Each step's metrics, and the report of the split."""
     plan = Plan.parse(plan_text)
     config = dataclasses.replace(TINY_RUN, model=model)
     mesh = build_mesh(plan) if world_size > 1 else None
     trainer = Trainer(prepare_run(config, plan, world_size), mesh)
-    return [trainer.train_step() for _ in range(config.steps)]
+    return [trainer.train_step() for _ in range(config.steps)], trainer.parallel.report
 
 
 def _losses(model: str, plan_text: str, world_size: int) -> list[float]:
-    return [row["loss"] for row in _rows(model, plan_text, world_size)]
+    return [row["loss"] for row in _rows(model, plan_text, world_size)[0]]
 
 
 @pytest.mark.parametrize(
@@ -82,8 +83,9 @@ def test_hf_experts_split_over_ep_beside_tensor_parallelism_train_as_in_one_proc
     folders, kind, plan_text
 ):
     # losses and pre-clipping gradient norms: Adam's update would hide a gradient scaled by tp
-    serial = _rows(folders[kind], "dp=1", 1)
-    for rows in run_ranks(4, _rows, folders[kind], plan_text, 4, timeout=180):
+    serial = _rows(folders[kind], "dp=1", 1)[0]
+    for rows, report in run_ranks(4, _rows, folders[kind], plan_text, 4, timeout=180):
+        assert sum("of 4 on this rank (ep=2" in line for line in report) == 2  # both layers
         for key, tolerance in (("loss", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-5})):
             assert [r[key] for r in rows] == pytest.approx([r[key] for r in serial], **tolerance)
 

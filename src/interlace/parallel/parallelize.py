@@ -140,7 +140,7 @@ def parallelize(
         tensor3d_step(result, mesh, gather_logits)
     if plan.context_parallel:
         context_step(result, mesh)
-    experts = expert_step(result, mesh)
+    experts = expert_step(result, mesh, None if structure is None else structure.expert_blocks)
     apply_recompute(result)
     apply_precision(result, precision, mesh.device.type, moe_layers)
     apply_compile(result, compile)

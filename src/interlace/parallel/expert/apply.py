@@ -12,7 +12,7 @@ from torch import nn
 from interlace.comm import Group
 from interlace.moe.balance import Balancer, make_balancer
 from interlace.moe.layer import MoELayer
-from interlace.parallel.detect import find_expert_blocks
+from interlace.parallel.detect import ExpertBlock, find_expert_blocks
 from interlace.parallel.expert.fused import parallelize_fused_experts
 from interlace.parallel.expert.layer import ExpertParallelMoE, schedule_transfers
 from interlace.parallel.expert.tp_tokens import TokenShare
@@ -25,11 +25,13 @@ def parallelize_experts(
     balance: str | Balancer = "none",
     history: int = 16,
     overlap: bool = True,
+    blocks: list[ExpertBlock] | None = None,
 ) -> list[str]:
     """Replace every `MoELayer` in `model` by an `ExpertParallelMoE` over `group`, and the
-    fused experts module of every block with fused experts (HF Mixtral, Qwen2-MoE; found by
-    `detect.find_expert_blocks`) by a `FusedExpertParallel` (in place), linked in module order
-    by `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
+    fused experts module of every block with fused experts (HF Mixtral, Qwen2-MoE; `blocks`,
+    or found by `detect.find_expert_blocks`: pass those found before a tensor split changed
+    the blocks' other parts) by a `FusedExpertParallel` (in place), linked in module order by
+    `schedule_transfers` (`overlap`: asynchronous Trans and Agg).
 
     Every rank must pass the same full model. The built-in GPT keeps summing each layer's
     `aux_loss`. Returns one report line per replaced layer.
@@ -43,7 +45,7 @@ def parallelize_experts(
         parallel = ExpertParallelMoE(layer, group, balancer, history, overlap)
         setattr(model.get_submodule(parent_name), child, parallel)
         replaced.append((name, parallel))
-    blocks = find_expert_blocks(model)
+    blocks = find_expert_blocks(model) if blocks is None else blocks
     replaced += parallelize_fused_experts(model, blocks, group, balancer, history, overlap)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     replaced.sort(key=lambda item: order[item[0]])

@@ -5,6 +5,7 @@ reduces the experts over."""
 from __future__ import annotations
 
 from interlace.mesh import Mesh
+from interlace.parallel.detect import ExpertBlock
 from interlace.parallel.expert.apply import parallelize_experts, share_tokens_over_tp
 from interlace.parallel.expert.fused import FusedExpertParallel
 from interlace.parallel.expert.grads import expert_norm_share
@@ -14,7 +15,9 @@ from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.tensor3d.apply import keep_whole
 
 
-def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
+def expert_step(
+    result: Parallelized, mesh: Mesh, blocks: list[ExpertBlock] | None = None
+) -> ExpertGroups | None:
     """Step 2 of `parallelize`: experts split over "ep" (carved out of "dp"; collective),
     reduced over "ep_dp"; under 1D tensor parallelism each tp rank dispatches its share of the
     tokens, the experts reduced over "tp" too (`expert.tp_tokens`); under 3D tensor
@@ -22,13 +25,13 @@ def expert_step(result: Parallelized, mesh: Mesh) -> ExpertGroups | None:
     (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way;
     the grid's z slices route other rows, so the experts are summed over "tp_z" too and the aux
     loss averaged over it.
-    Returns the groups (None without ep), which the data step shards and reduces the experts
-    over."""
+    `blocks`: the blocks with fused experts, as found before step 1 split the model. Returns
+    the groups (None without ep), which the data step shards and reduces the experts over."""
     plan = result.plan
     if not plan.expert_parallel:
         return None
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
-    result.report += parallelize_experts(result.model, ep, plan.moe_balance)
+    result.report += parallelize_experts(result.model, ep, plan.moe_balance, blocks=blocks)
     tp = z = None  # the ranks that share one set of tokens; the grid's slices of the rows
     if plan.tensor_parallel:
         tp = mesh.group("tp")
