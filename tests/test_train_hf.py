@@ -121,7 +121,8 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(folders):
 
 
 def test_a_split_the_model_cannot_run_is_refused_before_launch(folders, tmp_path, capsys):
-    """pipeline × tensor parallelism of a HF model: exit 2, one line, no rank, no files."""
+    """pipeline × tensor parallelism (1D or 3D) of a HF model: exit 2, one line, no rank, no
+    files."""
     with pytest.raises(PlanError, match="use tp=1 for Hugging Face models"):
         prepare_run(
             dataclasses.replace(TINY_RUN, model=folders["gpt2"]),
@@ -133,6 +134,12 @@ def test_a_split_the_model_cannot_run_is_refused_before_launch(folders, tmp_path
     assert main([*argv, "--nproc", "4", "--out", str(out)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert not out.exists()
+    with pytest.raises(PlanError, match="use tp3d without pp for Hugging Face models"):
+        prepare_run(
+            dataclasses.replace(TINY_RUN, model=folders["llama"]),
+            Plan.parse("pp=2,tp3d=2x1x1,micro_batches=2"),
+            4,
+        )
 
 
 def test_the_planner_prices_a_hf_model_by_its_shape(folders, capsys):

@@ -332,6 +332,7 @@ def check_pipelined(model: nn.Module, plan: Plan) -> DecoderParts | None:
     if not isinstance(model, GPT):
         for active, what, fix in (
             (plan.tensor_parallel, f"tensor parallelism (tp={plan.tp})", "tp=1"),
+            (plan.tensor3d_parallel, "3D tensor parallelism (tp3d)", "tp3d without pp"),
             (plan.context_parallel, f"context parallelism (cp={plan.cp})", "cp=1"),
         ):
             if active:
