@@ -27,6 +27,7 @@ plan — forward [M, N] (inner K), input gradient [M, K] (inner N), weight gradi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ def expert_linears(config: GPTConfig) -> tuple[Linear, ...]:
     return (*up, Linear(f, d, False))
 
 
+@functools.lru_cache(maxsize=65536)  # a search prices the same few shapes for every plan
 def shape_efficiency(m: float, n: float, k: float, sms: int) -> float:
     """Fraction of `sms` SMs' tile slots an [m, n] GEMM output with inner dimension `k` fills
     usefully, at the best of `TILES` and of the splits of k (see the module docstring); 1
