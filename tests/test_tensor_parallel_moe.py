@@ -97,13 +97,13 @@ def test_widths_not_divisible_and_subbatches_are_refused_before_any_change():
 
 
 @needs_hf
-def test_expert_and_tensor_parallelism_on_fused_experts_refuse_sequence_parallelism():
-    # ep × tp keeps fused experts whole (test_train_hf.py trains it); with sequence shards the
-    # router, shared expert and experts would each need them handled
-    model = tiny_hf_model("mixtral", D, 1, VOCAB, positions=64)
-    check_fits(model, Plan(dp=2, ep=2, tp=2))
-    with pytest.raises(PlanError, match="use sequence_parallel=false"):
-        check_fits(model, Plan(dp=2, ep=2, tp=2, sequence_parallel=True))
+def test_expert_and_tensor_parallelism_keep_fused_experts_whole_for_expert_parallelism():
+    # (test_train_hf.py trains these layouts as one process)
+    model = tiny_hf_model("qwen2_moe", D, 1, VOCAB, positions=64, shared_ffn=90)
+    for sp in (False, True):
+        check_fits(model, Plan(dp=2, ep=2, tp=2, sequence_parallel=sp))
+    with pytest.raises(PlanError, match="ffn width"):  # the shared expert is still split
+        check_fits(model, Plan(dp=2, ep=2, tp=4))
 
 
 def _sharded_shapes(kind: str) -> dict:

@@ -74,6 +74,7 @@ def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_te
         ("mixtral", "dp=2,ep=2,tp=2"),
         ("qwen2_moe", "dp=2,ep=2,tp=2"),
         ("qwen2_moe", "dp_shard=2,ep=2,tp=2"),
+        ("qwen2_moe", "dp=2,ep=2,tp=2,sequence_parallel=true"),
         ("mixtral", "dp=2,ep=2,tp=2,moe_balance=prophet"),
         ("mixtral", "dp=2,ep=2,tp3d=2x1x1"),
         ("qwen2_moe", "dp=2,ep=2,tp3d=1x1x2"),

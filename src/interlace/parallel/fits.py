@@ -35,13 +35,6 @@ def tensor_structure(model: nn.Module, plan: Plan) -> Structure:
     subbatches = plan.overlap.tp_subbatches
     check_divisible(structure, plan.tp)
     check_expert_blocks(model, structure, plan.tp, subbatches, plan.expert_parallel)
-    if plan.expert_parallel and structure.expert_blocks and plan.sequence_parallel:
-        raise PlanError(
-            f"ep={plan.ep} with tp={plan.tp} and sequence_parallel=true is not implemented for "
-            f"the fused-expert blocks {[b.name for b in structure.expert_blocks]} (their "
-            "router, shared expert and experts would each need the sequence shards handled); "
-            "use sequence_parallel=false"
-        )
     check_tp_overlap(structure, subbatches, plan.sequence_parallel)
     return structure
 

@@ -74,7 +74,8 @@ def apply_tensor_parallel(
         enter_block(modules[f.name], structure.d_model, group, sequence_parallel)
     for b in structure.expert_blocks:
         if expert_parallel:  # experts whole: expert parallelism splits them next
-            lines.append(_keep_experts_whole(modules, b, structure.d_model, group))
+            line = _keep_experts_whole(modules, b, structure.d_model, group, sequence_parallel)
+            lines.append(line)
         else:
             lines.append(shard_expert_block(modules[b.name], b, group, sequence_parallel))
     if structure.vocab is not None:
@@ -107,14 +108,19 @@ def _check_sequence_parallel(structure: Structure, expert_parallel: bool) -> Non
 
 
 def _keep_experts_whole(
-    modules: dict[str, nn.Module], block: ExpertBlock, d: int, group: Group
+    modules: dict[str, nn.Module], block: ExpertBlock, d: int, group: Group, sp: bool
 ) -> str:
-    """Under ep × tp (no sequence parallelism), leave `block`'s fused experts whole for expert
-    parallelism, whose tp ranks then share the block's tokens (`expert.tp_tokens`); its router
-    and shared gate stay replicated, computing on the full input alike on every rank (no
-    gradient sum); a shared expert is split as a dense feed-forward, with its own entry and
-    row-parallel exit."""
+    """Under ep × tp, leave `block`'s fused experts whole for expert parallelism. Without
+    sequence parallelism (`sp`) its tp ranks then share the block's tokens
+    (`expert.tp_tokens`); its router and shared gate stay replicated, computing on the full
+    input alike on every rank (no gradient sum); a shared expert is split as a dense
+    feed-forward, with its own entry and row-parallel exit. With it the block runs whole on
+    each rank's sequence shard: router, shared expert and gate replicated, their gradients
+    summed over tp by the sequence pass (`_shard_sequence`), the experts dispatching each
+    rank's own tokens."""
     line = f"{block.name}: experts kept whole for expert parallelism; router replicated"
+    if sp:
+        return f"{line}; the block runs whole on each rank's sequence shard"
     if block.shared is None:
         return line
     shared = modules[block.shared.name]
