@@ -142,3 +142,16 @@ def test_a_grid_with_z_sums_the_ends_gradients_over_z(plan, shards):
     # ranks of one node: by a hook each micro-batch (one here), or FSDP2's shard once a step
     exposed, _ = terms(Plan.parse(plan))
     assert exposed["tp_z.all_reduce"] == pytest.approx(2 * (ALPHA + ROOT / shards * FP32 / 2 / BW))
+
+
+def test_fsdp_over_a_grid_with_z_keeps_the_whole_root_gathered_for_the_backward():
+    # dp_shard=2, tp3d=1x1x2: each z rank holds the ends whole (split over x·y = 1) and half
+    # of each layer's weights; the root stays gathered after the forward, so the backward
+    # gathers the two layers' halves only. The shard group's ranks sit 2 apart: two nodes
+    exposed, hidden = terms(Plan.parse("dp_shard=2,tp3d=1x1x2,tp3d_prefetch=false"))
+    gather = exposed["dp_shard.all_gather"] + hidden["dp_shard.all_gather"]
+
+    def slow_gather(params):
+        return ALPHA + params / 2 * BF16 / SLOW
+
+    assert gather == pytest.approx(slow_gather(LAYER + ROOT) + slow_gather(LAYER))

@@ -144,7 +144,8 @@ def _sharded_terms(
     shard, dpn = plan.shard_ranks, hardware.devices_per_node  # dp_shard, × cp under cp
     inside = group_inside_node(shard, plan.tp_size, dpn)
     layer = max(s.params for st in stages for s in st.shards if s.kind == "layer") / plan.tp_size
-    root = max(st.params - st.layer_params for st in stages) / plan.tp_size  # kept gathered
+    # kept gathered: the ends, split by vocabulary rows over tp (a 3D grid's x·y ranks)
+    root = max(st.params - st.layer_params for st in stages) / split_group(plan)[1]
 
     def gather(n: float) -> float:  # the payload of an all_gather is each rank's shard
         return collective_seconds("all_gather", n / shard * param_bytes, shard, inside, hardware)
