@@ -57,27 +57,20 @@ class Linear:
     transposed: bool
 
 
-def block_linears(config: GPTConfig) -> tuple[Linear, ...]:
-    """The built-in GPT block's linears in execution order: q, k, v (kv heads · head width
-    each), out (transposed), up, gate (swiglu), down (transposed)."""
-    d, f = config.d_model, config.ffn_dim
-    kv = config.kv_heads * config.head_dim
-    feed_forward = (Linear(d, f, False),) * (2 if config.feed_forward == "swiglu" else 1)
-    return (
-        Linear(d, d, False),
-        Linear(d, kv, False),
-        Linear(d, kv, False),
-        Linear(d, d, True),
-        *feed_forward,
-        Linear(f, d, True),
-    )
-
-
-def expert_linears(config: GPTConfig) -> tuple[Linear, ...]:
-    """One expert's linears (whole on its owner): up, gate (swiglu), down."""
+def feed_forward_linears(config: GPTConfig) -> tuple[Linear, ...]:
+    """A feed-forward's linears (a block's, or one expert's) in execution order: up, gate
+    (swiglu), down (transposed)."""
     d, f = config.d_model, config.ffn_dim
     up = (Linear(d, f, False),) * (2 if config.feed_forward == "swiglu" else 1)
-    return (*up, Linear(f, d, False))
+    return (*up, Linear(f, d, True))
+
+
+def block_linears(config: GPTConfig) -> tuple[Linear, ...]:
+    """The built-in GPT block's linears in execution order: q, k, v (kv heads · head width
+    each), out (transposed), then `feed_forward_linears`."""
+    d, kv = config.d_model, config.kv_heads * config.head_dim
+    attention = (Linear(d, d, False), Linear(d, kv, False), Linear(d, kv, False))
+    return (*attention, Linear(d, d, True), *feed_forward_linears(config))
 
 
 @functools.lru_cache(maxsize=65536)  # a search prices the same few shapes for every plan
@@ -134,4 +127,5 @@ def layer_shape_efficiency(plan: Plan, config: GPTConfig, rows: float, sms: int)
 def expert_shape_efficiency(config: GPTConfig, rows: float, sms: int) -> float:
     """The shape factor of one expert's matmuls on `rows` rows (experts are whole on their
     owners under every plan)."""
-    return harmonic_efficiency(((rows, e.n_out, e.n_in) for e in expert_linears(config)), sms)
+    linears = feed_forward_linears(config)
+    return harmonic_efficiency(((rows, e.n_out, e.n_in) for e in linears), sms)

@@ -102,7 +102,7 @@ class _SplitNorm(torch.autograd.Function):
         sums = [x.sum(-1), x.pow(2).sum(-1)] if centered else [x.pow(2).sum(-1)]
         stats = summed(torch.stack(sums, -1), group) / width
         mean = stats[..., 0] if centered else None
-        square = stats[..., -1] - (mean.pow(2) if centered else 0.0)
+        square = stats[..., -1] - (0.0 if mean is None else mean.pow(2))
         inv = torch.rsqrt(square + eps).unsqueeze(-1)
         normed = (x if mean is None else x - mean.unsqueeze(-1)) * inv
         ctx.save_for_backward(x, weight, mean, inv)
@@ -115,8 +115,8 @@ class _SplitNorm(torch.autograd.Function):
         x, weight, mean, inv = ctx.saved_tensors
         normed = (x if mean is None else x - mean.unsqueeze(-1)) * inv
         g = dy * weight
-        sums = [g.sum(-1), (g * normed).sum(-1)] if mean is not None else [(g * normed).sum(-1)]
-        stats = summed(torch.stack(sums, -1), ctx.group) / ctx.width
+        sums = [g.sum(-1)] if mean is not None else []
+        stats = summed(torch.stack([*sums, (g * normed).sum(-1)], -1), ctx.group) / ctx.width
         dx = g - normed * stats[..., -1:]
         if mean is not None:
             dx = dx - stats[..., :1]
