@@ -9,10 +9,16 @@ import pytest
 from interlace.errors import ConfigError
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
-from interlace.planner.gemm import harmonic_efficiency, layer_shape_efficiency, shape_efficiency
+from interlace.planner.gemm import (
+    harmonic_efficiency,
+    layer_shape_efficiency,
+    shape_efficiency,
+    shape_model,
+)
 from interlace.planner.hardware import PRESETS, local
 
 SMS = 132
+H100_TILES = shape_model(PRESETS["dgx-h100"])  # tile and wave quantisation on 132 SMs
 
 
 def test_an_output_of_one_full_wave_of_the_largest_tile_fills_every_sm():
@@ -38,7 +44,7 @@ def test_a_small_output_over_a_deep_sum_is_split_along_it():
 def test_a_linear_is_priced_by_its_three_matmuls_harmonically():
     # forward [3072, 1408] and input gradient [3072, 1408]: one full wave each; the weight
     # gradient [1408, 1408] over 3072 rows: 66 tiles split in two, 121 / 132 of the slots useful
-    q = harmonic_efficiency([(3072, 1408, 1408)], SMS)
+    q = harmonic_efficiency([(3072, 1408, 1408)], H100_TILES)
     assert q == pytest.approx(3 / (1 + 1 + 132 / 121))
 
 
@@ -60,8 +66,8 @@ def test_a_linear_is_priced_by_its_three_matmuls_harmonically():
 def test_a_layer_is_priced_at_the_shapes_one_device_holds(plan, shapes):
     config = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4)
     rows = 512
-    expected = harmonic_efficiency([(rows, n, k) for n, k in shapes], SMS)
-    assert layer_shape_efficiency(plan, config, rows, SMS) == pytest.approx(expected)
+    expected = harmonic_efficiency([(rows, n, k) for n, k in shapes], H100_TILES)
+    assert layer_shape_efficiency(plan, config, rows, H100_TILES) == pytest.approx(expected)
     assert expected < 1
 
 

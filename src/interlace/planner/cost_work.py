@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
-from interlace.planner.gemm import expert_shape_efficiency, layer_shape_efficiency
+from interlace.planner.gemm import (
+    expert_shape_efficiency,
+    layer_shape_efficiency,
+    shape_model,
+)
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage
 
@@ -53,11 +57,11 @@ def stage_work(
 ) -> StageWork:
     """The compute of `stage` for a micro-batch of `tokens` tokens in `dtype` under `plan`
     (see the module docstring); experts at their balanced share of the tokens."""
-    tp, sms = plan.tp_size, hardware.sm_count
+    tp, shapes = plan.tp_size, shape_model(hardware)
     batch_split = plan.tp3d[2] if plan.tp3d is not None else 1  # 3D: z splits the tokens
     width = config.d_model  # the model's width: how much non-matmul work each token carries
     rows = tokens / batch_split
-    shape_factor = layer_shape_efficiency(plan, config, rows, sms)
+    shape_factor = layer_shape_efficiency(plan, config, rows, shapes)
     rate = hardware.matmul_flops(dtype, rows, width) * shape_factor
     compute = 3 * stage.flops * tokens / tp / rate
     recompute = stage.recompute_flops * tokens / tp / rate
@@ -65,14 +69,14 @@ def stage_work(
     if subbatches > 1:  # each layer runs on tokens / s rows at a time
         rows = tokens / subbatches
         sub_rate = hardware.matmul_flops(dtype, rows, width)
-        sub_rate *= layer_shape_efficiency(plan, config, rows, sms)
+        sub_rate *= layer_shape_efficiency(plan, config, rows, shapes)
         compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)
         recompute += _slower(stage.recompute_flops * tokens / tp, sub_rate, rate)
     expert_rate = rate
     if stage.n_moe:  # an expert computes its share of the ep group's tokens
         rows = tokens * config.top_k * plan.ep / config.n_experts
         expert_rate = hardware.matmul_flops(dtype, rows, width)
-        expert_rate *= expert_shape_efficiency(config, rows, sms)
+        expert_rate *= expert_shape_efficiency(config, rows, shapes)
         expert = tokens * config.top_k * 4 * config.d_model * config.ffn_dim / tp  # per layer
         compute += _slower(3 * stage.n_moe * expert, expert_rate, rate)
         if not stage.selective:  # selective keeps the experts' matmul outputs

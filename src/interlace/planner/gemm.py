@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from interlace.models.config import GPTConfig
 from interlace.plan import Plan
+from interlace.planner.hardware import Hardware
 
 TILES: tuple[tuple[int, int, float], ...] = (
     (256, 128, 1.0),
@@ -45,6 +46,9 @@ TILES: tuple[tuple[int, int, float], ...] = (
 each also transposed (tile_n × tile_m). Assumed: a smaller tile loads more per output."""
 MIN_SPLIT_DEPTH = 256
 """The shallowest chunk of the inner dimension a split-K GEMM gives one SM."""
+
+GemmFactor = Callable[[float, float, float], float]
+"""(m, n, k) → the fraction of a large matmul's rate an [m, n] output over inner k reaches."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,12 @@ def shape_efficiency(m: float, n: float, k: float, sms: int) -> float:
     return best
 
 
+def shape_model(hardware: Hardware) -> GemmFactor:
+    """How `hardware`'s matmul rate depends on the shape: tile and wave quantisation on its
+    `sm_count` SMs (`shape_efficiency`; 1 at every shape without SMs)."""
+    return functools.partial(shape_efficiency, sms=hardware.sm_count)
+
+
 def _split(plan: Plan, linear: Linear) -> tuple[int, int]:
     """(in, out) divisors of `linear` on one device: 1D tp splits the output of a normal layer
     and the input of a transposed one; a 3D grid (x, y, z) splits in over x and out over y (a
@@ -102,30 +112,30 @@ def _split(plan: Plan, linear: Linear) -> tuple[int, int]:
     return (plan.tp_size, 1) if linear.transposed else (1, plan.tp_size)
 
 
-def harmonic_efficiency(gemms: Iterable[tuple[float, float, float]], sms: int) -> float:
-    """FLOP-weighted harmonic mean of `shape_efficiency` over GEMMs (m, n, k), each run
+def harmonic_efficiency(gemms: Iterable[tuple[float, float, float]], factor: GemmFactor) -> float:
+    """FLOP-weighted harmonic mean of `factor` (`shape_model`) over GEMMs (m, n, k), each run
     forward ([m, n], inner k), for the input gradient ([m, k], inner n) and for the weight
     gradient ([n, k], inner m)."""
     flops = slow = 0.0
     for m, n, k in gemms:
         for rows, cols, inner in ((m, n, k), (m, k, n), (n, k, m)):
             flops += m * n * k
-            slow += m * n * k / shape_efficiency(rows, cols, inner, sms)
+            slow += m * n * k / factor(rows, cols, inner)
     return flops / slow if slow else 1.0
 
 
-def layer_shape_efficiency(plan: Plan, config: GPTConfig, rows: float, sms: int) -> float:
-    """The shape factor of one dense transformer layer's matmuls on one device under `plan`,
-    each seeing `rows` rows (see the module docstring)."""
+def layer_shape_efficiency(plan: Plan, config: GPTConfig, rows: float, factor: GemmFactor) -> float:
+    """The shape factor (`factor`: `shape_model`) of one dense transformer layer's matmuls on
+    one device under `plan`, each seeing `rows` rows (see the module docstring)."""
     gemms = []
     for linear in block_linears(config):
         split_in, split_out = _split(plan, linear)
         gemms.append((rows, linear.n_out / split_out, linear.n_in / split_in))
-    return harmonic_efficiency(gemms, sms)
+    return harmonic_efficiency(gemms, factor)
 
 
-def expert_shape_efficiency(config: GPTConfig, rows: float, sms: int) -> float:
-    """The shape factor of one expert's matmuls on `rows` rows (experts are whole on their
-    owners under every plan)."""
+def expert_shape_efficiency(config: GPTConfig, rows: float, factor: GemmFactor) -> float:
+    """The shape factor (`factor`: `shape_model`) of one expert's matmuls on `rows` rows
+    (experts are whole on their owners under every plan)."""
     linears = feed_forward_linears(config)
-    return harmonic_efficiency(((rows, e.n_out, e.n_in) for e in linears), sms)
+    return harmonic_efficiency(((rows, e.n_out, e.n_in) for e in linears), factor)
