@@ -175,7 +175,7 @@ def test_a_steps_compute_is_priced_at_its_models_width():
         config = get_preset(name)
         stage = pipeline_stages(model_profile(config), plan)[0]
         work = stage_work(plan, config, stage, 8192, h100, "bf16")
-        shapes = layer_shape_efficiency(plan, config, 8192, shape_model(h100))
+        shapes = layer_shape_efficiency(plan, config, 8192, shape_model(h100, "bf16"))
         assert work.shape_factor == shapes < 1
         efficiency = h100.efficiency(8192, "bf16", config.d_model)
         assert work.rate == pytest.approx(989e12 * efficiency * shapes)
@@ -190,7 +190,7 @@ def test_explain_gives_each_rate_with_where_it_came_from():
     config = get_preset("gpt2-124m")
     h100 = estimate(Plan(dp=8), config, get_hardware("dgx-h100"), 64)
     shapes = layer_shape_efficiency(
-        Plan(dp=8), config, 8 * 1024, shape_model(get_hardware("dgx-h100"))
+        Plan(dp=8), config, 8 * 1024, shape_model(get_hardware("dgx-h100"), "bf16")
     )
     rate = 989e12 * get_hardware("dgx-h100").efficiency(8 * 1024, "bf16", 768) * shapes
     assert h100.rates["compute"]["flops"] == pytest.approx(rate)

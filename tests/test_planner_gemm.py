@@ -18,7 +18,7 @@ from interlace.planner.gemm import (
 from interlace.planner.hardware import PRESETS, local
 
 SMS = 132
-H100_TILES = shape_model(PRESETS["dgx-h100"])  # tile and wave quantisation on 132 SMs
+H100_TILES = shape_model(PRESETS["dgx-h100"], "bf16")  # tile and wave quantisation on 132 SMs
 
 
 def test_an_output_of_one_full_wave_of_the_largest_tile_fills_every_sm():

@@ -74,7 +74,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
                 f"  d={cfg.d_model:<6d} heads={heads or cfg.n_heads:<7} {kind}"
             )
         return 0
-    local_only = args.calibrate_model or args.recalibrate or args.bandwidth
+    local_only = args.calibrate_model or args.calibrate or args.recalibrate or args.bandwidth
     if args.search or args.hardware is not None or local_only:  # priced: refused off local
         from interlace.planner.cli import run_planner
 

@@ -164,7 +164,7 @@ def measure_matmul_flops(
     n, k, m = shape or MATMUL_SHAPES[device.type]
     a = torch.randn(n, k, device=device, dtype=DTYPES[dtype])
     b = torch.randn(k, m, device=device, dtype=DTYPES[dtype])
-    return 2 * n * k * m / _best_seconds(lambda: a @ b, threads, min_seconds, device)
+    return 2 * n * k * m / best_seconds(lambda: a @ b, threads, min_seconds, device)
 
 
 def measure_optimizer_bandwidth(
@@ -191,11 +191,11 @@ def measure_optimizer_bandwidth(
         clipping.clip_(1.0, optimizer)
         optimizer.step()
 
-    seconds = _best_seconds(step, threads, min_seconds, device)  # its warm-up makes the moments
+    seconds = best_seconds(step, threads, min_seconds, device)  # its warm-up makes the moments
     return step_bytes_per_param() * 8 * (params // 8) / seconds
 
 
-def _best_seconds(
+def best_seconds(
     fn: Callable[[], object], threads: int, min_seconds: float, device: torch.device
 ) -> float:
     """The shortest of repeated calls of `fn` (after one warm-up) within about `min_seconds`,
@@ -492,6 +492,7 @@ __all__ = [
     "CACHE_ENV",
     "CALIBRATED_DTYPES",
     "Calibration",
+    "best_seconds",
     "cache_path",
     "calibrate",
     "fingerprint",

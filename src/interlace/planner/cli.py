@@ -30,9 +30,14 @@ from interlace.planner.context_choice import context_choice
 from interlace.planner.cost import PlanCost, estimate
 from interlace.planner.cost_moe import check_expert_skew
 from interlace.planner.hardware import GIB, LOCAL, PRESETS, Hardware, get_hardware
-from interlace.planner.model_calibration import cached_model_flops, with_model_efficiency
+from interlace.planner.model_calibration import (
+    cached_model_flops,
+    surface_factor,
+    with_model_efficiency,
+)
 from interlace.planner.search import check_plan, explain, pad_vocab, search
 from interlace.planner.simulate import simulate
+from interlace.planner.surface_measure import cached_surface, with_surface
 from interlace.precision import FP8, Precision, resolve_precision
 from interlace.rates import parse_rate
 from interlace.timeline import plot_timeline, write_chrome_trace
@@ -124,6 +129,13 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         "--recalibrate",
         action="store_true",
         help=f"with --hardware {LOCAL}: measure this machine again instead of using the cache",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help=f"with --hardware {LOCAL}: price each matmul by its shape and attention by its "
+        "sequence length and head width, at rates measured on a grid of shapes on this "
+        "machine's device (a few seconds once per dtype and ranks; cached)",
     )
     p.add_argument(
         "--calibrate-model",
@@ -231,6 +243,8 @@ def run_planner(args: argparse.Namespace) -> int:
             "matmul rates yet (an upper bound on the step)",
             file=sys.stderr,
         )
+    if args.calibrate:
+        hardware = with_surface(hardware, cached_surface(args.dtype, n, args.recalibrate))
     if args.calibrate_model:
         measured = replace(spec, seq_len=args.seq) if args.seq else spec
         hardware = calibrated_for_model(hardware, measured, args, n)
@@ -303,10 +317,10 @@ def resolve_hardware(args: argparse.Namespace, n: int) -> Hardware:
     `n` ranks, its links at `--bandwidth` when given. ConfigError for options that need local."""
     name = args.hardware or DEFAULT_HARDWARE
     if name != LOCAL:
-        if args.recalibrate or args.bandwidth or args.calibrate_model:
+        if args.recalibrate or args.bandwidth or args.calibrate_model or args.calibrate:
             raise ConfigError(
-                f"--recalibrate, --bandwidth and --calibrate-model apply to --hardware {LOCAL} "
-                f"only, not {name!r}"
+                f"--recalibrate, --bandwidth, --calibrate and --calibrate-model apply to "
+                f"--hardware {LOCAL} only, not {name!r}"
             )
         return get_hardware(name)
     rate = parse_rate(args.bandwidth) / 8 if args.bandwidth else None
@@ -321,7 +335,9 @@ def calibrated_for_model(
     batch (`model_calibration`; said on stderr, so --json stays parseable)."""
     rows = max(1, args.global_batch // n)
     achieved = cached_model_flops(spec, rows, args.dtype, args.recalibrate)
-    calibrated = with_model_efficiency(hardware, args.dtype, achieved)
+    calibrated = with_model_efficiency(
+        hardware, args.dtype, achieved, surface_factor(spec, hardware, rows, args.dtype)
+    )
     print(
         f"{args.model}: its {args.dtype} training step reaches {achieved / 1e12:.3g} TFLOP/s "
         f"at {rows} sequences, {calibrated.efficiency(None, args.dtype):.1%} of this "

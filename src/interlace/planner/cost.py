@@ -55,6 +55,7 @@ from interlace.models.config import GPTConfig
 from interlace.plan import Plan
 from interlace.planner.bytes import activation_bytes
 from interlace.planner.cost_pipeline import bubble_stage_times, pipeline_stages
+from interlace.planner.gemm import shape_source
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage, model_profile, stage_memory
 from interlace.planner.step import StepTerms, step_terms
@@ -175,6 +176,7 @@ def priced_rates(hardware: Hardware, dtype: str, terms: StepTerms) -> dict[str, 
             "dtype": dtype,
             "shape_factor": terms.shape_factor,
             "sms": hardware.sm_count,
+            "shapes": shape_source(hardware, dtype),
         },
         "links": {
             "intra_latency": intra[0],

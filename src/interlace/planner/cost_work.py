@@ -15,6 +15,11 @@ SMs (`gemm.layer_shape_efficiency`, 1 without SMs; experts: `gemm.expert_shape_e
 - for each expert its share of the ep group's tokens, tokens · top_k · ep / E (balanced).
 
 Tensor parallelism divides the layers' FLOPs by the tp group size.
+
+Where the hardware has rates measured on a grid of shapes in `dtype` (`planner.surface`,
+`--calibrate`), those price each matmul shape in place of q, and attention's 4 · T · w FLOPs
+a token (forward; twice that backward, again in a replayed forward) run at the causal
+attention kernel's measured rate at the sequence length T and head width, not at the matmuls'.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def stage_work(
 ) -> StageWork:
     """The compute of `stage` for a micro-batch of `tokens` tokens in `dtype` under `plan`
     (see the module docstring); experts at their balanced share of the tokens."""
-    tp, shapes = plan.tp_size, shape_model(hardware)
+    tp, shapes = plan.tp_size, shape_model(hardware, dtype)
     batch_split = plan.tp3d[2] if plan.tp3d is not None else 1  # 3D: z splits the tokens
     width = config.d_model  # the model's width: how much non-matmul work each token carries
     rows = tokens / batch_split
@@ -67,20 +72,28 @@ def stage_work(
     recompute = stage.recompute_flops * tokens / tp / rate
     subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
     if subbatches > 1:  # each layer runs on tokens / s rows at a time
-        rows = tokens / subbatches
-        sub_rate = hardware.matmul_flops(dtype, rows, width)
-        sub_rate *= layer_shape_efficiency(plan, config, rows, shapes)
+        sub_rows = tokens / subbatches
+        sub_rate = hardware.matmul_flops(dtype, sub_rows, width)
+        sub_rate *= layer_shape_efficiency(plan, config, sub_rows, shapes)
         compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)
         recompute += _slower(stage.recompute_flops * tokens / tp, sub_rate, rate)
     expert_rate = rate
     if stage.n_moe:  # an expert computes its share of the ep group's tokens
-        rows = tokens * config.top_k * plan.ep / config.n_experts
-        expert_rate = hardware.matmul_flops(dtype, rows, width)
-        expert_rate *= expert_shape_efficiency(config, rows, shapes)
+        expert_rows = tokens * config.top_k * plan.ep / config.n_experts
+        expert_rate = hardware.matmul_flops(dtype, expert_rows, width)
+        expert_rate *= expert_shape_efficiency(config, expert_rows, shapes)
         expert = tokens * config.top_k * 4 * config.d_model * config.ffn_dim / tp  # per layer
         compute += _slower(3 * stage.n_moe * expert, expert_rate, rate)
         if not stage.selective:  # selective keeps the experts' matmul outputs
             recompute += _slower(stage.n_moe_checkpointed * expert, expert_rate, rate)
+    surface = hardware.surface
+    if surface is not None and surface.dtype == dtype:  # attention at its kernel's rate
+        per_token = 4 * config.seq_len * config.n_heads * config.head_dim / tp  # one layer
+        kernel = hardware.matmul_flops(dtype, rows, width)
+        kernel *= surface.attention_factor(config.seq_len, config.head_dim)
+        replayed = 0 if stage.selective else stage.n_checkpointed
+        compute += _slower(3 * stage.n_layers * per_token * tokens, kernel, rate)
+        recompute += _slower(replayed * per_token * tokens, kernel, rate)
     traffic = 2 * stage.selective_elements * tokens / tp * activation_bytes(dtype)
     recompute += traffic / hardware.memory_bandwidth
     return StageWork(compute, recompute, rate, expert_rate, shape_factor)

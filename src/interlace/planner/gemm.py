@@ -96,10 +96,22 @@ def shape_efficiency(m: float, n: float, k: float, sms: int) -> float:
     return best
 
 
-def shape_model(hardware: Hardware) -> GemmFactor:
-    """How `hardware`'s matmul rate depends on the shape: tile and wave quantisation on its
-    `sm_count` SMs (`shape_efficiency`; 1 at every shape without SMs)."""
+def shape_model(hardware: Hardware, dtype: str) -> GemmFactor:
+    """How `hardware`'s matmul rate in `dtype` depends on the shape: as measured on a grid
+    where it has a surface in `dtype` (`RateSurface.gemm_factor`), else tile and wave
+    quantisation on its `sm_count` SMs (`shape_efficiency`; 1 at every shape without SMs)."""
+    if hardware.surface is not None and hardware.surface.dtype == dtype:
+        return hardware.surface.gemm_factor
     return functools.partial(shape_efficiency, sms=hardware.sm_count)
+
+
+def shape_source(hardware: Hardware, dtype: str) -> str | None:
+    """Where `shape_model(hardware, dtype)` comes from, for `--explain`; None: no shape model."""
+    if hardware.surface is not None and hardware.surface.dtype == dtype:
+        return "measured on a grid of shapes, attention by sequence and head width"
+    if hardware.sm_count:
+        return f"tile and wave quantisation on {hardware.sm_count} SMs, modelled"
+    return None
 
 
 def _split(plan: Plan, linear: Linear) -> tuple[int, int]:

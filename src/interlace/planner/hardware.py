@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from interlace.errors import ConfigError
+from interlace.planner.surface import RateSurface
 
 GB = 1e9
 """Bytes in a (decimal) gigabyte, the unit of link datasheets."""
@@ -75,6 +76,9 @@ class Hardware:
         dependence on the width.
     sources: where each kind of figure comes from, by kind (`RATE_KINDS`: "compute",
         "links", "overlap", "memory"), for `--explain`; `source(kind)` defaults to "assumed".
+    surface: matmul and attention rates measured on a grid of shapes in one dtype
+        (`planner.surface`; `--calibrate`), which price that dtype's shapes in place of the
+        tile and wave model; None: not measured.
     """
 
     name: str
@@ -94,6 +98,7 @@ class Hardware:
     efficiency_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
     width_half_by_dtype: dict[str, float] = field(default_factory=dict, hash=False)
     sources: dict[str, str] = field(default_factory=dict, hash=False)
+    surface: RateSurface | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         for dtype, half in self.width_half_by_dtype.items():

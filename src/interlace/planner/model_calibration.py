@@ -41,6 +41,7 @@ from interlace.planner.calibrate import (
     memory_bytes,
 )
 from interlace.planner.hardware import Hardware
+from interlace.planner.step import step_terms
 from interlace.precision import Precision
 from interlace.run_folder import write_atomic
 from interlace.throughput import model_flops_per_token, synchronize
@@ -154,16 +155,40 @@ def cached_model_flops(
     return cache[key]
 
 
-def with_model_efficiency(hardware: Hardware, dtype: str, achieved_flops: float) -> Hardware:
+def surface_factor(config: GPTConfig, hardware: Hardware, rows: int, dtype: str) -> float:
+    """The share of `hardware`'s matmul rate in `dtype` that one device's step of `config` on
+    `rows` sequences reaches under its measured shapes and attention (`hardware.surface`;
+    `--calibrate`): 3 · forward FLOPs · tokens / (peak · the step's priced compute seconds),
+    priced at efficiency 1. 1 without a surface in `dtype`."""
+    if hardware.surface is None or hardware.surface.dtype != dtype:
+        return 1.0
+    whole = dataclasses.replace(
+        hardware,
+        efficiency_by_dtype={**hardware.efficiency_by_dtype, dtype: 1.0},
+        matmul_half_rows=0.0,
+    )
+    terms = step_terms(Plan(), config, whole, rows, dtype=dtype)
+    flops = 3 * terms.profile.forward_flops_per_token * terms.tokens
+    return flops / (terms.forward + terms.backward) / whole.peak(dtype)
+
+
+def with_model_efficiency(
+    hardware: Hardware, dtype: str, achieved_flops: float, shape_factor: float = 1.0
+) -> Hardware:
     """`hardware` with its matmuls in `dtype` at the efficiency a model step reaching
-    `achieved_flops` FLOP/s has against its peak (at most 1), at every size (a step measured
-    at one batch: the curve's half rows set to 0, and no shape model: the measured step's
-    shapes are in it), so its compute is priced at the measured step's time."""
-    efficiency = min(1.0, achieved_flops / hardware.peak(dtype))
+    `achieved_flops` FLOP/s has against its peak (at most 1) once the `shape_factor` its
+    measured shapes already price is divided out (`surface_factor`; 1 without a surface), at
+    every size (a step measured at one batch: the curve's half rows set to 0, and no tile
+    model: the measured step's shapes are in it), so its compute is priced at the measured
+    step's time."""
+    efficiency = min(1.0, achieved_flops / (hardware.peak(dtype) * shape_factor))
+    source = "the model's own step measured on this device"
+    if hardware.surface is not None:
+        source += "; matmul shapes and attention measured on a grid, relative to it"
     return dataclasses.replace(
         hardware,
         efficiency_by_dtype={**hardware.efficiency_by_dtype, dtype: efficiency},
         matmul_half_rows=0.0,
         sm_count=0,
-        sources={**hardware.sources, "compute": "the model's own step measured on this device"},
+        sources={**hardware.sources, "compute": source},
     )

@@ -334,11 +334,8 @@ def explain_rates(cost: PlanCost) -> str:
     compute, links, memory = r["compute"], r["links"], r["memory"]["bandwidth"]
     optimizer = "not priced" if math.isinf(memory) else f"{memory / 1e9:.4g} GB/s"
     shapes = ""
-    if compute["sms"]:
-        shapes = (
-            f", matmul shapes {compute['shape_factor']:.1%} of it (tile and wave quantisation "
-            f"on {compute['sms']} SMs, modelled)"
-        )
+    if compute["shapes"]:
+        shapes = f", matmul shapes {compute['shape_factor']:.1%} of it ({compute['shapes']})"
     return (
         f"Rates: compute {compute['flops'] / 1e12:.4g} TFLOP/s ({compute['of_peak']:.1%} of the "
         f"{compute['dtype']} peak; {compute['source']}{shapes}); links "
