@@ -4,7 +4,8 @@ routing, no aux loss: losses, pre-clipping norms, the first step's gradients, th
 three steps), dispatches every token once per tp group (the all-to-all bytes of a tp group are
 those of `ep=2` alone on its tokens), and, without sequence parallelism, equals `dp=4,ep=2` with
 capacity drops and the aux loss too (each tp rank's tokens are that plan's rank's rows); experts
-replicated by a balancing strategy keep the serial run."""
+replicated by a balancing strategy keep the serial run. With each expert split over tp (`etp=2`)
+the same holds, every tp rank routing the dp rank's tokens as `dp=2,ep=2` does."""
 
 import dataclasses
 import json
@@ -25,6 +26,8 @@ from interlace.train_config import TrainConfig
 BASE = dataclasses.replace(TINY_RUN, grad_clip=0.0)
 EP_TP = "dp=2,ep=2,tp=2"
 EP_TP_SP = "dp=2,ep=2,tp=2,sequence_parallel=true"
+ETP = "dp=2,ep=2,tp=2,etp=2"
+ETP_SP = "dp=2,ep=2,tp=2,etp=2,sequence_parallel=true"
 PARAM_ATOL = 2e-5  # as test_train's: Adam turns rounding of near-zero gradients into ~lr
 
 
@@ -63,7 +66,12 @@ def _run(config: TrainConfig, plan_text: str) -> dict:
             grads = whole((n, p.grad) for n, p in trainer.model.named_parameters())
         zero_grad()
     params = whole(trainer.model.named_parameters())
-    return {"rows": rows, "all_to_all": sent, "grads": grads, "params": params}
+    local = {  # the rows of each expert up projection this rank holds
+        n: p.shape[0]
+        for n, p in trainer.model.named_parameters()
+        if ".experts." in n and n.endswith("up.weight")
+    }
+    return {"rows": rows, "all_to_all": sent, "grads": grads, "params": params, "local": local}
 
 
 def _ranks(config: TrainConfig, plan_text: str) -> list[dict]:
@@ -122,6 +130,32 @@ def test_expert_and_tensor_parallel_training_equals_serial(
         assert min(alone["all_to_all"]) > 0
 
 
+@pytest.mark.parametrize("plan_text", [ETP, ETP_SP])
+def test_experts_split_over_tp_train_as_serial_and_hold_half_of_each_expert(
+    dropless, serial, expert_only, plan_text
+):
+    results = _ranks(dropless, plan_text)
+    for rank, result in enumerate(results):
+        _assert_same(result, serial, f"{plan_text}, rank {rank}")
+        # each tp rank of a dp rank routes all its tokens: ep=2's dispatch from that dp rank
+        assert result["all_to_all"] == expert_only[rank // 2]["all_to_all"], plan_text
+        pieces = result["local"]
+        assert pieces and all(rows == 128 for rows in pieces.values())  # 256 / etp
+    assert {n for n in results[0]["local"]} == {n for n in results[1]["local"]}
+
+
+@pytest.mark.parametrize("plan_text", [ETP, ETP_SP])
+def test_split_experts_route_as_their_dp_rank_capacity_and_aux_loss_included(tmp_path, plan_text):
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
+    twin = _ranks(config, "dp=2,ep=2")
+    reference = {
+        "rows": twin[0]["rows"],
+        **{part: {k: v for r in twin for k, v in r[part].items()} for part in ("grads", "params")},
+    }
+    for rank, result in enumerate(_ranks(config, plan_text)):
+        _assert_same(result, reference, f"{plan_text}, rank {rank}")
+
+
 def test_without_sequence_parallelism_capacity_and_aux_loss_follow_dp_times_tp(tmp_path):
     # each tp rank routes the rows a dp=4 rank gets: the same capacity drops and aux losses
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
@@ -176,6 +210,7 @@ FAST_LINK = {"replan_every": 1, "bandwidth": 1e9, "flops": 1e6}  # compute-bound
     [
         (f"{EP_TP},moe_balance=shadow", Shadow(**FAST_LINK)),
         (f"{EP_TP_SP},moe_balance=prophet", Prophet(**FAST_LINK)),
+        (f"{ETP},moe_balance=prophet", Prophet(**FAST_LINK)),
     ],
 )
 def test_replicated_experts_keep_the_serial_run(dropless, serial, plan_text, balancer):

@@ -1,7 +1,8 @@
 """The planner prices experts as the runtime lays them out: whole on their owner under ep × tp
 (each tp rank dispatching its share of the tokens, the shares all-gathered over tp without
-sequence parallelism), sharded over ep_dp under dp_shard except where balancing replicas keeps
-them whole, and reduced accordingly."""
+sequence parallelism) or split over tp under etp = tp (each tp rank dispatching all the tokens,
+the layer's output summed over tp), sharded over ep_dp under dp_shard except where balancing
+replicas keeps them whole, and reduced accordingly."""
 
 import dataclasses
 
@@ -36,6 +37,8 @@ def _params(plan_text: str) -> tuple[float, float]:
         ("dp=2,dp_shard=2,ep=2", 4),
         ("dp_shard=4,ep=2,moe_balance=prophet", 2),  # replicas keep them whole
         ("tp=2", 2),  # ep = 1: each expert split along its width
+        ("dp=2,ep=2,tp=2,etp=2", 4),  # each expert split over tp as well
+        ("dp=2,dp_shard=2,ep=2,tp=2,etp=2", 8),  # and its pieces sharded over ep_dp = 2
     ],
 )
 def test_expert_parameters_per_device_follow_the_runtime_split(plan_text, split):
@@ -67,3 +70,35 @@ def test_sharded_experts_reduce_scatter_and_gather_over_ep_dp():
     assert kept.breakdown["ep_dp.all_reduce"] > 0
     assert "ep_dp.reduce_scatter" not in kept.breakdown
     assert kept.memory_bytes_per_device > sharded.memory_bytes_per_device
+
+
+def test_experts_split_over_tp_dispatch_every_token_and_sum_the_output_over_tp():
+    from interlace.planner.bytes import activation_bytes
+    from interlace.planner.collective_cost import collective_seconds
+    from interlace.planner.cost_moe import expert_terms
+    from interlace.planner.cost_work import stage_work
+
+    alone, whole = _cost("dp=4,ep=2"), _cost("dp=4,ep=2,tp=2")
+    split = _cost("dp=4,ep=2,tp=2,etp=2")
+    # every tp rank dispatches its dp rank's tokens, as a rank of ep alone does
+    assert split.breakdown["ep.all_to_all"] == pytest.approx(alone.breakdown["ep.all_to_all"])
+    assert split.breakdown["ep.all_to_all"] > whole.breakdown["ep.all_to_all"]
+    assert split.memory_bytes_per_device < whole.memory_bytes_per_device
+    tokens = 16 * MOE.seq_len  # a rank's micro-batch: 64 sequences over dp = 4
+    whole_bytes = tokens * MOE.d_model * activation_bytes("bf16")
+    for text, payloads in (
+        ("dp=4,ep=2,tp=2,etp=2,recompute=full", {"all_reduce": whole_bytes}),
+        (  # the sequence's all-gather hands over each rank's half of it
+            "dp=4,ep=2,tp=2,etp=2,sequence_parallel=true",
+            {"all_gather": whole_bytes / 2, "reduce_scatter": whole_bytes},
+        ),
+    ):
+        plan = Plan.parse(text)
+        stage = pipeline_stages(model_profile(MOE), plan)[0]
+        work = stage_work(plan, MOE, stage, tokens, HW, "bf16")
+        exposed = expert_terms(plan, MOE, stage, tokens, 2, work, HW, 0.0).comm.exposed
+        calls = 2 * stage.n_moe + stage.n_moe_checkpointed  # forward, backward, replayed
+        assert {k for k in exposed if k.startswith("tp.")} == {f"tp.{op}" for op in payloads}
+        for op, payload in payloads.items():
+            one = collective_seconds(op, payload, 2, True, HW)
+            assert exposed[f"tp.{op}"] == pytest.approx(calls * one), (text, op)

@@ -74,6 +74,15 @@ def test_expert_and_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_pa
 
 
 @pytest.mark.slow
+def test_experts_split_over_tp_resume_elsewhere_and_back(tmp_path):
+    # etp: each tp rank's piece of an expert is stored as its place in the whole expert
+    config = dataclasses.replace(BASE, model=_moe_file(tmp_path))
+    split = "dp=2,ep=2,tp=2,etp=2"
+    _check_matrix(tmp_path, config, [split], ["dp=2,ep=2", "dp=2,ep=2,tp=2", "dp=1"])
+    _check_matrix(tmp_path, config, ["dp=2,ep=2"], [split])
+
+
+@pytest.mark.slow
 def test_expert_and_3d_tensor_parallel_checkpoints_resume_elsewhere_and_back(tmp_path):
     # ep × tp3d: the grid's pieces under their 3D keys (z > 1: alike on every z slice), each
     # expert whole on its owners

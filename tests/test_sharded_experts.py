@@ -100,3 +100,25 @@ def test_sharded_experts_under_expert_and_tensor_parallelism_follow_the_twin(con
         assert losses == pytest.approx([r["loss"] for r in reference], abs=1e-5), rank
         norms = [r["grad_norm"] for r in result["rows"]]
         assert norms == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5), rank
+
+
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "dp_shard=2,ep=2,tp=2,etp=2",  # each expert on one rank of ep_dp: FSDP2 keeps it whole
+        pytest.param("dp_shard=4,ep=2,tp=2,etp=2", marks=pytest.mark.slow),  # sharded over 2
+    ],
+)
+def test_experts_split_over_tp_under_sharded_data_parallelism_follow_the_twin(config, plan_text):
+    # each tp rank routes all of its dp rank's tokens: the twin is the plan without tp
+    plan = Plan.parse(plan_text)
+    twin_text = f"dp_shard={plan.dp_shard},ep=2"
+    reference = run_ranks(plan.dp_shard, _run, config, twin_text)
+    results = run_ranks(plan.world_size, _run, config, plan_text)
+    for rank, result in enumerate(results):
+        expected = reference[rank // 2]["rows"]
+        losses = [r["loss"] for r in result["rows"]]
+        assert losses == pytest.approx([r["loss"] for r in expected], abs=1e-5), rank
+        norms = [r["grad_norm"] for r in result["rows"]]
+        assert norms == pytest.approx([r["grad_norm"] for r in expected], rel=1e-5), rank
+        assert result["sharded"] == (plan.dp_shard == 4), rank

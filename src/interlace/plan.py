@@ -5,7 +5,8 @@ replicas `dp`, each sharded over `dp_shard` ranks (FSDP; `dp_shard > 1` with `dp
 pipeline stages `pp`, context parallel degree `cp` (each sequence split over cp ranks),
 tensor parallel degree (`tp` for Megatron-style 1D, or `tp3d = (x, y, z)`
 for AxoNN-style 3D, with `sequence_parallel` for 1D), expert parallel degree `ep` (carved out of
-the dp · dp_shard data-parallel ranks), pipeline `micro_batches`,
+the dp · dp_shard data-parallel ranks) and expert tensor parallel degree `etp` (1: experts
+whole; tp: each expert split over the 1D tensor parallel group), pipeline `micro_batches`,
 `schedule`, `recompute`, the `overlap` options, `grad_compression` and `moe_balance`.
 
 `Plan.parse("dp=2,tp=2,tp_subbatches=2")` reads the CLI form; nested options are addressed by
@@ -75,6 +76,7 @@ class Plan:
     tp: int = 1
     tp3d: tuple[int, int, int] | None = None
     ep: int = 1
+    etp: int = 1
     cp: int = 1
     cp_mode: str = "ring"
     micro_batches: int = 1
@@ -227,7 +229,7 @@ class Plan:
     def _check_values(self) -> None:
         """The sizes positive integers and every value finite, the recomputation mode known,
         then each dimension's own options (`parallel.dimensions`)."""
-        for name in ("dp", "dp_shard", "pp", "tp", "ep", "cp", "micro_batches"):
+        for name in ("dp", "dp_shard", "pp", "tp", "ep", "etp", "cp", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")

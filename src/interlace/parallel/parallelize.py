@@ -271,7 +271,7 @@ def _add_expert_steps(result: Parallelized, experts: ExpertGroups, experts_shard
     if not experts_sharded:
         dp_size = result.plan.dp_size
         result.gradient_syncs.append(lambda: reduce_expert_gradients(model, ep_dp, dp_size, others))
-    elif others:
+    else:  # the sums over `others` and etp's over tp, after FSDP2's over ep_dp
         result.gradient_syncs.append(lambda: reduce_expert_gradients(model, None, 1, others))
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     result.metric_sources.append(lambda: {"moe": [m.balance_summary() for m in layers]})

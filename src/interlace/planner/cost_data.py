@@ -81,13 +81,15 @@ def _expert_terms(
     (`expert.options.expert_split`) a reduce_scatter and their gathers before the forward and
     (with `reshard_after_forward`) the backward, none prefetched; under ep × tp the tp ranks'
     expert gradients summed over tp too (`tp.all_reduce`; under ep × tp3d over the x·y ranks,
-    `tp_xy.all_reduce`, then over z, `tp_z.all_reduce`). All after or outside the backward's
-    overlap: exposed."""
+    `tp_xy.all_reduce`, then over z, `tp_z.all_reduce`); under etp = tp each rank's pieces,
+    1/tp of its experts, are its own (the down biases' sum over tp, d per expert, is not
+    priced). All after or outside the backward's overlap: exposed."""
     ep_dp, tp = plan.dp_size // plan.ep, plan.tp_size
     if not plan.expert_parallel:
         return
-    whole = max(st.expert_params for st in stages) / plan.ep  # one device's experts, unsplit
-    split = expert_split(plan) // plan.ep  # 1, or ep_dp where sharded
+    pieces = plan.ep * plan.etp  # etp: each device holds 1/tp of each of its experts
+    whole = max(st.expert_params for st in stages) / pieces  # one device's, before FSDP2
+    split = expert_split(plan) // pieces  # 1, or ep_dp where sharded
     if not whole:
         return
     inside = group_inside_node(ep_dp, tp * plan.ep, hardware.devices_per_node)
@@ -103,6 +105,8 @@ def _expert_terms(
         terms.exposed["ep_dp.all_reduce"] = collective_seconds(
             "all_reduce", whole * GRAD_BYTES, ep_dp, inside, hardware
         )
+    if plan.etp > 1:  # each piece is its rank's own: not summed over tp
+        return
     sharing, ranks = split_group(plan)
     z = tp // ranks  # tp3d's z slices (1 otherwise), x·y ranks apart
     for name, size, stride in ((sharing, ranks, 1), ("tp_z", z, ranks)):

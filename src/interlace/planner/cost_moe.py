@@ -47,6 +47,13 @@ tp3d** each z slice routes its own tokens / z and its x·y ranks share them the 
 (`tp_xy.all_gather`; counts of tokens / (x·y·z)), and each layer's input [T/z, d/x] is
 all-gathered over x as often (its output's gradient in backward): `tp_x.all_gather`.
 
+**Under etp = tp** each expert is split over the tp group (F/tp of its features on each
+rank): every tp rank routes and dispatches all the micro-batch's tokens, computes its part of
+each expert (its throughput tp times a whole expert's; Trans moves its pieces, expert
+parameters / tp) and the layer's output is summed over tp as a row-parallel block's, its
+input gradient too (`tp.all_reduce`, again when replayed; under sequence parallelism the
+sequence's all-gather and reduce-scatter, each twice a layer).
+
 **Per stage** and micro-batch, each MoE layer runs a dispatch and a combine all_to_all forward
 and both again backward (+2 when recomputed), plus the replicas' Trans and Agg, and one
 all_gather of the [E] routing counts. The ep group holds ranks tp apart: inside a node iff
@@ -144,8 +151,8 @@ def moe_layer_terms(
     alpha, bandwidth = hardware.link(inside)
     latency = alpha * (d_count - 1)
     row_bytes = config.d_model * act_bytes
-    flops_per_token = 2 * 2 * config.d_model * config.ffn_dim
-    throughput = rate / flops_per_token  # experts whole on each device (ep × tp too)
+    flops_per_token = 2 * 2 * config.d_model * config.ffn_dim / plan.etp  # etp: F/tp each
+    throughput = rate / flops_per_token
     assignments = tokens * k
     counts = assignments * zipf_popularity(n_experts, d_count, skew).expand(d_count, -1)
     capped = plan.moe_balance == "none" and not config.dropless
@@ -224,10 +231,10 @@ def expert_terms(
         plan,
         config,
         hardware,
-        tokens / tp,  # under ep × tp each tp rank dispatches its share of the tokens
+        tokens / (tp // plan.etp),  # ep × tp: each tp rank dispatches its share; etp: all
         act_bytes,
         work.expert_rate,
-        expert_params=stage.expert_params / (n_moe * config.n_experts),
+        expert_params=stage.expert_params / (n_moe * config.n_experts * plan.etp),
         block_forward=(work.compute / 3 - n_moe * expert_forward) / n_moe,
         skew=skew,
     )
@@ -239,7 +246,22 @@ def expert_terms(
     }
     gathers = 0
     sharing, ranks = split_group(plan)  # the ranks sharing the tokens
-    if plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
+    if plan.etp > 1:  # a row-parallel block: its output summed over tp, its input's gradient
+        gathers = 2 * n_moe + n_ckpt
+        tp_inside = group_inside_node(tp, 1, hardware.devices_per_node)
+        whole = tokens * config.d_model * act_bytes
+        if plan.sequence_parallel:  # the sequence gathered on entry, reduce-scattered on exit
+            exposed["tp.all_gather"] = gathers * collective_seconds(
+                "all_gather", whole / tp, tp, tp_inside, hardware
+            )
+            exposed["tp.reduce_scatter"] = gathers * collective_seconds(
+                "reduce_scatter", whole, tp, tp_inside, hardware
+            )
+        else:
+            exposed["tp.all_reduce"] = gathers * collective_seconds(
+                "all_reduce", whole, tp, tp_inside, hardware
+            )
+    elif plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
         gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
         tp_inside = group_inside_node(ranks, 1, hardware.devices_per_node)
         share = tokens / tp * config.d_model * act_bytes

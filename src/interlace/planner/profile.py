@@ -86,7 +86,8 @@ def _stage_bounds(profile: ModelProfile, pp: int, scale: float) -> tuple[tuple[i
 @dataclass(frozen=True)
 class Stage:
     """What one pipeline stage holds and runs (FLOPs per token, forward). `selective`: its
-    checkpointed layers keep their matmul outputs and recompute only elementwise work."""
+    checkpointed layers keep their matmul outputs and recompute only elementwise work;
+    `top_k`: experts each token of its MoE layers is routed to."""
 
     shards: tuple[Shard, ...]
     checkpointed: tuple[bool, ...]
@@ -96,6 +97,7 @@ class Stage:
     n_moe: int
     n_moe_checkpointed: int
     selective: bool = False
+    top_k: int = 1
 
     @functools.cached_property
     def flops(self) -> float:
@@ -184,6 +186,7 @@ def _stage(
         n_moe=sum(moe),
         n_moe_checkpointed=sum(a and b for a, b in zip(moe, layer_ckpt, strict=True)),
         selective=selective,
+        top_k=profile.config.top_k,
     )
 
 
@@ -266,7 +269,8 @@ def stage_memory(
     part (parameters with gradients and optimizer state, AdamW's moments in `optimizer_state`'s
     dtype; saved activations of the micro-batches in flight, a recomputation's working set, the
     parameters sharded data parallelism gathers and the block gradients it holds before their
-    reduce-scatter) and their `total`."""
+    reduce-scatter) and their `total`. Under etp each tp rank keeps the rows its MoE layers
+    dispatch and combine for every token (2 · top_k · d a token and layer), not 1/tp of them."""
     tp = plan.tp_size
     boundary = d / tp if plan.sequence_parallel else d
 
@@ -277,6 +281,8 @@ def stage_memory(
         kept(shard) if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
+    if plan.etp > 1:  # each tp rank keeps every token's expert rows (d wide), not 1/tp
+        saved += (stage.n_moe - stage.n_moe_checkpointed) * 2 * stage.top_k * d * (1 - 1 / tp)
     if plan.tp3d is not None:  # tokens over z; the head's V over x·y
         x, y, z = plan.tp3d
 

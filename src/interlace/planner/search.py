@@ -4,7 +4,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
 
     tp · pp · dp · dp_shard = N, tp, pp and dp_shard powers of two (pp ≤ layers; dp_shard = 1
     replicated, > 1 sharded, HSDP with dp > 1), ep a power of two dividing dp · dp_shard and
-    n_experts (MoE models); recompute none, selective or full; with pp > 1: micro_batches a
+    n_experts (MoE models; with tp > 1, experts whole, etp = 1, or split over tp, etp = tp);
+    recompute none, selective or full; with pp > 1: micro_batches a
     power of two (or the whole per-rank batch) dividing global_batch / dp, schedule gpipe,
     1f1b, interleaved (2 or 4 virtual stages per rank) or shifted (shifted only with full
     recompute); with tp > 1:
@@ -16,10 +17,9 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     runtime composes cp with), priced by `interlace.planner.cost_context`.
 
 Each candidate passes the Plan's own checks (values, world size, divisibility by the model's
-heads/widths/vocabulary, what the pipeline schedule can run). The runtime does not yet combine
-pipeline or tensor parallelism with expert parallelism; `Plan.validate` rejects that as "not
-implemented yet". By default the search prices them anyway (they are the layouts
-large models need); `runnable_only=True` keeps to what `Plan.validate` accepts today. Context
+heads/widths/vocabulary, what the pipeline schedule can run). Combinations the runtime does
+not run yet (`plan_pending`) are priced anyway by default; `runnable_only=True` keeps to what
+`Plan.validate` accepts today. Context
 parallel plans always pass `Plan.validate` itself: the cost model prices cp only as the runtime
 composes it.
 """
@@ -99,7 +99,9 @@ def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Itera
             per_dp = global_batch // dp
             eps = power_of_two_divisors(spec.n_experts, dp) if spec.n_experts else [1]
             for ep, shard in itertools.product(eps, power_of_two_divisors(dp, dp)):
-                for pipeline in _pipeline_options(pp, per_dp):
+                for etp, pipeline in itertools.product(
+                    (1, tp) if ep > 1 and tp > 1 else (1,), _pipeline_options(pp, per_dp)
+                ):
                     for subbatches in (1, 2) if tp > 1 else (1,):
                         rows = per_dp // pipeline["micro_batches"]
                         if rows % subbatches:
@@ -110,6 +112,7 @@ def candidate_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Itera
                             pp=pp,
                             tp=tp,
                             ep=ep,
+                            etp=etp,
                             overlap=Overlap(tp_subbatches=subbatches),
                             **pipeline,
                         )

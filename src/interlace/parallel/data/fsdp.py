@@ -97,9 +97,45 @@ def apply_fully_shard(
     beforehand (`expert/shard.py`) are left to their module. On the CPU the gradients travel by
     a ring of sends; with `ring` (a group of the same ranks, `overlaps_reduce_scatter`) each
     block's on a background thread while backward goes on. In place."""
+    with attributes_kept(model):
+        _shard_roots(
+            model, roots, blocks, mesh, precision, reduce_dtype, reshard_after_forward, ignored
+        )
+    if mesh.device_type == "cpu":  # gloo: a reduce-scatter half the bytes of its own
+        background = RingReduceScatter(ring)  # one thread and queue for every block
+        for module in [*blocks, *roots]:
+            if isinstance(module, FSDPModule):  # the roots' come last: nothing to overlap
+                module.set_custom_reduce_scatter(
+                    RingReduceScatter() if module in roots else background
+                )
+    return ShardedDataParallel(model, roots)
+
+
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Set the Python attributes of `model`'s parameters (a tensor split's `ShardSpec`, the
+    groups `grad_sums` sums over) again, by name, on the parameters that replace them inside
+    the block (FSDP2's `fully_shard` makes new ones without them)."""
     attributes = {
         name: dict(vars(param)) for name, param in model.named_parameters() if vars(param)
     }
+    yield
+    for name, param in model.named_parameters():
+        for key, value in attributes.get(name, {}).items():
+            setattr(param, key, value)
+
+
+def _shard_roots(
+    model: nn.Module,
+    roots: list[nn.Module],
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    precision: str,
+    reduce_dtype: str,
+    reshard_after_forward: bool,
+    ignored: set[nn.Parameter],
+) -> None:
+    """`fully_shard` each of the `blocks`, then each of the `roots` (see `apply_fully_shard`)."""
     policy = precision_policy(precision, reduce_dtype)
     for root in roots:
         mine = {id(m) for m in root.modules()}
@@ -118,17 +154,6 @@ def apply_fully_shard(
         fully_shard(
             root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
         )
-    if mesh.device_type == "cpu":  # gloo: a reduce-scatter half the bytes of its own
-        background = RingReduceScatter(ring)  # one thread and queue for every block
-        for module in [*blocks, *roots]:
-            if isinstance(module, FSDPModule):  # the roots' come last: nothing to overlap
-                module.set_custom_reduce_scatter(
-                    RingReduceScatter() if module in roots else background
-                )
-    for name, param in model.named_parameters():
-        for key, value in attributes.get(name, {}).items():
-            setattr(param, key, value)
-    return ShardedDataParallel(model, roots)
 
 
 def precision_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:

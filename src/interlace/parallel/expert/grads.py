@@ -11,6 +11,7 @@ from torch import nn
 from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.expert.tp_split import split_bias_gradients
 from interlace.parallel.grad_norm import NormShare
 from interlace.tensors import local_tensor
 
@@ -46,12 +47,15 @@ def reduce_expert_gradients(
     ranks and z slices), divide by `dp_size` (the whole data parallel degree). One flat
     all-reduce per group; collective over ep_dp (None: already reduced there, as FSDP2 does
     for sharded experts) and each of `others`. A sharded gradient is reduced by its local
-    piece (the pieces lie alike on every tp rank)."""
+    piece (the pieces lie alike on every tp rank). Experts split over tp (etp) add their down
+    biases' sums over tp (`tp_split.split_bias_gradients`)."""
     grads = [local_tensor(p.grad) for p in expert_parameters(model) if p.grad is not None]
     if ep_dp is not None:
         comm.all_reduce_flat_(grads, ep_dp, dp_size)
     for group in others:
         comm.all_reduce_flat_(grads, group)
+    for group, biases in split_bias_gradients(model):  # etp: each rank added bias / p
+        comm.all_reduce_flat_(biases, group)
 
 
 def expert_norm_share(model: nn.Module, ep: Group) -> NormShare:

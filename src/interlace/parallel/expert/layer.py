@@ -116,6 +116,7 @@ from interlace.parallel.expert.trans import InFlight, Trans, TransRoute
 from interlace.precision import compute_dtype
 
 if TYPE_CHECKING:
+    from interlace.parallel.expert.tp_split import ExpertSplit
     from interlace.parallel.expert.tp_tokens import TokenShare
 
 
@@ -137,7 +138,8 @@ class ExpertParallelMoE(nn.Module):
     `routing_history` gains the [D, E] count matrix (tokens routed from rank s to expert e,
     before capacity drops, on the CPU), at most `history` of them, newest last. `placement` is
     the expert placement in use. `tokens` (ep × tp, set by `apply.share_tokens_over_tp`):
-    which of the input's tokens this rank routes and dispatches; None: all of them.
+    which of the input's tokens this rank routes and dispatches; None: all of them. `split`
+    (etp, set by `tp_split.split_experts_over_tp`): each expert split over the tp group.
 
     `overlap` (default) issues Trans and Agg asynchronously (module docstring, "Overlap");
     False runs them synchronously inside the forward and backward. The balancer is bound to it
@@ -183,11 +185,18 @@ class ExpertParallelMoE(nn.Module):
         self.last_tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)
         self.overlap = overlap
         self.tokens: TokenShare | None = None  # ep × tp: the tokens this rank dispatches
+        self.split: ExpertSplit | None = None  # etp: each expert split over tp
         self._next: tuple[ExpertParallelMoE, ...] = ()  # a tuple: not registered as a child
         self._inflight: InFlight | None = None  # this layer's Trans, issued ahead of it
         self._planning: BackgroundSearch | None = None  # the next replan's search, running
         self.plan_timing: PlanTiming | None = None  # of the newest search applied
 
+        self.measure_experts()
+
+    def measure_experts(self) -> None:
+        """Read what one local expert holds (names, elements; `expert_size`, which the
+        balancer prices): at construction, and again after its parameters are split
+        (`tp_split`)."""
         template = self._local_experts()[0]
         self._param_names = [name for name, _ in template.named_parameters()]
         self._numel = sum(p.numel() for p in template.parameters())
@@ -215,7 +224,8 @@ class ExpertParallelMoE(nn.Module):
         trans = self._take_inflight()
         placement = trans.placement
         routing = self.router(tokens)
-        self.aux_loss = routing.aux_loss if share is None else share.aux_loss(routing.aux_loss)
+        aux = routing.aux_loss if share is None else share.aux_loss(routing.aux_loss)
+        self.aux_loss = aux if self.split is None else self.split.aux_loss(aux)
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
         routed, kept = self._gather_counts(routing)
         if self.training:
@@ -302,7 +312,10 @@ class ExpertParallelMoE(nn.Module):
     ) -> torch.Tensor:
         """The experts whose parameters `params` holds stacked ({name: [n, *shape]}, names as
         in one local expert) on x [M, d] sorted by expert, `counts` [n] → [M, d], in one
-        grouped call: `MLP` experts (`mlp_experts`); subclasses with other experts override."""
+        grouped call: `MLP` experts (`mlp_experts`); subclasses with other experts override.
+        Under etp each computes its part of the sum over its tp group (`ExpertSplit`)."""
+        if self.split is not None:
+            params = self.split.params(params)
         return mlp_experts(self._local_experts()[0], params, x, counts)
 
     # ------------------------------------------------------------------ replicas

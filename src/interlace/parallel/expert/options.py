@@ -28,6 +28,16 @@ def check_values(plan: Any) -> None:
             f"moe_balance={plan.moe_balance} places experts across an expert parallel "
             "group; use ep > 1 (ep divides dp)"
         )
+    if plan.etp != 1 and not (plan.expert_parallel and plan.tensor_parallel):
+        raise PlanError(
+            f"etp={plan.etp} splits each expert over the 1D tensor parallel group of an expert "
+            "parallel layer; use etp=1, or ep > 1 with tp > 1 and etp = tp"
+        )
+    if plan.etp not in (1, plan.tp):
+        raise PlanError(
+            f"etp={plan.etp} must be 1 (experts whole) or tp={plan.tp} (each expert split over "
+            f"the tensor parallel group); use etp=1 or etp={plan.tp}"
+        )
     if plan.dp_size % plan.ep:
         raise PlanError(
             f"ep={plan.ep} must divide {plan.dp_text} (expert groups are carved "
@@ -37,7 +47,8 @@ def check_values(plan: Any) -> None:
 
 def check_model(plan: Any, spec: Any) -> None:
     """PlanError unless model `spec` (GPTConfig-like) has experts for `plan`'s ep or balance,
-    a multiple of ep of them."""
+    a multiple of ep of them (etp = tp divides the experts' width as the tensor split's own
+    check does: it is the model's ffn_dim)."""
     if (plan.ep > 1 or plan.moe_balance != "none") and not spec.n_experts:
         raise PlanError(
             f"ep={plan.ep}, moe_balance={plan.moe_balance} need a Mixture-of-Experts model; "
@@ -65,9 +76,10 @@ def expert_split(plan: Any) -> int:
     under expert parallelism (ep > 1), over the ep owners; under 1D tensor parallelism without
     it (ep = 1) each expert is split along its width over tp, and with it each tp rank holds
     its owners' experts whole (ep × tp); sharded data parallelism splits them again, over
-    ep_dp where it shards experts (`replicated_because`), over dp_shard without ep."""
+    ep_dp where it shards experts (`replicated_because`), over dp_shard without ep; etp = tp
+    splits each expert's width over the tp group too."""
     if not plan.expert_parallel:
         return plan.tp_size * plan.shard_ranks
     ep_dp = plan.dp_size // plan.ep
     sharded = plan.sharded_data_parallel and replicated_because(plan, ep_dp) is None
-    return plan.ep * (ep_dp if sharded else 1)
+    return plan.ep * plan.etp * (ep_dp if sharded else 1)

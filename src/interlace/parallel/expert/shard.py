@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from interlace.comm import Group
+from interlace.parallel.data.fsdp import attributes_kept
 from interlace.parallel.data.ring import RingReduceScatter
 from interlace.parallel.expert.layer import ExpertParallelMoE
 
@@ -50,17 +51,18 @@ def shard_experts(
     (dp · dp_shard); before the blocks are sharded. In place; returns a report line."""
     mesh = DeviceMesh.from_group(ep_dp.pg, device_type, mesh_dim_names=("ep_dp",))
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    for layer in layers:
-        experts = fully_shard(
-            layer.experts,
-            mesh=mesh,
-            mp_policy=policy,
-            reshard_after_forward=reshard_after_forward,
-        )
-        experts.set_gradient_divide_factor(dp_size)
-        experts.set_force_sum_reduction_for_comms(True)
-        if device_type == "cpu":
-            experts.set_custom_reduce_scatter(RingReduceScatter())
+    with attributes_kept(model):  # etp's pieces keep their ShardSpec
+        for layer in layers:
+            experts = fully_shard(
+                layer.experts,
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+            )
+            experts.set_gradient_divide_factor(dp_size)
+            experts.set_force_sum_reduction_for_comms(True)
+            if device_type == "cpu":
+                experts.set_custom_reduce_scatter(RingReduceScatter())
     return (
         f"experts: parameters, gradients and optimizer states of {len(layers)} layers' experts "
         f"sharded over their ep_dp={ep_dp.size} replicas (FSDP2)"

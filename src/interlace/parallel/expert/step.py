@@ -4,6 +4,8 @@ reduces the experts over."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from interlace.mesh import Mesh
 from interlace.parallel.detect import ExpertBlock
 from interlace.parallel.expert.apply import parallelize_experts, share_tokens_over_tp
@@ -11,7 +13,9 @@ from interlace.parallel.expert.fused import FusedExpertParallel
 from interlace.parallel.expert.grads import expert_norm_share
 from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.expert.tp_split import split_experts_over_tp
 from interlace.parallel.parallelized import Parallelized
+from interlace.parallel.tensor.shard import sharded_parameter_names, tensor_layouts
 from interlace.parallel.tensor3d.apply import keep_whole
 
 
@@ -24,7 +28,9 @@ def expert_step(
     parallelism each layer takes the hidden states gathered over "tp_x"
     (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way;
     the grid's z slices route other rows, so the experts are summed over "tp_z" too and the aux
-    loss averaged over it.
+    loss averaged over it. With etp = tp each expert is split over "tp" instead
+    (`expert.tp_split`): every tp rank routes all the tokens, and the experts' pieces are
+    summed over "ep_dp" alone.
     `blocks`: the blocks with fused experts, as found before step 1 split the model. Returns
     the groups (None without ep), which the data step shards and reduces the experts over."""
     plan = result.plan
@@ -45,9 +51,29 @@ def expert_step(
             elif isinstance(layer, ExpertParallelMoE):
                 keep_whole(layer, layer.router.d_model, x)
         result.report.append("ep × tp3d: each expert-parallel layer's input gathered over tp_x")
-    if tp is not None:
+    if plan.etp > 1:  # each expert split over tp: the tp ranks compute the same tokens
+        result.report += split_experts_over_tp(result.model, tp, plan.sequence_parallel)
+        store_expert_pieces(result, mesh)
+        tp = None
+    elif tp is not None:
         result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel, z)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
         result.norm_shares.append(expert_norm_share(result.model, ep))
     others = tuple(g for g in (tp, z) if g is not None)
     return ExpertGroups(ep, ep_dp, others)
+
+
+def store_expert_pieces(result: Parallelized, mesh: Mesh) -> None:
+    """Record the experts' pieces under etp as 1D tensor parallelism records its own (each
+    stored as its place in the full expert, `tensor.shard.tensor_layouts`)."""
+    tp_mesh = mesh.device_mesh["tp"]
+    stored = result.storage
+    specs = sharded_parameter_names(result.model)
+    layouts = tensor_layouts(result.model, tp_mesh)
+    new = [name for name in specs if name not in stored.assembly]
+    result.storage = dataclasses.replace(
+        stored,
+        keys={**stored.keys, **{n: f"{n}.tp{mesh.group('tp').rank}" for n in new}},
+        layouts={**stored.layouts, **{n: (tp_mesh, layouts[n]) for n in new if n in layouts}},
+        assembly={**stored.assembly, **{n: dataclasses.asdict(specs[n]) for n in new}},
+    )

@@ -5,6 +5,7 @@ into the tensor parallel region (`enter_block`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -203,3 +204,17 @@ def enter_block(module: nn.Module, d: int, group: Group, sp: bool) -> None:
         return replace_hidden(args, kwargs, d, lambda x: enter(x, group))
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def leave_block(module: nn.Module, group: Group, sp: bool) -> None:
+    """Sum a block's partial output over the tensor parallel region on its way out (its first
+    element if a tuple): a reduce-scatter of the sequence under sequence parallel, else an
+    all-reduce (`leave_tp`) whose gradient is the identity."""
+    leave = reduce_scatter_sequence if sp else leave_tp
+
+    def hook(mod: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (leave(output[0], group), *output[1:])
+        return leave(output, group)
+
+    module.register_forward_hook(hook)

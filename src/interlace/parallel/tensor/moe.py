@@ -29,8 +29,6 @@ as `apply.py` does (checkpoints and `shard_of` work on them).
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from interlace.comm import Group
@@ -38,8 +36,7 @@ from interlace.divisors import check_divides
 from interlace.errors import PlanError
 from interlace.parallel.detect import ExpertBlock, Structure
 from interlace.parallel.grad_sums import sum_gradient_over
-from interlace.parallel.tensor.comm import reduce_scatter_sequence
-from interlace.parallel.tensor.layers import enter_block, leave_tp
+from interlace.parallel.tensor.layers import enter_block, leave_block
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter
 
 FFN_WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "ffn_dim")
@@ -109,14 +106,7 @@ def shard_expert_block(
             for param in part.parameters():
                 sum_gradient_over(param, group)
     enter_block(module, block.d_model, group, sequence_parallel)
-    leave = reduce_scatter_sequence if sequence_parallel else leave_tp
-
-    def exit_hook(mod: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (leave(output[0], group), *output[1:])
-        return leave(output, group)
-
-    module.register_forward_hook(exit_hook)
+    leave_block(module, group, sequence_parallel)
     return (
         f"{block.name}: {block.n_experts} experts, {block.ffn_dim // p} of {block.ffn_dim} "
         f"features each per rank ({block.experts}.{block.gate_up} gate and up halves "
