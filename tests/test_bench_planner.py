@@ -93,6 +93,41 @@ def test_one_tiny_plan_runs_and_is_predicted():
         bench.check({**options, "steps": 0})
 
 
+def test_shapes_measured_on_a_grid_price_each_plan_a_second_time(monkeypatch):
+    import interlace.bench.cluster_calibration as cc
+    from interlace.planner.surface import RateSurface
+
+    def uniform(dtype, threads, device=None):  # every shape 1.25 times the reference rate
+        fast = 1.25e9
+        return RateSurface(dtype, threads, "cpu", 1e9, (8, 64), (fast,) * 8, (8,), (8,), (fast,))
+
+    monkeypatch.setattr(cc, "measure_surface", uniform)
+    bench = get_benchmark("planner")
+    options = {
+        **bench.options,
+        "model": "tiny",
+        "moe_model": "",
+        "global_batch": 4,
+        "steps": 1,
+        "plans": 1,
+        "shapes": True,
+    }
+    result = run_ranks(2, _rank, options, timeout=120)[0]
+    (run,) = result["runs"]
+    calibration = result["calibration"]
+    # a uniform grid leaves the model's own step at one batch, at every size: its factor is
+    # divided out of the model's efficiency
+    at_one_point = {
+        **calibration,
+        "matmul_efficiency": calibration["model_efficiency"],
+        "matmul_half_rows": 0.0,
+    }
+    expected = dp2_step_by_hand(get_preset("tiny"), 4, run["matmul_flops"], at_one_point)
+    assert run["predicted_grid_s"] == pytest.approx(expected, rel=1e-9)
+    assert result["summary_grid"]["plans"] == 1
+    assert "shapes measured on a grid" in bench.table({"result": result})
+
+
 def dp2_step_by_hand(config, global_batch: int, matmul_flops: float, calibration) -> float:
     """dp=2 on 2 ranks of one node, fp32, as calibrated: 3F FLOPs per token over each rank's
     tokens at matmul_flops · E · t / (t + h); the gradient all-reduce, 2 ring steps and as

@@ -8,7 +8,9 @@ efficiency the model's own step reaches at that rate at one rank's share of the 
 1/2 and 1/4 of it (`measure_model_efficiency`, fitted as a curve in the tokens a matmul sees:
 `fit_half_rows`), the share of an all-reduce that hides under concurrent compute
 (`measure_overlap`), the bandwidth of an optimizer step (`measure_optimizer_bandwidth`) and how
-much faster one rank computes while the others wait (`idle_speedup`).
+much faster one rank computes while the others wait (`idle_speedup`). With `calibrate_shapes`,
+also matmul and attention rates on a grid of shapes (`interlace plan --calibrate`), which
+`shapes_hardware` prices with in place of the fitted curve.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from interlace.planner.calibrate import (
     memory_bytes,
 )
 from interlace.planner.hardware import RATE_KINDS, Hardware, local
-from interlace.planner.model_calibration import measure_model_efficiency
+from interlace.planner.model_calibration import measure_model_efficiency, surface_factor
+from interlace.planner.surface import RateSurface
+from interlace.planner.surface_measure import measure_surface, with_surface
 
 
 def _efficiency_curve(
@@ -113,3 +117,36 @@ def matmul_rate_now(ctx: RankContext) -> float:
     dist.barrier(group=ctx.group.pg)
     rate = measure_matmul_flops(torch.get_num_threads(), min_seconds=0.2)
     return slowest(-rate, ctx.group) * -1
+
+
+def calibrate_shapes(ctx: RankContext) -> RateSurface:
+    """fp32 matmul and attention rates on a grid of shapes (`measure_surface`), every rank
+    measuring at once with its threads, rank 0's kept by all (collective)."""
+    dist.barrier(group=ctx.group.pg)
+    measured = measure_surface("fp32", torch.get_num_threads(), torch.device("cpu"))
+    shared: list[Any] = [measured.to_dict() if ctx.group.rank == 0 else None]
+    first = dist.get_global_rank(ctx.group.pg, 0)
+    dist.broadcast_object_list(shared, src=first, group=ctx.group.pg)
+    return RateSurface.from_dict(shared[0])
+
+
+def shapes_hardware(
+    calibration: dict[str, Any],
+    surface: RateSurface,
+    config: GPTConfig,
+    rows: int,
+    ranks: int,
+    matmul_flops: float,
+) -> Hardware:
+    """`cluster_hardware` pricing matmul shapes and attention from `surface`, the model's own
+    efficiency taken at one point, `rows` sequences per rank (`calibration`'s), relative to what
+    the surface prices for that step (`model_calibration.surface_factor`), at every size."""
+    whole = dataclasses.replace(
+        cluster_hardware(calibration, ranks, matmul_flops),
+        matmul_efficiency=1.0,
+        matmul_half_rows=0.0,
+    )
+    gridded = with_surface(whole, surface)
+    factor = surface_factor(config, gridded, rows, "fp32")
+    efficiency = min(1.0, calibration["model_efficiency"] / factor)
+    return dataclasses.replace(gridded, matmul_efficiency=efficiency)

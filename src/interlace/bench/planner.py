@@ -16,7 +16,10 @@ at the matmul rate measured again just before the plan ran.
 
 Reported: Spearman rank correlation of predicted and measured step times, the median absolute
 relative error, whether the predicted best plan is within 5% of the measured best, and the
-memory model's relative error.
+memory model's relative error. With `shapes`, each plan is priced a second time with matmul
+shapes and attention measured on a grid on the ranks (`interlace plan --calibrate`) and the
+model's efficiency at one rank's share of the batch relative to it, in place of the fitted
+curve (`cluster_calibration.shapes_hardware`), and summarised the same way.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import torch.distributed as dist
 from interlace.bench.base import Benchmark, RankContext
 from interlace.bench.cluster_calibration import (
     calibrate_cluster,
+    calibrate_shapes,
     cluster_hardware,
     matmul_rate_now,
+    shapes_hardware,
 )
 from interlace.bench.saved_memory import SavedTensorMeter
 from interlace.bench.timing import slowest
@@ -78,13 +83,19 @@ def _state_bytes(trainer: Trainer) -> int:
     return total
 
 
-def _calibrate(ctx: RankContext) -> dict[str, Any]:
-    """`calibrate_cluster` for the dense model at one rank's share of the global batch."""
-    options = ctx.options
+def _dense_config(options: dict[str, Any]):
+    """The dense model's config at the benchmark's sequence length."""
     config = get_preset(options["model"])
     if options["seq_len"]:
         config = dataclasses.replace(config, seq_len=options["seq_len"])
-    return calibrate_cluster(ctx, config, max(1, options["global_batch"] // ctx.group.size))
+    return config
+
+
+def _calibrate(ctx: RankContext) -> dict[str, Any]:
+    """`calibrate_cluster` for the dense model at one rank's share of the global batch."""
+    options = ctx.options
+    rows = max(1, options["global_batch"] // ctx.group.size)
+    return calibrate_cluster(ctx, _dense_config(options), rows)
 
 
 def _run_plan(ctx: RankContext, model: str, text: str) -> dict[str, Any]:
@@ -123,17 +134,19 @@ def _run_plan(ctx: RankContext, model: str, text: str) -> dict[str, Any]:
     }
 
 
-def _predict(run: dict[str, Any], hardware, options: dict[str, Any]) -> dict[str, Any]:
-    cost = estimate(
-        Plan.parse(run["plan"]),
-        run.pop("model_config"),
-        hardware,
-        options["global_batch"],
-        dtype="fp32",
-    )
+def _predict(
+    run: dict[str, Any], hardware, options: dict[str, Any], gridded=None
+) -> dict[str, Any]:
+    """`run` with its prediction on `hardware`, and on `gridded` (shapes measured on a grid)
+    where given (`predicted_grid_s`)."""
+    plan, config = Plan.parse(run["plan"]), run.pop("model_config")
+    cost = estimate(plan, config, hardware, options["global_batch"], dtype="fp32")
     run["predicted_s"] = cost.step_seconds
     run["predicted_breakdown"] = cost.breakdown
     run["predicted_memory_bytes"] = cost.memory_bytes_per_device
+    if gridded is not None:
+        grid = estimate(plan, config, gridded, options["global_batch"], dtype="fp32")
+        run["predicted_grid_s"] = grid.step_seconds
     return run
 
 
@@ -144,6 +157,7 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
     every other calibrated figure is kept."""
     options, p = ctx.options, ctx.group.size
     calibration = _calibrate(ctx)
+    surface = calibrate_shapes(ctx) if options["shapes"] else None
     runs = []
     jobs = [(options["model"], t) for t in DENSE_PLANS.get(p, [])]
     if options["moe_model"]:
@@ -153,11 +167,17 @@ def run_rank(ctx: RankContext) -> dict[str, Any]:
         rate = matmul_rate_now(ctx)
         run = _run_plan(ctx, model, text)
         run["matmul_flops"] = rate
-        runs.append(_predict(run, cluster_hardware(calibration, p, rate), options))
+        gridded = None
+        if surface is not None:
+            rows = max(1, options["global_batch"] // p)
+            config = _dense_config(options)
+            gridded = shapes_hardware(calibration, surface, config, rows, p, rate)
+        runs.append(_predict(run, cluster_hardware(calibration, p, rate), options, gridded))
     return {
         "calibration": calibration,
         "runs": runs,
         "summary": summarize(runs),
+        **({"summary_grid": summarize(runs, "predicted_grid_s")} if surface else {}),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
@@ -185,19 +205,20 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank correlation, median |relative error| of time and memory, and whether the predicted
-    best is within 5% of the measured best (per model)."""
+def summarize(runs: list[dict[str, Any]], key: str = "predicted_s") -> dict[str, Any]:
+    """Rank correlation, median |relative error| of time (predicted as `key`: `predicted_s`,
+    or `predicted_grid_s` with shapes measured on a grid) and memory, and whether the
+    predicted best is within 5% of the measured best (per model)."""
     if not runs:
         return {}
     measured = [r["step_median_s"] for r in runs]
-    predicted = [r["predicted_s"] for r in runs]
+    predicted = [r[key] for r in runs]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured, strict=True)]
     mem_errors = [abs(r["predicted_memory_bytes"] / r["memory_bytes"] - 1) for r in runs]
     best = {}
     for model in dict.fromkeys(r["model"] for r in runs):
         mine = [r for r in runs if r["model"] == model]
-        chosen = min(mine, key=lambda r: r["predicted_s"])
+        chosen = min(mine, key=lambda r: r[key])
         fastest = min(mine, key=lambda r: r["step_median_s"])
         best[model] = {
             "predicted_best": chosen["plan"],
@@ -247,7 +268,18 @@ def table(doc: dict[str, Any]) -> str:
             f"{run['predicted_s']:7.3f} {run['predicted_s'] / run['step_median_s'] - 1:+6.0%} "
             f"{run['memory_bytes'] / 1e6:7.1f} {run['predicted_memory_bytes'] / 1e6:7.1f}"
         )
+    for run in (run for run in r["runs"] if "predicted_grid_s" in run):
+        lines.append(
+            f"  {run['plan']:64s} shapes measured on a grid: {run['predicted_grid_s']:7.3f} "
+            f"{run['predicted_grid_s'] / run['step_median_s'] - 1:+6.0%}"
+        )
     s = r["summary"]
+    if "summary_grid" in r:
+        g = r["summary_grid"]
+        lines.append(
+            f"shapes measured on a grid: Spearman {g['spearman']:.2f}, median |error| "
+            f"{g['median_abs_rel_error']:.0%} (max {g['max_abs_rel_error']:.0%})"
+        )
     if s:
         lines.append(
             f"{s['plans']} plans: Spearman {s['spearman']:.2f}, median |error| "
@@ -347,6 +379,7 @@ BENCHMARK = Benchmark(
         "seq_len": 0,
         "steps": 3,
         "plans": 0,
+        "shapes": False,
     },
     option_help={
         "model": "dense preset whose plans run",
@@ -355,5 +388,8 @@ BENCHMARK = Benchmark(
         "seq_len": "tokens per sequence (0: the preset's)",
         "steps": "timed steps per plan, after one warm-up",
         "plans": "run only the first N plans of the rank count (0: every one)",
+        "shapes": "also price each plan with matmul shapes and attention measured on a grid "
+        "(`interlace plan --calibrate`), the model's efficiency taken at one batch relative "
+        "to it, in place of the fitted curve (`predicted_grid_s`, `summary_grid`)",
     },
 )
