@@ -156,6 +156,34 @@ def test_split_experts_route_as_their_dp_rank_capacity_and_aux_loss_included(tmp
         _assert_same(result, reference, f"{plan_text}, rank {rank}")
 
 
+@pytest.mark.parametrize(
+    ("plan_text", "twin_text"),
+    [("tp=2,tp_subbatches=2", "dp=1"), (f"{EP_TP},tp_subbatches=2", "dp=4,ep=2")],
+)
+def test_sub_batches_overlap_the_dense_layers_and_leave_moe_layers_whole(
+    tmp_path, plan_text, twin_text
+):
+    # capacity and aux loss on: an MoE layer sub-batched would route each half on its own
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
+    twin = _ranks(config, twin_text)
+    reference = {
+        "rows": twin[0]["rows"],
+        **{part: {k: v for r in twin for k, v in r[part].items()} for part in ("grads", "params")},
+    }
+    reference["grads"].setdefault("lm_head.weight", reference["grads"]["wte.weight"])
+    reference["params"].setdefault("lm_head.weight", reference["params"]["wte.weight"])
+    for rank, result in enumerate(_ranks(config, plan_text)):
+        _assert_same(result, reference, f"{plan_text}, rank {rank}")
+
+
+def test_sub_batches_need_a_layer_without_experts(tmp_path):
+    from interlace.errors import PlanError
+
+    config = dataclasses.replace(BASE, model=_model_file(tmp_path, moe_every=1))
+    with pytest.raises(PlanError, match="every layer of this model has one"):
+        Plan.parse("tp=2,tp_subbatches=2").validate(2, prepare_run(config, Plan(), 1).model_config)
+
+
 def test_without_sequence_parallelism_capacity_and_aux_loss_follow_dp_times_tp(tmp_path):
     # each tp rank routes the rows a dp=4 rank gets: the same capacity drops and aux losses
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))

@@ -102,3 +102,33 @@ def test_experts_split_over_tp_dispatch_every_token_and_sum_the_output_over_tp()
         for op, payload in payloads.items():
             one = collective_seconds(op, payload, 2, True, HW)
             assert exposed[f"tp.{op}"] == pytest.approx(calls * one), (text, op)
+
+
+def test_sub_batches_price_the_layers_without_experts_and_leave_moe_layers_whole():
+    from interlace.planner.collective_cost import collective_seconds
+    from interlace.planner.cost_tensor import tensor_terms
+    from interlace.planner.cost_work import stage_work
+
+    config = dataclasses.replace(MOE, moe_every=2)  # layers 1, 3, ... route
+    plan = Plan.parse("dp=4,tp=2,tp_subbatches=2")
+    stage = pipeline_stages(model_profile(config), plan)[0]
+    assert 0 < stage.n_moe < stage.n_layers and 0 < stage.moe_layer_flops < stage.layer_flops
+    tokens, d = 16 * config.seq_len, config.d_model
+    # rows matter (half rows), shapes do not (no SMs), nothing hides: every call counts
+    hw = dataclasses.replace(HW, sm_count=0, matmul_half_rows=4096.0, overlap_efficiency=0.0)
+    work = stage_work(plan, config, stage, tokens, hw, "bf16")
+    rate, sub_rate = (hw.matmul_flops("bf16", rows, d) for rows in (tokens, tokens / 2))
+    dense = stage.layer_flops - stage.moe_layer_flops
+    moe_extra = (
+        work.compute
+        - 3 * stage.flops * tokens / 2 / rate
+        - 3 * dense * tokens / 2 * (1 / sub_rate - 1 / rate)
+    )
+    whole = stage_work(Plan.parse("dp=4,tp=2"), config, stage, tokens, hw, "bf16")
+    assert moe_extra == pytest.approx(whole.compute - 3 * stage.flops * tokens / 2 / rate)
+    exposed = tensor_terms(plan, stage, tokens, 2, d, work, hw).exposed["tp.all_reduce"]
+    one = collective_seconds("all_reduce", tokens * d * 2, 2, True, hw)
+    piece = collective_seconds("all_reduce", tokens * d * 2 / 2, 2, True, hw)
+    split = stage.n_layers - stage.n_moe
+    calls = 4 * stage.n_layers + int(stage.has_embed) + int(stage.has_head)
+    assert exposed == pytest.approx((calls - 4 * split) * one + 4 * split * 2 * piece)

@@ -176,12 +176,15 @@ def test_backward_input_gradient_reductions_are_interleaved_over_sub_batches():
     assert all(rows == B for is_async, rows in log if not is_async)
 
 
-def test_refuses_sequence_parallel_and_moe():
+def test_refuses_sequence_parallel_and_models_whose_every_layer_routes():
     with pytest.raises(PlanError, match="sequence_parallel"):
         apply_tp_overlap(_build("gpt"), find_structure(_build("gpt")), 2, sequence_parallel=True)
-    moe = build_model(get_preset("moe-tiny"))
-    with pytest.raises(PlanError, match="Mixture-of-Experts"):
-        apply_tp_overlap(moe, find_structure(moe), 2)
+    every = build_model(dataclasses.replace(get_preset("moe-tiny"), moe_every=1))
+    with pytest.raises(PlanError, match="every layer holds one"):
+        apply_tp_overlap(every, find_structure(every), 2)
+    moe = build_model(get_preset("moe-tiny"))  # layer 1 routes: it runs whole
+    (line,) = apply_tp_overlap(moe, find_structure(moe), 2)
+    assert "1 modules" in line and not hasattr(moe.blocks[1], "_interlace_tp_subbatches")
 
 
 def _through_parallelize(model: nn.Module, loss_ref, grads_ref, plan: Plan) -> dict:

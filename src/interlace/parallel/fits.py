@@ -35,7 +35,7 @@ def tensor_structure(model: nn.Module, plan: Plan) -> Structure:
     subbatches = plan.overlap.tp_subbatches
     check_divisible(structure, plan.tp)
     check_expert_blocks(model, structure, plan.tp, subbatches, plan.expert_parallel)
-    check_tp_overlap(structure, subbatches, plan.sequence_parallel)
+    check_tp_overlap(model, structure, subbatches, plan.sequence_parallel)
     return structure
 
 

@@ -7,7 +7,8 @@ forward repeats its two; the vocab-parallel embedding adds one forward and the h
 one backward all_reduce. With `sequence_parallel` each becomes an all_gather plus a
 reduce_scatter (same bytes).
 
-With `tp_subbatches` s > 1 the layers' all-reduces run under the other sub-batches' compute
+With `tp_subbatches` s > 1 the layers' all-reduces (those without an MoE layer, which run
+whole) run under the other sub-batches' compute
 (a checkpointed layer's recomputation included: each sub-batch checkpoints itself and
 recomputes inside its backward): exposed = max(comm / s − b, comm − compute), where b, with
 `tp_block_boundary`, is one sub-batch all-reduce for each layer but the stage's last (its
@@ -60,7 +61,7 @@ def tensor_terms(
         }
         return CommTerms(exposed, {}, forward_calls, count)
     s = plan.overlap.tp_subbatches
-    split_layers = stage.n_layers if s > 1 else 0
+    split_layers = stage.n_layers - stage.n_moe if s > 1 else 0  # MoE layers run whole
     one = collective_seconds("all_reduce", payload, tp, inside, hardware)
     piece = collective_seconds("all_reduce", payload / s, tp, inside, hardware)
     split = 4 * split_layers * s * piece  # on the sub-batch threads: hideable
@@ -69,7 +70,7 @@ def tensor_terms(
         return CommTerms({"tp.all_reduce": reduce}, {}, forward_calls, count)
     floor = split / s
     if plan.overlap.tp_block_boundary:  # each forward boundary but the stage's last hides
-        floor -= (stage.n_layers - 1) * piece
+        floor -= max(0, split_layers - 1) * piece
     exposed_split = exposed_after_overlap(
         split, max(floor, split - (work.compute + work.recompute)), hardware
     )

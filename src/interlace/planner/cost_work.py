@@ -11,7 +11,8 @@ SMs (`gemm.layer_shape_efficiency`, 1 without SMs; experts: `gemm.expert_shape_e
 
 - the micro-batch's tokens; under 3D tensor parallelism tokens / z (its x·y ranks split the
   embedding and head by vocabulary rows, so every part is split by x·y·z, as 1D splits by tp);
-- under `tp_subbatches` s > 1, a layer's tokens / s (each sub-batch runs its own matmuls);
+- under `tp_subbatches` s > 1, a layer's tokens / s (each sub-batch runs its own matmuls; a
+  layer holding an MoE layer runs whole; its share of the replayed work taken as of the FLOPs);
 - for each expert its share of the ep group's tokens, tokens · top_k · ep / E (balanced).
 
 Tensor parallelism divides the layers' FLOPs by the tp group size.
@@ -71,12 +72,14 @@ def stage_work(
     compute = 3 * stage.flops * tokens / tp / rate
     recompute = stage.recompute_flops * tokens / tp / rate
     subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
-    if subbatches > 1:  # each layer runs on tokens / s rows at a time
+    if subbatches > 1:  # each layer without experts runs on tokens / s rows at a time
         sub_rows = tokens / subbatches
         sub_rate = hardware.matmul_flops(dtype, sub_rows, width)
         sub_rate *= layer_shape_efficiency(plan, config, sub_rows, shapes)
-        compute += _slower(3 * stage.layer_flops * tokens / tp, sub_rate, rate)
-        recompute += _slower(stage.recompute_flops * tokens / tp, sub_rate, rate)
+        dense = stage.layer_flops - stage.moe_layer_flops
+        compute += _slower(3 * dense * tokens / tp, sub_rate, rate)
+        replayed = stage.recompute_flops * dense / stage.layer_flops if stage.layer_flops else 0
+        recompute += _slower(replayed * tokens / tp, sub_rate, rate)
     expert_rate = rate
     if stage.n_moe:  # an expert computes its share of the ep group's tokens
         expert_rows = tokens * config.top_k * plan.ep / config.n_experts

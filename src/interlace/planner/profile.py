@@ -87,7 +87,8 @@ def _stage_bounds(profile: ModelProfile, pp: int, scale: float) -> tuple[tuple[i
 class Stage:
     """What one pipeline stage holds and runs (FLOPs per token, forward). `selective`: its
     checkpointed layers keep their matmul outputs and recompute only elementwise work;
-    `top_k`: experts each token of its MoE layers is routed to."""
+    `top_k`: experts each token of its MoE layers is routed to; `moe_layer_flops`: the forward
+    FLOPs per token of its layers holding one."""
 
     shards: tuple[Shard, ...]
     checkpointed: tuple[bool, ...]
@@ -98,6 +99,7 @@ class Stage:
     n_moe_checkpointed: int
     selective: bool = False
     top_k: int = 1
+    moe_layer_flops: float = 0.0
 
     @functools.cached_property
     def flops(self) -> float:
@@ -187,6 +189,9 @@ def _stage(
         n_moe_checkpointed=sum(a and b for a, b in zip(moe, layer_ckpt, strict=True)),
         selective=selective,
         top_k=profile.config.top_k,
+        moe_layer_flops=sum(
+            sh.flops for sh, e in zip(profile.layers[start:stop], experts, strict=True) if e
+        ),
     )
 
 

@@ -47,8 +47,8 @@ def check_values(plan: Any) -> None:
 
 def check_model(plan: Any, spec: Any) -> None:
     """PlanError unless tp divides model `spec` (GPTConfig-like)'s heads, width, feed-forward
-    and vocabulary, and the sequence under sequence parallelism; sub-batches refuse a
-    Mixture-of-Experts model (they would change its routing capacity)."""
+    and vocabulary, and the sequence under sequence parallelism; sub-batches need a layer
+    without an MoE layer (those run whole: sub-batches would change their routing)."""
     tp = plan.tp  # 1 under tp3d, whose grid tensor3d checks
     check_divides(
         tp,
@@ -71,11 +71,17 @@ def check_model(plan: Any, spec: Any) -> None:
             f"seq_len={spec.seq_len} is not divisible by tp={tp}, as sequence_parallel "
             f"needs; use a seq_len that is a multiple of {tp}"
         )
-    if plan.overlap.tp_subbatches > 1 and spec.n_experts:
+    if plan.overlap.tp_subbatches > 1 and spec.n_experts and not _dense_layers(spec):
         raise PlanError(
-            f"tp_subbatches={plan.overlap.tp_subbatches} with a Mixture-of-Experts model "
-            "would change its routing capacity; use tp_subbatches=1"
+            f"tp_subbatches={plan.overlap.tp_subbatches} sub-batches the layers without a "
+            "Mixture-of-Experts layer (an MoE layer routes the whole batch), and every layer "
+            "of this model has one; use tp_subbatches=1"
         )
+
+
+def _dense_layers(spec: Any) -> int:
+    """Layers of model `spec` (GPTConfig-like) without an MoE feed-forward."""
+    return spec.n_layers - len(getattr(spec, "moe_layers", range(spec.n_layers)))
 
 
 def kv_heads_split(kv_heads: int, tp: int) -> bool:

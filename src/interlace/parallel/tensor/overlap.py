@@ -31,6 +31,10 @@ parameters by the outer graph, so their hooks (DDP buckets, replica sums) fire o
 parameter per backward, as without sub-batches. Without autograd recording (evaluation) only
 the forward is interleaved.
 
+A layer holding a Mixture-of-Experts layer runs whole, between the sub-batched ones: routing
+(capacity, the aux loss) takes the whole batch, and the expert-parallel layer's collectives
+stay out of the threads. Its all-reduces are then not overlapped.
+
 Threads rather than a rewritten forward: the layer's own code (built-in GPT, Hugging Face GPT-2,
 Llama, any model `detect` understands) runs untouched, with no per-model schedule. Not
 overlapped: the last sub-batch's input-gradient reduction of each layer, at the block
@@ -82,6 +86,7 @@ from interlace.parallel.tensor.interleave import (
     take_pending,
 )
 from interlace.recompute import checkpointed
+from interlace.tensors import is_under
 
 _PASSED = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -429,8 +434,10 @@ def _sub_batched_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def check_tp_overlap(structure: Structure, subbatches: int, sequence_parallel: bool) -> None:
-    """Raise PlanError if `subbatches` > 1 cannot apply to a model of this structure."""
+def check_tp_overlap(
+    model: nn.Module, structure: Structure, subbatches: int, sequence_parallel: bool
+) -> None:
+    """Raise PlanError if `subbatches` > 1 cannot apply to `model` of this structure."""
     if subbatches < 2:
         return
     if sequence_parallel:
@@ -438,13 +445,14 @@ def check_tp_overlap(structure: Structure, subbatches: int, sequence_parallel: b
             "tp_subbatches>1 overlaps the all-reduce of plain 1D TP; with sequence_parallel=True "
             "use tp_subbatches=1"
         )
-    if structure.experts:
-        raise PlanError(
-            f"tp_subbatches>1 would split the batch of the replicated Mixture-of-Experts layers "
-            f"{structure.experts} (routing capacity depends on it); use tp_subbatches=1"
-        )
     if structure.layers is None and not (structure.attentions or structure.feed_forwards):
         raise PlanError("tp_subbatches>1 found no transformer layer to overlap")
+    if structure.layers is not None and structure.experts and not _overlapped(model, structure):
+        raise PlanError(
+            f"tp_subbatches>1 sub-batches the layers without a Mixture-of-Experts layer, and "
+            f"every layer holds one ({structure.experts}: routing takes the whole batch); use "
+            "tp_subbatches=1"
+        )
 
 
 def apply_tp_overlap(
@@ -460,12 +468,11 @@ def apply_tp_overlap(
     the sub-batching forward in place). `block_boundary`: inside `model`'s forward, each
     layer's last all-reduce runs under the next layer's first compute. `subbatches` < 2:
     nothing to do."""
-    check_tp_overlap(structure, subbatches, sequence_parallel)
+    check_tp_overlap(model, structure, subbatches, sequence_parallel)
     if subbatches < 2:
         return []
     if structure.layers is not None:
-        count = len(model.get_submodule(structure.layers))
-        names = [f"{structure.layers}.{i}" for i in range(count)]
+        names = _overlapped(model, structure)
     else:
         names = [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]
     modules = [model.get_submodule(name) for name in names]
@@ -484,6 +491,15 @@ def apply_tp_overlap(
         f"overlapped tensor parallel: {len(names)} modules ({where}) run {subbatches} "
         f"interleaved sub-batches, forward all-reduces async{boundary}"
     ]
+
+
+def _overlapped(model: nn.Module, structure: Structure) -> list[str]:
+    """The layers of `model`'s layer list that run sub-batched: those holding no
+    Mixture-of-Experts layer, whose routing (capacity, aux loss) takes the whole batch: they
+    run whole, between the others."""
+    count = len(model.get_submodule(structure.layers))
+    names = [f"{structure.layers}.{i}" for i in range(count)]
+    return [n for n in names if not any(is_under(e, n) for e in structure.experts)]
 
 
 def _share_parameters(modules: list[nn.Module]) -> bool:
