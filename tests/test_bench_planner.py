@@ -61,16 +61,16 @@ def _rank(options):
     return run_rank(RankContext(group, None, "lo", options))
 
 
+def _tiny_options(**changes) -> dict:
+    """The benchmark's options for one step of the tiny model's first plan, and `changes`."""
+    options = get_benchmark("planner").options
+    tiny = {"model": "tiny", "moe_model": "", "global_batch": 4, "steps": 1, "plans": 1}
+    return {**options, **tiny, **changes}
+
+
 def test_one_tiny_plan_runs_and_is_predicted():
     bench = get_benchmark("planner")
-    options = {
-        **bench.options,
-        "model": "tiny",
-        "moe_model": "",
-        "global_batch": 4,
-        "steps": 1,
-        "plans": 1,
-    }
+    options = _tiny_options()
     bench.check(options)
     result = run_ranks(2, _rank, options, timeout=120)[0]
     (run,) = result["runs"]
@@ -103,16 +103,7 @@ def test_shapes_measured_on_a_grid_price_each_plan_a_second_time(monkeypatch):
 
     monkeypatch.setattr(cc, "measure_surface", uniform)
     bench = get_benchmark("planner")
-    options = {
-        **bench.options,
-        "model": "tiny",
-        "moe_model": "",
-        "global_batch": 4,
-        "steps": 1,
-        "plans": 1,
-        "shapes": True,
-    }
-    result = run_ranks(2, _rank, options, timeout=120)[0]
+    result = run_ranks(2, _rank, _tiny_options(shapes=True), timeout=120)[0]
     (run,) = result["runs"]
     calibration = result["calibration"]
     # a uniform grid leaves the model's own step at one batch, at every size: its factor is

@@ -81,6 +81,16 @@ def _ranks(config: TrainConfig, plan_text: str) -> list[dict]:
     return run_ranks(world_size, _run, config, plan_text)
 
 
+def _merged(ranks: list[dict]) -> dict:
+    """A twin's ranks as one reference: their (common) rows, and every rank's gradients and
+    weights by name (a one-process twin's tied head under its own name too)."""
+    merged: dict = {"rows": ranks[0]["rows"]}
+    for part in ("grads", "params"):
+        merged[part] = {k: v for r in ranks for k, v in r[part].items()}
+        merged[part].setdefault("lm_head.weight", merged[part]["wte.weight"])
+    return merged
+
+
 def _assert_same(result: dict, reference: dict, what: str) -> None:
     """Same losses and norms per step; the gradients and weights `result` holds equal the
     reference's of the same names."""
@@ -102,10 +112,7 @@ def dropless(tmp_path_factory) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def serial(dropless):
-    run = _run(dropless, "dp=1")
-    for part in ("grads", "params"):
-        run[part].setdefault("lm_head.weight", run[part]["wte.weight"])
-    return run
+    return _merged([_run(dropless, "dp=1")])
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +155,7 @@ def test_experts_split_over_tp_train_as_serial_and_hold_half_of_each_expert(
 def test_split_experts_route_as_their_dp_rank_capacity_and_aux_loss_included(tmp_path, plan_text):
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
     twin = _ranks(config, "dp=2,ep=2")
-    reference = {
-        "rows": twin[0]["rows"],
-        **{part: {k: v for r in twin for k, v in r[part].items()} for part in ("grads", "params")},
-    }
+    reference = _merged(twin)
     for rank, result in enumerate(_ranks(config, plan_text)):
         _assert_same(result, reference, f"{plan_text}, rank {rank}")
 
@@ -166,12 +170,7 @@ def test_sub_batches_overlap_the_dense_layers_and_leave_moe_layers_whole(
     # capacity and aux loss on: an MoE layer sub-batched would route each half on its own
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
     twin = _ranks(config, twin_text)
-    reference = {
-        "rows": twin[0]["rows"],
-        **{part: {k: v for r in twin for k, v in r[part].items()} for part in ("grads", "params")},
-    }
-    reference["grads"].setdefault("lm_head.weight", reference["grads"]["wte.weight"])
-    reference["params"].setdefault("lm_head.weight", reference["params"]["wte.weight"])
+    reference = _merged(twin)
     for rank, result in enumerate(_ranks(config, plan_text)):
         _assert_same(result, reference, f"{plan_text}, rank {rank}")
 
@@ -189,10 +188,7 @@ def test_without_sequence_parallelism_capacity_and_aux_loss_follow_dp_times_tp(t
     config = dataclasses.replace(BASE, model=_model_file(tmp_path, capacity_factor=1.0))
     twin = _ranks(config, "dp=4,ep=2")
     assert twin[0]["rows"][0]["loss"] != pytest.approx(_run(config, "dp=1")["rows"][0]["loss"])
-    reference = {
-        "rows": twin[0]["rows"],
-        **{part: {k: v for r in twin for k, v in r[part].items()} for part in ("grads", "params")},
-    }
+    reference = _merged(twin)
     for rank, result in enumerate(_ranks(config, EP_TP)):
         _assert_same(result, reference, f"rank {rank}")
 

@@ -97,10 +97,29 @@ def apply_fully_shard(
     beforehand (`expert/shard.py`) are left to their module. On the CPU the gradients travel by
     a ring of sends; with `ring` (a group of the same ranks, `overlaps_reduce_scatter`) each
     block's on a background thread while backward goes on. In place."""
+    policy = precision_policy(precision, reduce_dtype)
     with attributes_kept(model):
-        _shard_roots(
-            model, roots, blocks, mesh, precision, reduce_dtype, reshard_after_forward, ignored
-        )
+        for root in roots:
+            mine = {id(m) for m in root.modules()}
+            held = [block for block in blocks if id(block) in mine]
+            for block in held:
+                fully_shard(
+                    block,
+                    mesh=mesh,
+                    mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored,
+                )
+            if mesh.device_type == "cpu":
+                _prefetch_without_streams(held)
+        for root in roots:  # embeddings, final norm and head are used first and last: kept
+            fully_shard(
+                root,
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=False,
+                ignored_params=ignored,
+            )
     if mesh.device_type == "cpu":  # gloo: a reduce-scatter half the bytes of its own
         background = RingReduceScatter(ring)  # one thread and queue for every block
         for module in [*blocks, *roots]:
@@ -123,37 +142,6 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
     for name, param in model.named_parameters():
         for key, value in attributes.get(name, {}).items():
             setattr(param, key, value)
-
-
-def _shard_roots(
-    model: nn.Module,
-    roots: list[nn.Module],
-    blocks: list[nn.Module],
-    mesh: DeviceMesh,
-    precision: str,
-    reduce_dtype: str,
-    reshard_after_forward: bool,
-    ignored: set[nn.Parameter],
-) -> None:
-    """`fully_shard` each of the `blocks`, then each of the `roots` (see `apply_fully_shard`)."""
-    policy = precision_policy(precision, reduce_dtype)
-    for root in roots:
-        mine = {id(m) for m in root.modules()}
-        held = [block for block in blocks if id(block) in mine]
-        for block in held:
-            fully_shard(
-                block,
-                mesh=mesh,
-                mp_policy=policy,
-                reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored,
-            )
-        if mesh.device_type == "cpu":
-            _prefetch_without_streams(held)
-    for root in roots:  # embeddings, final norm and head are used first and last: kept
-        fully_shard(
-            root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored
-        )
 
 
 def precision_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
