@@ -41,9 +41,9 @@ from interlace.planner.calibrate import (
     memory_bytes,
 )
 from interlace.planner.hardware import Hardware
+from interlace.planner.measured_cache import cached_entry
 from interlace.planner.step import step_terms
 from interlace.precision import Precision
-from interlace.run_folder import write_atomic
 from interlace.throughput import model_flops_per_token, synchronize
 
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
@@ -142,17 +142,12 @@ def cached_model_flops(
     device = default_device()
     measurable(config, dtype, device)
     key = json.dumps([config.to_dict(), rows, dtype, fingerprint()], sort_keys=True)
-    path = efficiency_cache_path()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not recalibrate and isinstance(cache.get(key), float):
-        return cache[key]
-    cache[key] = measure_model_flops(config, rows, os.cpu_count() or 1, dtype=dtype, device=device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(cache, indent=1))
-    return cache[key]
+    threads = os.cpu_count() or 1
+
+    def measured() -> float:
+        return measure_model_flops(config, rows, threads, dtype=dtype, device=device)
+
+    return cached_entry(efficiency_cache_path(), key, measured, float, recalibrate)
 
 
 def surface_factor(config: GPTConfig, hardware: Hardware, rows: int, dtype: str) -> float:

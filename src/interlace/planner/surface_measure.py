@@ -34,9 +34,9 @@ from interlace.planner.calibrate import (
     threads_per_rank,
 )
 from interlace.planner.hardware import Hardware
+from interlace.planner.measured_cache import cached_entry
 from interlace.planner.surface import RateSurface
 from interlace.precision import DTYPES
-from interlace.run_folder import write_atomic
 
 GEMM_SIZES = {"cpu": (32, 128, 512, 2048), "cuda": (256, 1024, 4096, 16384)}
 """The sizes of m, n and k of the matmul grid per device type."""
@@ -131,24 +131,19 @@ def cached_surface(dtype: str, ranks: int, recalibrate: bool = False) -> RateSur
     threads = 1 if device.type == "cuda" else threads_per_rank(ranks)
     key = json.dumps([fingerprint(), dtype, threads], sort_keys=True)
     path = surface_cache_path()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not recalibrate and isinstance(cache.get(key), dict):
-        return RateSurface.from_dict(cache[key])
-    print(
-        f"interlace: measuring {dtype} matmul and attention rates on a grid of shapes on "
-        f"the {device.type} ({threads} threads; cached in {path})",
-        file=sys.stderr,
-    )
-    started = time.perf_counter()
-    surface = measure_surface(dtype, threads, device)
-    print(f"interlace: measured in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    cache[key] = surface.to_dict()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(cache, indent=1))
-    return surface
+
+    def measured() -> dict:
+        print(
+            f"interlace: measuring {dtype} matmul and attention rates on a grid of shapes on "
+            f"the {device.type} ({threads} threads; cached in {path})",
+            file=sys.stderr,
+        )
+        started = time.perf_counter()
+        surface = measure_surface(dtype, threads, device)
+        print(f"interlace: measured in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        return surface.to_dict()
+
+    return RateSurface.from_dict(cached_entry(path, key, measured, dict, recalibrate))
 
 
 def with_surface(hardware: Hardware, surface: RateSurface) -> Hardware:
