@@ -159,12 +159,15 @@ def _run_pipeline(config: TrainConfig, plan_text: str, world_size: int) -> dict:
     }
 
 
-def test_bf16_expert_parallel_follows_the_serial_bf16_run(tmp_path):
-    # dropless and without the auxiliary loss: per-rank routing equals serial routing
+@pytest.mark.parametrize("plan_text", ["dp=2,ep=2", "dp=2,ep=2,tp=2,etp=2"])
+def test_bf16_expert_parallel_follows_the_serial_bf16_run(tmp_path, plan_text):
+    # dropless and without the auxiliary loss: per-rank routing equals serial routing; with
+    # experts split over tp (etp) each rank's partial expert outputs are rounded before the sum
     model = _model_file(tmp_path, "moe-tiny", dropless=True, aux_loss_coef=0.0)
     config = dataclasses.replace(BASE, model=model)
     serial = _run(config, "dp=1", 1)
-    for result in run_ranks(2, _run, config, "dp=2,ep=2", 2):
+    world_size = Plan.parse(plan_text).world_size
+    for result in run_ranks(world_size, _run, config, plan_text, world_size):
         _assert_follows(result, serial)
 
 
