@@ -116,7 +116,7 @@ from interlace.parallel.expert.trans import InFlight, Trans, TransRoute
 from interlace.precision import compute_dtype
 
 if TYPE_CHECKING:
-    from interlace.parallel.expert.tp_split import ExpertSplit
+    from interlace.parallel.expert.split import ExpertSplit
     from interlace.parallel.expert.tp_tokens import TokenShare
 
 

@@ -35,9 +35,6 @@ split; etp = 1 runs them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -45,31 +42,11 @@ from interlace.comm import Group
 from interlace.errors import PlanError
 from interlace.parallel.expert.fused import FusedExpertParallel
 from interlace.parallel.expert.layer import ExpertParallelMoE
+from interlace.parallel.expert.split import ExpertSplit
 from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.tensor.layers import enter_block, leave_block
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter
 from interlace.tensors import local_tensor
-
-
-@dataclass(frozen=True)
-class ExpertSplit:
-    """An expert-parallel layer's experts split over the tensor parallel `group` (see the
-    module docstring)."""
-
-    group: Group
-
-    def params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stacked expert parameters ({name in an `MLP`: [n, *shape]}) as this rank computes
-        its part of the sum: the down bias divided by p."""
-        out = dict(params)
-        if "down.bias" in out:
-            out["down.bias"] = out["down.bias"] / self.group.size
-        return out
-
-    def aux_loss(self, aux: torch.Tensor) -> torch.Tensor:
-        """The aux loss (0-d), its value unchanged, its gradient 1/p."""
-        share = aux / self.group.size
-        return share + (aux - share).detach()
 
 
 def split_experts_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) -> list[str]:
