@@ -18,6 +18,7 @@ from interlace.errors import ConfigError
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.planner import calibrate as cal
+from interlace.planner import cli as planner_cli
 from interlace.planner import model_calibration as mcal
 from interlace.planner import surface_measure as sm
 from interlace.planner.cost_pipeline import pipeline_stages
@@ -126,7 +127,7 @@ def test_the_measured_flops_are_counted_as_the_cost_model_counts_them(monkeypatc
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A cached machine calibration (no measuring); surfaces measured as `surface()` would,
-    counted."""
+    counted; runs priced as on the CPU (its dtype and threads), also where CUDA is present."""
     path = tmp_path / "hw.json"
     monkeypatch.setenv(cal.CACHE_ENV, str(path))
     path.write_text(json.dumps(fake_calibration().to_dict()))
@@ -139,6 +140,9 @@ def cache(tmp_path, monkeypatch):
         )
 
     monkeypatch.setattr(sm, "measure_surface", measured)
+    cpu = lambda: torch.device("cpu")  # noqa: E731 - priced as a CPU run on any machine
+    monkeypatch.setattr(sm, "default_device", cpu)
+    monkeypatch.setattr(planner_cli, "default_device", cpu)
     return calls
 
 
