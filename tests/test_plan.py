@@ -111,6 +111,7 @@ def test_world_size_mismatch_names_the_fix():
         (Plan(dp=2, tp=2, etp=2), ["etp=2 splits each expert", "etp = tp"]),
         (Plan(dp=2, ep=2, tp=4, etp=2), ["etp=2 must be 1", "etp=1 or etp=4"]),
         (Plan(dp=2, ep=2, tp3d=(2, 1, 1), etp=2), ["1D tensor parallel group"]),
+        (Plan(tp3d=(2, 1, 2), sequence_parallel=True), ["over tp3d's y, which is 1", "y > 1"]),
         (Plan(etp=0), ["etp=0", "positive"]),
         (Plan(overlap=Overlap(tp_subbatches=0)), ["tp_subbatches=0"]),
         (Plan(overlap=Overlap(dp_bucket_mb=0)), ["dp_bucket_mb=0"]),
@@ -126,7 +127,10 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(tp3d=(2, 1, 1), sequence_parallel=True), "tp3d=2x1x1 with sequence_parallel"),
+        (
+            Plan(dp=2, ep=2, tp3d=(1, 2, 1), sequence_parallel=True),
+            "ep=2 with tp3d=1x2x1 and sequence_parallel=true",
+        ),
         (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
     ],
 )

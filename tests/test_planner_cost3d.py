@@ -85,3 +85,43 @@ def test_experts_under_a_grid_are_held_whole_by_their_owners_as_under_1d():
     state = "params_grads_optimizer"
     assert grid.memory[state] == pytest.approx(one_d.memory[state])
     assert grid.breakdown["compute"] == pytest.approx(one_d.breakdown["compute"])
+
+
+@pytest.mark.parametrize("grid", [(1, 2, 1), (2, 2, 1), (2, 4, 2)])
+def test_sequence_parallel_prices_the_sequence_collectives_over_y(grid):
+    x, y, z = grid
+    tokens, b = 512, 4
+    hardware = local(1e30, BANDWIDTH, latency=0.0, devices_per_node=64)
+    plain = layer_cost(CONFIG, grid, tokens, b, 1e30, hardware)
+    cost = layer_cost(CONFIG, grid, tokens, b, 1e30, hardware, sequence_parallel=True)
+
+    def wire(terms: dict, axis: str) -> float:
+        return sum(s for k, s in terms.items() if k.startswith(axis + ".")) * BANDWIDTH
+
+    t, d = tokens // z, CONFIG.d_model
+    # two blocks a layer: the entry's all-gather (backward: reduce-scatter) and the transposed
+    # layer's reduce-scatter (backward: all-gather) of [t, d/x], each (y-1)/y of it on the wire;
+    # the normal layers' dX all-reduces over y are gone
+    one = (y - 1) / y * t * d / x * b
+    assert wire(cost.exposed, "tp_y") == pytest.approx(2 * 4 * one)
+    assert wire(cost.forward, "tp_y") == pytest.approx(2 * 2 * one)
+    assert "tp_y.all_reduce" not in cost.exposed and "tp_y.all_reduce" not in cost.hidden
+    # over x the norms' statistics cover t/y tokens; over z nothing changes
+    norms = 4 * 2 * (x - 1) / x * t * 2 * b
+    assert wire(cost.exposed, "tp_x") == pytest.approx(
+        wire(plain.exposed, "tp_x") - norms + norms / y
+    )
+    assert wire(cost.exposed, "tp_z") == pytest.approx(wire(plain.exposed, "tp_z"))
+
+
+def test_sequence_parallel_splits_the_norm_inputs_over_y_and_is_searched():
+    hardware = local(1e12, BANDWIDTH, latency=1e-5, devices_per_node=8)
+    plain = estimate(Plan(tp3d=(2, 2, 1)), CONFIG, hardware, global_batch=8, dtype="fp32")
+    sp = Plan(tp3d=(2, 2, 1), sequence_parallel=True)
+    cost = estimate(sp, CONFIG, hardware, global_batch=8, dtype="fp32")
+    # each layer's two LayerNorm inputs [T, d/x] kept as [T/y, d/x]; the rest as before
+    tokens, d = 8 * CONFIG.seq_len, CONFIG.d_model
+    saved = CONFIG.n_layers * 2 * d / 2 * (1 - 1 / 2) * tokens * 4
+    assert plain.memory["activations"] - cost.memory["activations"] == pytest.approx(saved)
+    plans = {str(c.plan) for c in search(CONFIG, hardware, 4, global_batch=8, dtype="fp32")}
+    assert str(sp) in plans and str(Plan(tp3d=(2, 2, 1))) in plans

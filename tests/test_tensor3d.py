@@ -103,10 +103,15 @@ def _expected_piece(name: str, full: torch.Tensor, at: dict[str, tuple[int, int]
     return full
 
 
-def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -> dict:
-    plan = Plan(tp3d=tp3d, dp=dp)
+def _compare(
+    model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int, sequence_parallel: bool
+) -> dict:
+    plan = Plan(tp3d=tp3d, dp=dp, sequence_parallel=sequence_parallel)
     mesh = build_mesh(plan)
     par = parallelize(model, plan, mesh)
+    residual: list[tuple[int, ...]] = []  # what the second block receives
+    second = par.model.get_submodule("blocks.1")
+    second.register_forward_pre_hook(lambda mod, args: residual.append(tuple(args[0].shape)))
     grid = Grid.from_mesh(mesh)
     at = {a: (grid.axis(a).rank, grid.axis(a).size) for a in "xyz"}
     dp_group = mesh.group("dp")
@@ -118,6 +123,8 @@ def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -
         mine = tokens[dp_group.rank * rows : (dp_group.rank + 1) * rows]
         loss = par.forward_backward(mine[:, :-1], mine[:, 1:])  # data parallel: mean over dp
         par.sync_gradients()
+        if step == 0:
+            ops = comm.meter.snapshot()
         if dp > 1:
             comm.all_reduce(loss, dp_group)
         errors[f"loss {step}"] = (loss / dp - serial_loss).abs().item()
@@ -131,12 +138,15 @@ def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -
     for name, p in par.model.named_parameters():
         expected = _expected_piece(name, ref["params"][name], at)
         errors[f"param {name}"] = (p.detach() - expected).abs().max().item()
-    return {"errors": errors, "report": par.report}
+    return {"errors": errors, "report": par.report, "residual": residual[0], "ops": ops}
 
 
-def _assert_equal_to_serial(tp3d: tuple[int, int, int], dp: int = 1) -> list[dict]:
+def _assert_equal_to_serial(
+    tp3d: tuple[int, int, int], dp: int = 1, sequence_parallel: bool = False
+) -> list[dict]:
     model, ref = _serial_run()
-    results = run_ranks(dp * tp3d[0] * tp3d[1] * tp3d[2], _compare, model, ref, tp3d, dp)
+    world_size = dp * tp3d[0] * tp3d[1] * tp3d[2]
+    results = run_ranks(world_size, _compare, model, ref, tp3d, dp, sequence_parallel)
     for rank, result in enumerate(results):
         bad = {k: v for k, v in result["errors"].items() if not v <= ATOL}
         assert not bad, f"rank {rank} differs from serial: {bad}"
@@ -156,6 +166,22 @@ def test_3d_parallel_2x2x2_equals_serial():
 
 def test_3d_with_data_parallel_equals_serial():
     _assert_equal_to_serial((2, 1, 1), dp=2)
+
+
+@pytest.mark.parametrize(
+    "tp3d", [(1, 2, 1), (2, 2, 1), pytest.param((1, 2, 2), marks=pytest.mark.slow)]
+)
+def test_sequence_parallel_3d_equals_serial(tp3d):
+    # the residual stream between blocks is [B/z, T/y, d/x]; over y the activations move by
+    # the sequence's all-gathers and reduce-scatters, and all that y all-reduces is the
+    # gradients of each layer's two norms' weights and biases and two transposed biases [d/x]
+    x, y, z = tp3d
+    cfg = get_preset("tiny")
+    for result in _assert_equal_to_serial(tp3d, sequence_parallel=True):
+        assert result["residual"] == (B // z, T // y, cfg.d_model // x)
+        tp_y = result["ops"]["tp_y"]
+        assert {"all_gather", "reduce_scatter"} <= set(tp_y)
+        assert tp_y["all_reduce"]["bytes"] == cfg.n_layers * 6 * cfg.d_model // x * 4
 
 
 # ----------------------------------------------------------------------------- Trainer

@@ -36,16 +36,16 @@ def _build(kind: str, kv_heads: int = 2) -> nn.Module:
     return tiny_hf_model(kind, D, LAYERS, VOCAB, positions=32, kv_heads=kv_heads)
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
+def _tokens(length: int = T) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, length), generator=torch.Generator().manual_seed(1))
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens, use_cache=False).loss
 
 
-def _serial(model: nn.Module) -> dict:
-    loss = _loss(model, _tokens())
+def _serial(model: nn.Module, length: int) -> dict:
+    loss = _loss(model, _tokens(length))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -56,13 +56,16 @@ def _serial(model: nn.Module) -> dict:
     }
 
 
-def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -> dict:
-    plan = Plan(tp3d=tp3d, dp=dp)
+def _compare(
+    model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int, sequence_parallel: bool
+) -> dict:
+    plan = Plan(tp3d=tp3d, dp=dp, sequence_parallel=sequence_parallel)
     mesh = build_mesh(plan)
     par = parallelize(model, plan, mesh)
     grid, dp_group = Grid.from_mesh(mesh), mesh.group("dp")
     rows = B // dp
-    tokens = par.rows(_tokens()[dp_group.rank * rows : (dp_group.rank + 1) * rows])
+    batch = _tokens(ref["length"])
+    tokens = par.rows(batch[dp_group.rank * rows : (dp_group.rank + 1) * rows])
     # HF's own loss from `labels` shifts inside; here the loop's (over z: the mean) scores
     # the logits of every position but the last against the next token
     logits = par.module(input_ids=tokens[:, :-1], use_cache=False).logits
@@ -84,9 +87,14 @@ def _compare(model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int) -
     return {"errors": errors, "names": names, "report": par.report}
 
 
-def _assert_equal_to_serial(model: nn.Module, tp3d: tuple[int, int, int], dp: int = 1) -> list:
-    ref = _serial(model)
-    results = run_ranks(dp * tp3d[0] * tp3d[1] * tp3d[2], _compare, model, ref, tp3d, dp)
+def _assert_equal_to_serial(
+    model: nn.Module, tp3d: tuple[int, int, int], dp: int = 1, sequence_parallel: bool = False
+) -> list:
+    # the loop feeds T - 1 positions: under sequence parallelism a multiple of y
+    length = T + 1 if sequence_parallel else T
+    ref = {**_serial(model, length), "length": length}
+    world_size = dp * tp3d[0] * tp3d[1] * tp3d[2]
+    results = run_ranks(world_size, _compare, model, ref, tp3d, dp, sequence_parallel)
     for rank, result in enumerate(results):
         assert result["names"] == sorted(ref["grads"]), f"rank {rank}: parameters differ"
         bad = {k: v for k, v in result["errors"].items() if not v <= ATOL}
@@ -109,6 +117,20 @@ def test_llama_kv_heads_replicated_over_y_equal_serial():
 
 def test_gpt2_3d_with_data_parallel_equals_serial():
     _assert_equal_to_serial(_build("gpt2"), (2, 1, 1), dp=2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp3d", "kv_heads"),
+    [
+        ("gpt2", (1, 2, 1), 2),
+        pytest.param("llama", (2, 2, 1), 2, marks=pytest.mark.slow),
+        pytest.param("llama", (1, 2, 2), 1, marks=pytest.mark.slow),
+    ],
+)
+def test_hf_sequence_parallel_3d_equals_serial(kind, tp3d, kv_heads):
+    # the decoder layers take [B/z, T/y, d/x]; attention and MLP gather the sequence over y
+    results = _assert_equal_to_serial(_build(kind, kv_heads), tp3d, sequence_parallel=True)
+    assert any(line.startswith("sequence parallel over y=2") for line in results[0]["report"])
 
 
 def test_norms_are_recognised_on_the_meta_device_as_on_the_cpu():

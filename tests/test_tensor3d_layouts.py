@@ -1,7 +1,8 @@
 """3D tensor parallelism inside pipeline stages (z = 1, and z > 1: the last stage's copy of the
 tied embedding summed over z), under sharded data parallelism (z = 1) and with recomputed blocks
-(z > 1): the Trainer's losses and gradient norms over four steps equal one process's; the
-combinations still refused name their fix."""
+(z > 1), each also with the sequence split over y (`sequence_parallel`): the Trainer's losses
+and gradient norms over four steps equal one process's; the combinations still refused name
+their fix."""
 
 import pytest
 
@@ -24,6 +25,7 @@ def serial() -> dict:
         "pp=2,tp3d=2x1x1,micro_batches=2,schedule=shifted,recompute=full",
         "pp=2,tp3d=1x1x2,micro_batches=2",
         "pp=2,tp3d=1x1x2,micro_batches=2,schedule=gpipe,tp3d_prefetch=false",
+        "pp=2,tp3d=1x2x1,micro_batches=2,sequence_parallel=true",
     ],
 )
 def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
@@ -42,6 +44,7 @@ def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
         ("dp_shard=2,tp3d=2x1x1", "tp_x"),
         pytest.param("dp_shard=2,tp3d=1x2x1", "tp_y", marks=pytest.mark.slow),
         ("dp_shard=2,tp3d=1x1x2,tp3d_prefetch=false", "tp_z"),
+        ("dp_shard=2,tp3d=1x2x1,sequence_parallel=true", "tp_y"),
     ],
 )
 def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text, axis):
@@ -55,11 +58,18 @@ def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text, axis):
 
 
 @pytest.mark.parametrize(
-    "plan_text", ["tp3d=1x1x2,recompute=full", "tp3d=1x1x2,recompute=selective,tp3d_prefetch=false"]
+    "plan_text",
+    [
+        "tp3d=1x1x2,recompute=full",
+        "tp3d=1x1x2,recompute=selective,tp3d_prefetch=false",
+        "tp3d=1x2x2,recompute=selective,tp3d_prefetch=false,sequence_parallel=true",
+    ],
 )
 def test_recomputed_3d_blocks_with_z_equal_serial(serial, plan_text):
-    # the recomputed forward gathers each weight over z again, in the forward's order
-    for rank, result in enumerate(run_ranks(2, _steps, plan_text, 2)):
+    # the recomputed forward gathers each weight over z again, in the forward's order (and
+    # the sequence over y again under sequence parallelism)
+    world_size = Plan.parse(plan_text).world_size
+    for rank, result in enumerate(run_ranks(world_size, _steps, plan_text, world_size)):
         assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
         assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
         assert result["comm"]["tp_z"] > 0

@@ -42,8 +42,9 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "tp_subbatches=1",
         ),
         (
-            bool(tp3d) and plan.sequence_parallel,
-            f"{tp3d} with sequence_parallel=true",
+            bool(tp3d) and plan.sequence_parallel and plan.ep > 1,
+            f"ep={plan.ep} with {tp3d} and sequence_parallel=true (the MoE layers would route "
+            "each y rank's own tokens while its x ranks share them)",
             "sequence_parallel=false",
         ),
         *context_options.pending_with(plan, tp3d),

@@ -23,6 +23,15 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
 - each of the block's two LayerNorms all-reduces [T, 2] statistics over X forward and
   backward; the first stage splits the embedding output over X and the last gathers the
   residual [T, d/x] over X before the replicated final norm;
+- sequence parallelism over Y (`sequence_parallel`): the residual between blocks is
+  [T/y, d/x]. Each block's entry all-gathers it over Y (forward) and reduce-scatters its
+  gradient (backward), which replaces its normal layers' dX all-reduces over Y; each
+  transposed layer reduce-scatters its output over Y (forward) and all-gathers its gradient
+  (backward) in place of its all-reduce. Same bytes as the all-reduces, all exposed (the
+  normal layers' dX reduction no longer hides under dW); the norms' statistics cover T/y
+  tokens; the ends' gathers also cross Y ([T/y, d/x] of the embedding's gradient, [T/y, d]
+  before the final norm). The y all-reduce of the norms' and transposed biases' gradients
+  ([d/x] each) is not priced, as the z one of the blocks' norms;
 - the embedding and the LM head are split by vocabulary rows over the x·y ranks (`tp_xy`):
   the embedding's output [T, d] all-reduced there in the forward, the head's input gradient
   in the backward (the cross-entropy's [T] reductions are not priced, as under 1D); with
@@ -81,11 +90,13 @@ def layer_cost(
     hardware: Hardware,
     prefetch: bool = False,
     scatter_in_backward: bool = False,
+    sequence_parallel: bool = False,
 ) -> Layer3DCost:
     """The collectives of one transformer layer per micro-batch of `tokens` tokens (before the
     split over z), `rate` FLOP/s per device, on `hardware`, the weight gathers prefetched
     under the neighbouring linear's compute when `prefetch`, the Z reduce-scatters waited
-    inside the backward when `scatter_in_backward` (FSDP2; see the module docstring)."""
+    inside the backward when `scatter_in_backward` (FSDP2), the sequence split over Y when
+    `sequence_parallel` (see the module docstring)."""
     x, y, z = tp3d
     per_node = hardware.devices_per_node
     size = {"x": x, "y": y, "z": z}
@@ -109,17 +120,29 @@ def layer_cost(
         def seconds(op: str, payload: float, axis: str) -> float:
             return collective_seconds(op, payload, size[axis], inside[axis], hardware)
 
-        out_reduce = seconds("all_reduce", t * lin.n_out / p_out * act_bytes, in_axis)
+        output = t * lin.n_out / p_out * act_bytes
         for into in (exposed, forward):
             _add(into, "tp_z.all_gather", gather_f)
-            _add(into, f"tp_{in_axis}.all_reduce", out_reduce)
         _add(exposed, "tp_z.all_gather", gather_b)  # the backward's gather
         _add(hidden, "tp_z.all_gather", 2 * gather - gather_f - gather_b)
-        dx = seconds("all_reduce", t * lin.n_in / p_in * act_bytes, out_axis)
-        dw = 2 * t * lin.n_in * lin.n_out / (x * y) / rate
-        dx_exposed = exposed_after_overlap(dx, max(0.0, dx - dw), hardware)
-        _add(exposed, f"tp_{out_axis}.all_reduce", dx_exposed)
-        _add(hidden, f"tp_{out_axis}.all_reduce", dx - dx_exposed)
+        if sequence_parallel and lin.transposed:  # its output, then the next block's entry
+            scatter_y = seconds("reduce_scatter", output, "y")
+            gather_y = seconds("all_gather", output / y, "y")
+            for into in (exposed, forward):
+                _add(into, "tp_y.reduce_scatter", scatter_y)
+                _add(into, "tp_y.all_gather", gather_y)
+            _add(exposed, "tp_y.all_gather", gather_y)  # their backward
+            _add(exposed, "tp_y.reduce_scatter", scatter_y)
+        else:
+            out_reduce = seconds("all_reduce", output, in_axis)
+            for into in (exposed, forward):
+                _add(into, f"tp_{in_axis}.all_reduce", out_reduce)
+        if not (sequence_parallel and out_axis == "y"):  # else the block entry's scatter
+            dx = seconds("all_reduce", t * lin.n_in / p_in * act_bytes, out_axis)
+            dw = 2 * t * lin.n_in * lin.n_out / (x * y) / rate
+            dx_exposed = exposed_after_overlap(dx, max(0.0, dx - dw), hardware)
+            _add(exposed, f"tp_{out_axis}.all_reduce", dx_exposed)
+            _add(hidden, f"tp_{out_axis}.all_reduce", dx - dx_exposed)
         scatter += seconds("reduce_scatter", block, "z")
     backward = 4 * t * sum(s.n_in * s.n_out for s in linears) / (x * y) / rate
     scatter_exposed = (
@@ -129,7 +152,8 @@ def layer_cost(
     )
     _add(exposed, "tp_z.reduce_scatter", scatter_exposed)
     _add(hidden, "tp_z.reduce_scatter", scatter - scatter_exposed)
-    norms = 2 * collective_seconds("all_reduce", t * 2 * act_bytes, x, inside["x"], hardware)
+    rows = t / y if sequence_parallel else t
+    norms = 2 * collective_seconds("all_reduce", rows * 2 * act_bytes, x, inside["x"], hardware)
     _add(exposed, "tp_x.all_reduce", 2 * norms)
     _add(forward, "tp_x.all_reduce", norms)
     first, last = gathers[0], gathers[-1]
@@ -181,18 +205,36 @@ def ends_seconds(
     tokens: float,
     act_bytes: int,
     hardware: Hardware,
-) -> dict[str, float]:
-    """The collectives of one end of the model (the embedding, or the head) per micro-batch,
-    by term: the residual [T, d/x] all-gathered over X (the head's forward, before the
-    replicated final norm; the embedding's backward, its gradient) and the vocab-parallel
-    [T, d] all-reduced over the x·y ranks (the embedding's forward, the head's backward)."""
+    sequence_parallel: bool = False,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The collectives of the embedding and of the head per micro-batch, by term: the
+    vocab-parallel [T, d] all-reduced over the x·y ranks (the embedding's forward, the head's
+    backward) and the residual gathered (the head's forward, before the replicated final norm:
+    [T, d/x] over X; under `sequence_parallel` [T/y, d/x] over X, then [T/y, d] over Y; the
+    embedding's backward, its gradient: [T/y, d/x] over Y, then [T, d/x] over X)."""
     x, y, z = tp3d
     residual = tokens / z * config.d_model * act_bytes
-    inside = group_inside_node(x, 1, hardware.devices_per_node)
-    gather = collective_seconds("all_gather", residual / x, x, inside, hardware)
-    inside = group_inside_node(x * y, 1, hardware.devices_per_node)
-    reduce = collective_seconds("all_reduce", residual, x * y, inside, hardware)
-    return {"tp_x.all_gather": gather, "tp_xy.all_reduce": reduce}
+    per_node = hardware.devices_per_node
+    inside = group_inside_node(x * y, 1, per_node)
+    reduce = {
+        "tp_xy.all_reduce": collective_seconds("all_reduce", residual, x * y, inside, hardware)
+    }
+    inside_x, inside_y = group_inside_node(x, 1, per_node), group_inside_node(y, x, per_node)
+    if not sequence_parallel:
+        gather = {
+            "tp_x.all_gather": collective_seconds("all_gather", residual / x, x, inside_x, hardware)
+        }
+        return {**reduce, **gather}, {**reduce, **gather}
+
+    def gathers(x_shard: float, y_shard: float) -> dict[str, float]:
+        return {
+            "tp_x.all_gather": collective_seconds("all_gather", x_shard, x, inside_x, hardware),
+            "tp_y.all_gather": collective_seconds("all_gather", y_shard, y, inside_y, hardware),
+        }
+
+    embed = gathers(residual / x, residual / (x * y))
+    head = gathers(residual / (x * y), residual / y)
+    return {**reduce, **embed}, {**reduce, **head}
 
 
 def ends_z_sum_seconds(plan: Plan, stage: Stage, hardware: Hardware, shards: int) -> float:
@@ -230,9 +272,11 @@ def tensor3d_terms(
         return CommTerms()
     exposed: dict[str, float] = {}
     hidden: dict[str, float] = {}
-    prefetch = plan.overlap.tp3d_prefetch
+    prefetch, sequence = plan.overlap.tp3d_prefetch, plan.sequence_parallel
     sharded = plan.sharded_data_parallel
-    layer = layer_cost(config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch, sharded)
+    layer = layer_cost(
+        config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch, sharded, sequence
+    )
     forward = 0.0
     for key, seconds in layer.exposed.items():
         exposed[key] = exposed.get(key, 0.0) + stage.n_layers * seconds
@@ -252,12 +296,15 @@ def tensor3d_terms(
             exposed[gather] = exposed.get(gather, 0.0) + start
             hidden[gather] = hidden.get(gather, 0.0) + replayed - start
             forward += layer.first_forward
-    ends = ends_seconds(config, plan.tp3d, tokens, act_bytes, hardware)
-    count = stage.has_embed + stage.has_head
-    for key, seconds in ends.items():
-        if count and seconds:
-            exposed[key] = exposed.get(key, 0.0) + count * seconds
-    forward += stage.has_head * ends["tp_x.all_gather"] + stage.has_embed * ends["tp_xy.all_reduce"]
+    embed, head = ends_seconds(config, plan.tp3d, tokens, act_bytes, hardware, sequence)
+    for held, end in ((stage.has_embed, embed), (stage.has_head, head)):
+        for key, seconds in end.items():
+            if held and seconds:
+                exposed[key] = exposed.get(key, 0.0) + seconds
+    reduce = "tp_xy.all_reduce"  # the embedding's forward; the head's backward
+    forward += stage.has_embed * embed[reduce] + stage.has_head * (
+        sum(head.values()) - head[reduce]
+    )
     if not plan.sharded_data_parallel:  # FSDP2's shards sum once a step (`cost_data`)
         z_sum = ends_z_sum_seconds(plan, stage, hardware, shards=1)
         if z_sum:

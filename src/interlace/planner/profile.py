@@ -277,7 +277,7 @@ def stage_memory(
     reduce-scatter) and their `total`. Under etp each tp rank keeps the rows its MoE layers
     dispatch and combine for every token (2 · top_k · d a token and layer), not 1/tp of them."""
     tp = plan.tp_size
-    boundary = d / tp if plan.sequence_parallel else d
+    boundary = d / tp if plan.sequence_parallel and plan.tp3d is None else d
 
     def kept(shard: Shard) -> float:  # per token, by a checkpointed layer
         return boundary + (shard.selective - d) / tp if stage.selective else boundary
@@ -290,11 +290,17 @@ def stage_memory(
         saved += (stage.n_moe - stage.n_moe_checkpointed) * 2 * stage.top_k * d * (1 - 1 / tp)
     if plan.tp3d is not None:  # tokens over z; the head's V over x·y
         x, y, z = plan.tp3d
+        seq = y if plan.sequence_parallel else 1  # the residual's tokens over y
 
         def saved3d(shard: Shard, ckpt: bool) -> float:
             if shard.kind == "layer":  # d-wide tensors (1D's replicated part) over x, the rest
                 inner = shard.activations - shard.replicated  # (heads, ffn features) over y
-                return kept(shard) / x if ckpt else shard.replicated / x + inner / y
+                if ckpt:
+                    return kept(shard) / (x * seq)
+                # the norms' inputs are split over y too; the producers' shared input is the
+                # sequence gathered
+                norms = shard.norm_inputs * (1 - 1 / seq)
+                return (shard.replicated - norms) / x + inner / y
             return _per_rank(shard, x * y, False) if shard.kind == "head" else shard.activations
 
         pairs = zip(stage.shards, stage.checkpointed, strict=True)

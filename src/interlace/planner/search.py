@@ -9,9 +9,10 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     power of two (or the whole per-rank batch) dividing global_batch / dp, schedule gpipe,
     1f1b, interleaved (2 or 4 virtual stages per rank) or shifted (shifted only with full
     recompute); with tp > 1:
-    tp_subbatches 1 or 2 (overlapped tensor parallelism); for dense models, 3D tensor
+    tp_subbatches 1 or 2 (overlapped tensor parallelism); 3D tensor
     parallelism tp3d = (x, y, z) × pp × dp (powers of two, the batch split over dp, a rank's
-    micro-batches and then z; with pp > 1 the pipeline options above),
+    micro-batches and then z; with pp > 1 the pipeline options above; dense models with y > 1
+    with and without sequence parallelism over y; MoE models with ep > 1),
     priced by `interlace.planner.cost3d`; and, for dense models, context parallelism
     cp × tp × dp (cp > 1 any divisor of N / tp, both cp modes, recompute none or full: what the
     runtime composes cp with), priced by `interlace.planner.cost_context`.
@@ -149,8 +150,9 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
     of powers of two dividing the devices, alone (its data parallel ranks replicated or, FSDP2,
     sharded; with z > 1 without the weight prefetch) or in pipelines of every power-of-two depth
     up to the layers (with the pipeline options of 1D plans); the batch split over dp, then a
-    rank's micro-batches, then z. A Mixture-of-Experts model takes every power-of-two ep > 1
-    dividing dp (experts whole on their owners)."""
+    rank's micro-batches, then z. Dense models with y > 1 take each plan with and without the
+    sequence split over y. A Mixture-of-Experts model takes every power-of-two ep > 1 dividing
+    dp (experts whole on their owners)."""
     for x in powers_of_two(n_devices):
         for y in powers_of_two(n_devices // x):
             for z in powers_of_two(n_devices // (x * y)):
@@ -165,22 +167,23 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
                     eps = [1]
                     if spec.is_moe:
                         eps = [e for e in power_of_two_divisors(spec.n_experts, dp) if e > 1]
-                    for ep in eps:
-                        yield from _grid_plans(dp, pp, (x, y, z), ep, per_dp)
+                    sequence = (False, True) if y > 1 and not spec.is_moe else (False,)
+                    for ep, sp in itertools.product(eps, sequence):
+                        yield from _grid_plans(dp, pp, (x, y, z), ep, per_dp, sp)
 
 
 def _grid_plans(
-    dp: int, pp: int, grid: tuple[int, int, int], ep: int, per_dp: int
+    dp: int, pp: int, grid: tuple[int, int, int], ep: int, per_dp: int, sp: bool
 ) -> Iterator[Plan]:
     """The plans of one 3D grid with `dp` data-parallel ranks, `pp` stages and `ep`, a data
-    rank's `per_dp` rows (see `_tp3d_plans`)."""
+    rank's `per_dp` rows, the sequence split over y if `sp` (see `_tp3d_plans`)."""
     z = grid[2]
     if pp == 1:
         if per_dp % z == 0:
-            yield Plan(dp=dp, tp3d=grid, ep=ep)
+            yield Plan(dp=dp, tp3d=grid, ep=ep, sequence_parallel=sp)
         if per_dp % z == 0 and dp > 1:  # the pieces sharded over dp (FSDP2)
             overlap = Overlap(tp3d_prefetch=z == 1)
-            yield Plan(dp_shard=dp, tp3d=grid, ep=ep, overlap=overlap)
+            yield Plan(dp_shard=dp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap)
         return
     for pipeline in _pipeline_options(pp, per_dp):
         if (per_dp // pipeline["micro_batches"]) % z:
@@ -188,7 +191,9 @@ def _grid_plans(
         # selective recomputation with z > 1 runs without the weight prefetch
         prefetch = z == 1 or pipeline["recompute"] != "selective"
         overlap = Overlap(tp3d_prefetch=prefetch)
-        yield Plan(dp=dp, pp=pp, tp3d=grid, ep=ep, overlap=overlap, **pipeline)
+        yield Plan(
+            dp=dp, pp=pp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap, **pipeline
+        )
 
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:

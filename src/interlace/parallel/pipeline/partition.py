@@ -68,7 +68,8 @@ class Shard:
     parallelism leaves whole on every rank (norm inputs, and the input shared by the
     column-parallel producers of each attention and feed-forward block and of the head);
     selective: elements per token a layer keeps under selective recomputation (its input, the
-    outputs of its matrices and of its attention: `interlace.recompute`).
+    outputs of its matrices and of its attention: `interlace.recompute`); norm_inputs: the
+    norms' inputs, the part of `replicated` that sequence parallelism splits.
     """
 
     name: str
@@ -80,6 +81,7 @@ class Shard:
     boundary: int
     replicated: float = 0.0
     selective: float = 0.0
+    norm_inputs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,7 @@ def _shard(
     saved = float(extra_saved)
     replicated = float(shared_inputs)
     selective = float(selective_extra)
+    norm_inputs = 0.0
     for module_name in modules:
         module = model.get_submodule(module_name)
         weight = _expert_weight(model, module_name, experts)
@@ -305,7 +308,19 @@ def _shard(
             width = next(module.parameters(recurse=False)).shape[0]  # a norm saves its input
             saved += width
             replicated += width
-    return Shard(name, kind, tuple(modules), params, flops, saved, boundary, replicated, selective)
+            norm_inputs += width
+    return Shard(
+        name,
+        kind,
+        tuple(modules),
+        params,
+        flops,
+        saved,
+        boundary,
+        replicated,
+        selective,
+        norm_inputs,
+    )
 
 
 def _expert_weight(model: nn.Module, name: str, experts: list[str]) -> float:

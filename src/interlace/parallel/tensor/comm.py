@@ -8,6 +8,7 @@ between the replicated region and the tensor parallel region:
     copy_to_tp              forward identity           backward all-reduce       ("f")
     reduce_from_tp          forward all-reduce         backward identity         ("g")
     gather_sequence         forward all-gather (T)     backward reduce-scatter (T)
+    gather_sequence_whole   forward all-gather (T)     backward slice (T)
     reduce_scatter_sequence forward reduce-scatter (T) backward all-gather (T)
     scatter_sequence        forward slice (T)          backward all-gather (T)
     gather_last_dim         forward all-gather (last)  backward slice (last)
@@ -47,8 +48,9 @@ def all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
 def _check_sequence(length: int, group: Group) -> int:
     if length % group.size:
         raise PlanError(
-            f"sequence length T={length} is not divisible by the tensor parallel degree "
-            f"{group.size}; with sequence_parallel=True use T in multiples of {group.size}"
+            f"sequence length T={length} is not divisible by the {group.size} ranks of "
+            f"'{group.name}' that split it; with sequence_parallel=True use T in multiples of "
+            f"{group.size}"
         )
     return length // group.size
 
@@ -113,6 +115,17 @@ class _GatherSequence(torch.autograd.Function):
         return reduce_scatter_dim1(grad, ctx.group), None
 
 
+class _GatherSequenceWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_dim1(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _slice_dim1(grad, ctx.group), None
+
+
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group, reduce: Reduce) -> torch.Tensor:
@@ -168,6 +181,12 @@ def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sequence shards [B, T/p, ...] → full [B, T, ...]; backward reduce-scatters the gradient
     (the full-sequence consumers are tensor parallel, so their input gradients are partial)."""
     return _GatherSequence.apply(x, group)
+
+
+def gather_sequence_whole(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sequence shards [B, T/p, ...] → full [B, T, ...] for a consumer whose input gradient is
+    already whole on every rank (a replicated one); backward keeps this rank's shard."""
+    return _GatherSequenceWhole.apply(x, group)
 
 
 def reduce_scatter_sequence(

@@ -35,6 +35,12 @@ its indices):
   all-reduce Σx² [.., 1] the same way. The final norm, embeddings and LM head stay replicated
   (full [.., d] after the gather); their cost is the gather above and V·d replicated weights
   per rank.
+- **Sequence parallelism** (`sequence_parallel`, y > 1): the residual stream between blocks is
+  also split along the sequence over Y, [B/z, T/y, d/x]. Each attention and feed-forward block
+  all-gathers the sequence over Y on entry (backward: reduce-scatter, the normal layers' dX sum
+  over Y), each transposed layer reduce-scatters its output along T over Y in place of its
+  all-reduce (`Linear3D.sequence`); the parameters replicated over Y inside the layers have
+  their gradients all-reduced over Y.
 - **Biases** of a normal layer [out/y] are replicated over X and Z, of a transposed one [out/x]
   over Y and Z. Every parameter except the 3D weights sees only its Z slice of the tokens: its
   gradient is all-reduced over Z by a hook. Data parallelism then all-reduces every gradient

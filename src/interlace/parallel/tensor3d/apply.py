@@ -14,7 +14,8 @@ from interlace.errors import PlanError
 from interlace.parallel.detect import Attention, Structure
 from interlace.parallel.grad_sums import sum_gradient_over
 from interlace.parallel.heads import heads_held, set_local_heads
-from interlace.parallel.tensor.layers import replace_hidden
+from interlace.parallel.tensor.comm import gather_sequence_whole, scatter_sequence
+from interlace.parallel.tensor.layers import enter_block, replace_hidden
 from interlace.parallel.tensor.vocab import split_vocab
 from interlace.parallel.tensor3d.comm import (
     gather_last,
@@ -70,6 +71,7 @@ def apply_tensor3d(
     prefetch: bool = True,
     sharded: bool = False,
     gather_logits: bool = False,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Split `model` (call `check_tensor3d` first) in place over `grid`; return the report
     lines. Attention and feed-forward linears become `Linear3D`s, the block norms and the
@@ -78,7 +80,9 @@ def apply_tensor3d(
     pieces `VOCAB_ROWS`), replicated over z: the head gives logits [..., V/(x·y)] for
     `vocab_parallel_cross_entropy` over it ([..., V] with `gather_logits`). `prefetch`
     (z > 1): all-gather each 3D weight over Z one layer ahead (`tensor3d_prefetch`);
-    `sharded`: FSDP2 will shard the pieces (`Linear3D.z_grad_in_backward`)."""
+    `sharded`: FSDP2 will shard the pieces (`Linear3D.z_grad_in_backward`);
+    `sequence_parallel`: the residual stream between the blocks is also split along the
+    sequence over y, [B/z, T/y, d/x] (`_split_sequence`)."""
     x, y, z = grid.x.size, grid.y.size, grid.z.size
     lines = [f"3D tensor parallel over x={x}, y={y}, z={z} ranks"]
     for a in structure.attentions:
@@ -96,7 +100,9 @@ def apply_tensor3d(
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, new)
     lines.append(f"{structure.layers}: {len(norms)} norms split over x (statistics all-reduced)")
-    _split_residual(model, structure, grid.x)
+    _split_residual(model, structure, grid.x, grid.y if sequence_parallel else None)
+    if sequence_parallel:
+        lines.append(_split_sequence(model, structure, grid))
     split_vocab_rows = structure.vocab is not None and vocab_group.size > 1
     lines.append(
         f"{structure.layers}: residual stream split over x (hidden d/{x}), tokens over z; "
@@ -171,21 +177,59 @@ def _block_norms(model: nn.Module, structure: Structure) -> list[tuple[str, floa
     return norms
 
 
-def _split_residual(model: nn.Module, structure: Structure, x: Group) -> None:
-    """The first layer takes its X slice [..., d/x] of the hidden states; the final norm
-    all-gathers them back to [..., d]."""
+def _split_residual(
+    model: nn.Module, structure: Structure, x: Group, sequence: Group | None
+) -> None:
+    """The first layer takes its X slice [..., d/x] of the hidden states [B, T, d] (and its
+    `sequence` shard [B, T/y, d/x] under sequence parallelism); the final norm all-gathers them
+    back to [B, T, d]. The gathers' backward keeps this rank's part: the final norm and the
+    vocabulary-parallel head hand every rank the whole gradient."""
     d = structure.d_model
     first = model.get_submodule(structure.layers)[0]  # type: ignore[arg-type, index]
     norm = model.get_submodule(structure.final_norm)  # type: ignore[arg-type]
 
+    def cut(h: torch.Tensor) -> torch.Tensor:
+        h = split_last_dim(h, x)
+        return h if sequence is None else scatter_sequence(h, sequence)
+
+    def whole(h: torch.Tensor) -> torch.Tensor:
+        h = gather_last(h, x)
+        return h if sequence is None else gather_sequence_whole(h, sequence)
+
     def split(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return replace_hidden(args, kwargs, d, lambda h: split_last_dim(h, x))
+        return replace_hidden(args, kwargs, d, cut)
 
     def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return replace_hidden(args, kwargs, d // x.size, lambda h: gather_last(h, x))
+        return replace_hidden(args, kwargs, d // x.size, whole)
 
     first.register_forward_pre_hook(split, with_kwargs=True)
     norm.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def _split_sequence(model: nn.Module, structure: Structure, grid: Grid) -> str:
+    """Sequence parallelism over y: each attention and feed-forward block all-gathers its
+    input's sequence over y on entry (backward: reduce-scatter, the sum over y its normal
+    layers leave out) and its transposed layer reduce-scatters the output (`Linear3D.sequence`);
+    the parameters of the layers replicated over y (norms, transposed biases) see only this
+    rank's tokens, so their gradients are all-reduced over y."""
+    width = structure.d_model // grid.x.size
+    for name in [a.name for a in structure.attentions] + [f.name for f in structure.feed_forwards]:
+        block = model.get_submodule(name)
+        enter_block(block, width, grid.y, True)
+        for linear in block.modules():
+            if isinstance(linear, Linear3D):
+                linear.sequence = grid.y
+    layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
+    synced = 0
+    for param in layers.parameters():
+        spec = shard3d_spec(param)
+        if param.requires_grad and (spec is None or "y" not in spec.axes):
+            sum_gradient_over(param, grid.y)
+            synced += 1
+    return (
+        f"sequence parallel over y={grid.y.size}: residual stream [B/z, T/{grid.y.size}, "
+        f"d/{grid.x.size}] between blocks; gradients of {synced} parameters all-reduced over y"
+    )
 
 
 def keep_whole(module: nn.Module, d: int, x: Group) -> None:

@@ -44,6 +44,11 @@ from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.tensor.comm import gather_last_dim
 from interlace.precision import autocast_in_force, compute_dtype
 
+ALONE = Group("alone", None, 1, 0)  # type: ignore[arg-type]
+"""A group of one rank, which issues no collective: a 3D linear takes it in place of a group
+whose sum sequence parallelism does elsewhere (the block entry's reduce-scatter of the input
+gradient; the transposed layer's reduce-scatter of its output)."""
+
 
 def _reduce_scattered(
     grad: torch.Tensor, param: torch.Tensor, z: Group, async_op: bool = False

@@ -8,10 +8,12 @@ import dataclasses
 import torch
 from torch import nn
 
+from interlace.comm import Group
 from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.detect import linear_shape
+from interlace.parallel.tensor.comm import reduce_scatter_sequence
 from interlace.parallel.tensor.shard import ShardSpec, replica_sum_hook
-from interlace.parallel.tensor3d.comm import linear3d, summed
+from interlace.parallel.tensor3d.comm import ALONE, linear3d, summed
 from interlace.parallel.tensor3d.prefetch import WeightPrefetcher
 from interlace.parallel.tensor3d.shard import Grid, Shard3D, shard3d_parameter
 
@@ -37,6 +39,12 @@ class Linear3D(nn.Module):
     z_grad_in_backward: bool = False
     """The weight's Z-reduced gradient handed to autograd inside the backward, as FSDP2 needs
     (`apply_tensor3d` sets it under sharded data parallelism); else added when it ends."""
+    sequence: Group | None = None
+    """The Y group when the residual stream is split along the sequence over Y (sequence
+    parallelism, set by `apply_tensor3d`): a normal layer, fed the sequence its block's entry
+    all-gathered, leaves its input gradient's sum over Y to that entry's reduce-scatter; a
+    transposed layer reduce-scatters its output along the sequence over Y, [..., T/y, out/x],
+    instead of all-reducing it (backward: all-gather)."""
 
     def __init__(
         self,
@@ -63,19 +71,25 @@ class Linear3D(nn.Module):
                 self.bias.register_hook(self.block_grad_hook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in/|in_group|] → [..., out/|out_group|]."""
+        """[..., in/|in_group|] → [..., out/|out_group|] ([B, T/y, out/x] from a transposed
+        layer under `sequence`)."""
         gather = None if self.prefetcher is None else self.gather_block
+        in_group, out_group = self.in_group, self.out_group
+        if self.sequence is not None:  # Y's sum done by the sequence's collectives
+            in_group, out_group = (ALONE, out_group) if self.transposed else (in_group, ALONE)
         y = linear3d(
             x,
             self.weight,
-            self.in_group,
-            self.out_group,
+            in_group,
+            out_group,
             self.z,
             self.block_grad_hook,
             gather,
             self.matmul,
             self.z_grad_in_backward,
         )
+        if self.sequence is not None and self.transposed:
+            y = reduce_scatter_sequence(y, self.sequence)
         return y if self.bias is None else y + self.bias
 
     def gather_block(self) -> torch.Tensor:

@@ -73,7 +73,7 @@ def check_grid(
 
 def check_values(plan: Any) -> None:
     """PlanError naming the fix for a bad 3D grid option of `plan`: three positive sizes, not
-    with 1D `tp`; `tp3d_prefetch` a bool, with a grid."""
+    with 1D `tp`; `tp3d_prefetch` a bool, with a grid; sequence parallelism over y > 1."""
     prefetch = plan.overlap.tp3d_prefetch
     if not isinstance(prefetch, bool):
         raise PlanError(
@@ -92,18 +92,29 @@ def check_values(plan: Any) -> None:
         raise PlanError(
             f"tp={plan.tp} and tp3d={fmt_tp3d(plan.tp3d)} are exclusive; use one of them"
         )
+    if plan.sequence_parallel and plan.tp3d[1] == 1:
+        raise PlanError(
+            f"sequence_parallel=true splits the sequence over tp3d's y, which is 1 in "
+            f"tp3d={fmt_tp3d(plan.tp3d)}; use a grid with y > 1, or sequence_parallel=false"
+        )
 
 
 def check_model(plan: Any, spec: Any) -> None:
     """PlanError unless `plan`'s grid splits model `spec` (GPTConfig-like; `check_grid`, the
-    runtime's rule); experts are not split: a Mixture-of-Experts model needs ep > 1, which
-    keeps them whole on their owners."""
+    runtime's rule) and, under sequence parallelism, y its sequence; experts are not split:
+    a Mixture-of-Experts model needs ep > 1, which keeps them whole on their owners."""
     if plan.tp3d is None:
         return
     if spec.n_experts and plan.ep == 1:
         raise PlanError(
             f"tp3d={fmt_tp3d(plan.tp3d)} does not split Mixture-of-Experts layers; use ep > 1 "
             "(experts whole on their owners), a dense model, or tp=N"
+        )
+    y = plan.tp3d[1]
+    if plan.sequence_parallel and spec.seq_len % y:
+        raise PlanError(
+            f"seq_len={spec.seq_len} is not divisible by tp3d's y={y}, as sequence_parallel "
+            f"needs; use a seq_len that is a multiple of {y}"
         )
     head_dim = spec.d_model // spec.n_heads
     check_grid(

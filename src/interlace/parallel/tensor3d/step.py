@@ -39,6 +39,7 @@ def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None
         plan.overlap.tp3d_prefetch,
         plan.sharded_data_parallel,
         gather_logits,
+        plan.sequence_parallel,
     )
     score = result.scores
     if structure.vocab is not None and xy.size > 1 and not gather_logits:
