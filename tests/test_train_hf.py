@@ -2,9 +2,9 @@
 Qwen2-MoE folders written by `save_pretrained` train through the Trainer under dp=2, tp=2, pp=2
 and (the MoE models) ep=2, and ep=2 with tp=2 or a 3D grid (experts whole on their owners, the
 block's tokens shared by the tensor-parallel ranks; under tp the shared expert split as a dense
-feed-forward), with the losses of the single-process run step for step; the folder's weights
-are the ones trained (the first loss is the HF model's own on the same batch); what cannot run
-is refused before any rank starts."""
+feed-forward) or with each expert split over tp (etp=2), with the losses of the single-process
+run step for step; the folder's weights are the ones trained (the first loss is the HF model's
+own on the same batch); what cannot run is refused before any rank starts."""
 
 import dataclasses
 import json
@@ -78,6 +78,8 @@ def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_te
         ("mixtral", "dp=2,ep=2,tp=2,moe_balance=prophet"),
         ("mixtral", "dp=2,ep=2,tp3d=2x1x1"),
         ("qwen2_moe", "dp=2,ep=2,tp3d=1x1x2"),
+        ("qwen2_moe", "dp=2,ep=2,tp=2,etp=2"),
+        pytest.param("mixtral", "dp=2,ep=2,tp=2,etp=2,moe_balance=prophet", marks=pytest.mark.slow),
     ],
 )
 def test_hf_experts_split_over_ep_beside_tensor_parallelism_train_as_in_one_process(
@@ -87,6 +89,8 @@ def test_hf_experts_split_over_ep_beside_tensor_parallelism_train_as_in_one_proc
     serial = _rows(folders[kind], "dp=1", 1)[0]
     for rows, report in run_ranks(4, _rows, folders[kind], plan_text, 4, timeout=180):
         assert sum("of 4 on this rank (ep=2" in line for line in report) == 2  # both layers
+        split = any(line.startswith("etp=2: each expert of 2") for line in report)
+        assert split == ("etp=2" in plan_text)
         for key, tolerance in (("loss", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-5})):
             assert [r[key] for r in rows] == pytest.approx([r[key] for r in serial], **tolerance)
 
@@ -164,3 +168,12 @@ def test_interlace_train_launches_a_hf_model_on_two_ranks(folders, tmp_path, mon
     serial = _losses(folders["llama"], "dp=1", 1)
     assert [row["loss"] for row in rows] == pytest.approx(serial, abs=1e-5)
     assert json.loads((out / "report.json").read_text())["model"]["hf"] == folders["llama"]
+
+
+def test_fused_experts_split_over_tp_under_sequence_parallelism_are_refused_before_launch(
+    folders,
+):
+    config = dataclasses.replace(TINY_RUN, model=folders["qwen2_moe"])
+    plan = Plan.parse("dp=2,ep=2,tp=2,etp=2,sequence_parallel=true")
+    with pytest.raises(PlanError, match=r"etp=2 with sequence_parallel=true cannot split .*mlp"):
+        prepare_run(config, plan, 4)

@@ -29,53 +29,62 @@ Three sums need a correction, each here:
 - an expert piece's gradient is its own over all the group's tokens: summed over ep_dp only,
   not over tp (`expert.step`).
 
-Experts with a structure of their own (`fused.py`: Hugging Face Mixtral, Qwen2-MoE) are not
-split; etp = 1 runs them.
+The fused experts of a Hugging Face MoE block (`fused.py`: Mixtral, Qwen2-MoE) split the same
+way: rank r keeps its F/p rows of the gate and of the up part of gate|up (`ShardSpec(0,
+segments=2)`, gate rows first, as the fused tensor holds them) and those columns of down.
+Their block routes outside the experts module, on every tp rank alike, and hands it the
+tokens with their gate weights: both enter the tensor parallel region (`_enter_fused`), since
+each rank's share of the output makes a partial gradient for the gate weights as for the
+tokens; the router, then, gets its whole gradient on every rank and needs no sum. Not under
+sequence parallelism, where such a block takes flattened [N, d] tokens that are not its
+sequence.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
 
 from interlace.comm import Group
 from interlace.errors import PlanError
-from interlace.parallel.expert.fused import FusedExpertParallel
+from interlace.parallel.expert.fused import FusedExpert, FusedExpertParallel
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.split import ExpertSplit
 from interlace.parallel.grad_sums import sum_gradient_over
-from interlace.parallel.tensor.layers import enter_block, leave_block
+from interlace.parallel.tensor.layers import enter_block, enter_tp, leave_block
 from interlace.parallel.tensor.shard import ShardSpec, shard_column, shard_parameter
 from interlace.tensors import local_tensor
 
 
 def split_experts_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) -> list[str]:
     """Split the experts of every `ExpertParallelMoE` of `model` over `tp` in place (see the
-    module docstring); returns the report line. PlanError, before any change, for experts
-    with a structure of their own or a width tp does not divide."""
+    module docstring); returns the report line. PlanError, before any change, for a width tp
+    does not divide, or fused experts under sequence parallelism."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
+    fused_names = [n for n, m in layers if isinstance(m, FusedExpertParallel)]
+    check_fused_split(fused_names, tp.size, sequence_parallel)
     for name, layer in layers:
-        if isinstance(layer, FusedExpertParallel):
-            raise PlanError(
-                f"etp={tp.size} cannot split {name}'s fused experts (a Hugging Face MoE block); "
-                "use etp=1"
-            )
-        width = layer._local_experts()[0].up.out_features
+        width = _width(layer._local_experts()[0], name in fused_names)
         if width % tp.size:
             raise PlanError(
                 f"{name}: expert width {width} is not divisible by etp={tp.size}; use etp=1"
             )
     for _, layer in layers:
-        for expert in layer._local_experts():
-            shard_column(expert.up, 1, 1, tp)
-            expert.down.weight = shard_parameter(expert.down.weight, ShardSpec(1), tp)
-            expert.down.in_features = expert.up.out_features
-        if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
-            for param in layer.router.parameters():
-                sum_gradient_over(param, tp)
+        if isinstance(layer, FusedExpertParallel):
+            for expert in layer._local_experts():
+                _split_fused(expert, tp)
+            _enter_fused(layer, tp)
+        else:
+            for expert in layer._local_experts():
+                _split_mlp(expert, tp)
+            if not sequence_parallel:  # the sequence pass hooks every replicated parameter
+                for param in layer.router.parameters():
+                    sum_gradient_over(param, tp)
+            enter_block(layer, layer.router.d_model, tp, sequence_parallel)
         layer.split = ExpertSplit(tp)
         layer.measure_experts()
-        enter_block(layer, layer.router.d_model, tp, sequence_parallel)
         leave_block(layer, tp, sequence_parallel)
     how = "sequence all-gathered" if sequence_parallel else "tokens replicated"
     return [
@@ -83,6 +92,57 @@ def split_experts_over_tp(model: nn.Module, tp: Group, sequence_parallel: bool) 
         f"{tp.name} ({how}, every rank routing all of them; one "
         f"{'reduce-scatter' if sequence_parallel else 'all-reduce'} of each layer's output)"
     ]
+
+
+def check_fused_split(blocks: list[str], etp: int, sequence_parallel: bool) -> None:
+    """PlanError if etp > 1 would split the fused experts of `blocks` (names of Hugging Face
+    MoE blocks or of their experts) under sequence parallelism (see the module docstring)."""
+    if etp > 1 and sequence_parallel and blocks:
+        raise PlanError(
+            f"etp={etp} with sequence_parallel=true cannot split the fused experts of "
+            f"{blocks[0]} (a Hugging Face MoE block hands them flattened tokens, not its "
+            "sequence shard); use sequence_parallel=false, or etp=1"
+        )
+
+
+def _width(expert: nn.Module, fused: bool) -> int:
+    """An expert's hidden width F: of an `MLP`, up's outputs; of a `FusedExpert`, half of
+    gate|up's rows."""
+    if fused:
+        return getattr(expert, expert.names[0]).shape[0] // 2
+    return expert.up.out_features
+
+
+def _split_mlp(expert: nn.Module, tp: Group) -> None:
+    """An `MLP` expert's F/p hidden features on this rank: up's rows (and bias), down's
+    columns."""
+    shard_column(expert.up, 1, 1, tp)
+    expert.down.weight = shard_parameter(expert.down.weight, ShardSpec(1), tp)
+    expert.down.in_features = expert.up.out_features
+
+
+def _split_fused(expert: FusedExpert, tp: Group) -> None:
+    """A `FusedExpert`'s F/p hidden features on this rank: its rows of the gate and of the up
+    part of gate|up [2F, d] → [2F/p, d], its columns of down [d, F] → [d, F/p]."""
+    gate_up, down = expert.names
+    setattr(expert, gate_up, shard_parameter(getattr(expert, gate_up), ShardSpec(0, 2), tp))
+    setattr(expert, down, shard_parameter(getattr(expert, down), ShardSpec(1), tp))
+
+
+def _enter_fused(layer: FusedExpertParallel, tp: Group) -> None:
+    """The tokens [N, d] and gate weights [N, k] a block hands its fused experts enter the
+    tensor parallel region (forward identity, backward all-reduce over `tp`)."""
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        bound = _FUSED_CALL.bind(mod, *args, **kwargs)
+        for name in ("hidden", "top_k_weights"):
+            bound.arguments[name] = enter_tp(bound.arguments[name], tp)
+        return bound.args[1:], bound.kwargs
+
+    layer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+_FUSED_CALL = inspect.signature(FusedExpertParallel.forward)
 
 
 def split_bias_gradients(model: nn.Module) -> list[tuple[Group, list[torch.Tensor]]]:
@@ -95,7 +155,8 @@ def split_bias_gradients(model: nn.Module) -> list[tuple[Group, list[torch.Tenso
         group = layer.split.group
         _, grads = by_group.setdefault(group.name, (group, []))
         for expert in layer._local_experts():
-            bias = expert.down.bias
+            down = getattr(expert, "down", None)  # a `FusedExpert` has no biases
+            bias = None if down is None else down.bias
             if bias is not None and bias.grad is not None:
                 grads.append(local_tensor(bias.grad))
     return list(by_group.values())
