@@ -2,11 +2,13 @@
 `1x1x2` on 4 ranks, `2x1x2` on 8): attention and dense feed-forwards split over the grid, each
 MoE layer whole on its owners, its input gathered over x and its tokens shared by the x·y ranks
 (each dispatches its chunk once), the z slices routing their own rows (experts summed over z,
-the aux loss averaged over it). Trains step for step as one process on the same global batch
-(dropless routing, no aux loss: losses and pre-clipping gradient norms over four steps; also
-under dp_shard and inside a pipeline), sends the all-to-all bytes of `ep=2` alone, and equals
-`dp=4,ep=2` with capacity drops and the aux loss too (each grid rank's tokens are that plan's
-rank's rows); experts replicated by Pro-Prophet keep the serial run."""
+the aux loss averaged over it); under sequence parallelism (`tp3d=1x2x1,sequence_parallel=
+true`) the y ranks route their own parts of the sequences, the x ranks sharing each part.
+Trains step for step as one process on the same global batch (dropless routing, no aux loss:
+losses and pre-clipping gradient norms over four steps; also under dp_shard and inside a
+pipeline), sends the all-to-all bytes of `ep=2` alone, and equals `dp=4,ep=2` with capacity
+drops and the aux loss too (each grid rank's tokens are that plan's rank's rows); experts
+replicated by Pro-Prophet keep the serial run."""
 
 import dataclasses
 
@@ -67,15 +69,24 @@ def serial(dropless) -> dict:
     return _run(dropless, "dp=1")
 
 
-@pytest.mark.parametrize("plan_text", [*GRIDS, "dp=2,ep=2,tp3d=2x1x2"])
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        *GRIDS,
+        "dp=2,ep=2,tp3d=2x1x2",
+        "dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true",
+        pytest.param("dp=2,ep=2,tp3d=2x2x1,sequence_parallel=true", marks=pytest.mark.slow),
+    ],
+)
 def test_expert_and_3d_tensor_parallel_training_equals_serial(dropless, serial, plan_text):
     results = _ranks(dropless, plan_text)
     for rank, result in enumerate(results):
         _assert_same(result, serial, f"{plan_text}, rank {rank}")
     assert any("gathered over tp_x" in line for line in results[0]["report"])
     # rank = dp index · grid + grid index: the grid ranks of a dp rank dispatch its tokens once
-    # between them (x·y ranks a share each, z slices their rows), the rows `ep=2` alone
-    # dispatches from that dp rank
+    # between them (x·y ranks a share each, z slices their rows; under sequence parallelism
+    # the y ranks their parts of the sequences, the x ranks a share of those), the rows
+    # `ep=2` alone dispatches from that dp rank
     alone = _ranks(dropless, "dp=2,ep=2")
     size = len(results) // 2
     for dp_index, expert_only in enumerate(alone):
@@ -92,6 +103,7 @@ def test_expert_and_3d_tensor_parallel_training_equals_serial(dropless, serial, 
         "dp_shard=2,ep=2,tp3d=1x1x2,tp3d_prefetch=false",
         "pp=2,dp=2,ep=2,tp3d=2x1x1,micro_batches=2",
         "pp=2,dp=2,ep=2,tp3d=1x1x2,micro_batches=2",
+        pytest.param("dp_shard=2,ep=2,tp3d=1x2x1,sequence_parallel=true", marks=pytest.mark.slow),
     ],
 )
 def test_sharded_and_pipelined_expert_3d_layouts_equal_serial(dropless, serial, plan_text):
@@ -116,7 +128,14 @@ def test_capacity_and_aux_loss_follow_the_data_parallel_twin(capacity, grid):
         _assert_same(result, twin, f"{grid}, rank {rank}")
 
 
-@pytest.mark.parametrize("grid", [GRIDS[0], Z_GRID])
+@pytest.mark.parametrize(
+    "grid",
+    [
+        GRIDS[0],
+        Z_GRID,
+        pytest.param("dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true", marks=pytest.mark.slow),
+    ],
+)
 def test_experts_replicated_by_prophet_keep_the_serial_run(dropless, serial, grid):
     plan_text = f"{grid},moe_balance=prophet"
     results = _ranks(dropless, plan_text, Prophet(**FAST_LINK))

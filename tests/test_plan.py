@@ -127,10 +127,6 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (
-            Plan(dp=2, ep=2, tp3d=(1, 2, 1), sequence_parallel=True),
-            "ep=2 with tp3d=1x2x1 and sequence_parallel=true",
-        ),
         (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
     ],
 )

@@ -1,6 +1,7 @@
 """Step terms priced by hand: FSDP's gathers and reduce-scatters, HSDP's replica all-reduce, the
 expert gradients' all-reduce, 3D tensor parallelism's gathers before the head and its
-vocabulary-parallel all-reduces over the x·y ranks, the gradients a grid sums over z, from the
+vocabulary-parallel all-reduces over the x·y ranks, its sequence parallel gathers and
+reduce-scatters over y, the gradients a grid sums over z, from the
 model's sizes, the ring's wire bytes and the link each runs on, so that a term priced twice
 over, or on the wrong link, turns a test red. (`planner.step.step_terms`' other terms are
 priced by hand in test_planner.py, test_planner_context.py, test_planner_cost3d.py and
@@ -155,3 +156,28 @@ def test_fsdp_over_a_grid_with_z_keeps_the_whole_root_gathered_for_the_backward(
         return ALPHA + params / 2 * BF16 / SLOW
 
     assert gather == pytest.approx(slow_gather(LAYER + ROOT) + slow_gather(LAYER))
+
+
+def test_3d_sequence_parallelism_moves_the_residual_over_y_by_gathers_and_scatters():
+    # tp3d = (1, 2, 1) with the sequence split over y = 2 ranks of one node, 4 sequences:
+    # each of the 2 layers' 2 blocks all-gathers [t/2, d] on entry and reduce-scatters its
+    # gradient, its transposed layer reduce-scatters [t, d] and all-gathers the gradient;
+    # the ends gather over y too (the head's input, the embedding's gradient): each moves
+    # half of [t, d] in one ring step
+    exposed, hidden = terms(Plan(tp3d=(1, 2, 1), sequence_parallel=True), global_batch=4)
+    one = ALPHA + 4 * T * D / 2 * BF16 / BW
+    assert exposed["tp_y.all_gather"] == pytest.approx((2 * 2 * 2 + 2) * one)
+    assert exposed["tp_y.reduce_scatter"] == pytest.approx(2 * 2 * 2 * one)
+    assert "tp_y.all_reduce" not in exposed and "tp_y.all_reduce" not in hidden
+
+
+def test_expert_layers_under_3d_sequence_parallelism_share_tokens_over_x_alone():
+    # dp=2, ep=2, tp3d=2x2x1, sequence parallel: a dp rank's 4 sequences, half of each on a y
+    # rank; an MoE layer gathers [2T, d/2] over x (forward, and the gradient in backward) and
+    # its x = 2 ranks of one node share those 2T tokens (T each); the head gathers [2T, d/2]
+    # over x, the embedding's gradient [4T, d/2]
+    moe = get_preset("moe-tiny")
+    exposed, _ = terms(Plan(dp=2, ep=2, tp3d=(2, 2, 1), sequence_parallel=True), moe)
+    one = ALPHA + T * D * BF16 / BW
+    assert "tp_xy.all_gather" not in exposed
+    assert exposed["tp_x.all_gather"] == pytest.approx(2 * one + 2 * one + one + (2 * one - ALPHA))

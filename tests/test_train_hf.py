@@ -78,6 +78,7 @@ def test_hf_model_trains_under_the_plan_as_in_one_process(folders, kind, plan_te
         ("mixtral", "dp=2,ep=2,tp=2,moe_balance=prophet"),
         ("mixtral", "dp=2,ep=2,tp3d=2x1x1"),
         ("qwen2_moe", "dp=2,ep=2,tp3d=1x1x2"),
+        ("mixtral", "dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true"),
         ("qwen2_moe", "dp=2,ep=2,tp=2,etp=2"),
         pytest.param("mixtral", "dp=2,ep=2,tp=2,etp=2,moe_balance=prophet", marks=pytest.mark.slow),
     ],

@@ -41,11 +41,5 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             f"{tp3d} with tp_subbatches={plan.overlap.tp_subbatches}",
             "tp_subbatches=1",
         ),
-        (
-            bool(tp3d) and plan.sequence_parallel and plan.ep > 1,
-            f"ep={plan.ep} with {tp3d} and sequence_parallel=true (the MoE layers would route "
-            "each y rank's own tokens while its x ranks share them)",
-            "sequence_parallel=false",
-        ),
         *context_options.pending_with(plan, tp3d),
     ]

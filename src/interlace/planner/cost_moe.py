@@ -45,7 +45,10 @@ parallelism the tp group all-gathers the combined shares after each layer (and t
 gradient's in backward, and again when a layer is replayed): `tp.all_gather`. **Under ep ×
 tp3d** each z slice routes its own tokens / z and its x·y ranks share them the same way
 (`tp_xy.all_gather`; counts of tokens / (x·y·z)), and each layer's input [T/z, d/x] is
-all-gathered over x as often (its output's gradient in backward): `tp_x.all_gather`.
+all-gathered over x as often (its output's gradient in backward): `tp_x.all_gather`. With
+tp3d's sequence parallelism the y ranks hold other parts of the sequences: the x ranks alone
+share each part (`tp_x.all_gather` of the same tokens / (x·y·z) shares), and the input
+gathered over x is [T/(y·z), d/x].
 
 **Under etp = tp** each expert is split over the tp group (F/tp of its features on each
 rank): every tp rank routes and dispatches all the micro-batch's tokens, computes its part of
@@ -263,17 +266,20 @@ def expert_terms(
             )
     elif plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
         gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
+        if plan.tp3d is not None and plan.sequence_parallel:  # y ranks: other sequence parts
+            sharing, ranks = "tp_x", plan.tp3d[0]
         tp_inside = group_inside_node(ranks, 1, hardware.devices_per_node)
         share = tokens / tp * config.d_model * act_bytes
         exposed[f"{sharing}.all_gather"] = gathers * collective_seconds(
             "all_gather", share, ranks, tp_inside, hardware
         )
     if plan.tp3d is not None:  # the input gathered over x (and replayed), its gradient too
-        x, _, z = plan.tp3d
+        x, y, z = plan.tp3d
         x_inside = group_inside_node(x, 1, hardware.devices_per_node)
-        residual = tokens / z * config.d_model / x * act_bytes
-        exposed["tp_x.all_gather"] = gathers * collective_seconds(
-            "all_gather", residual, x, x_inside, hardware
+        rows = tokens / z / (y if plan.sequence_parallel else 1)
+        residual = rows * config.d_model / x * act_bytes
+        exposed["tp_x.all_gather"] = exposed.get("tp_x.all_gather", 0.0) + gathers * (
+            collective_seconds("all_gather", residual, x, x_inside, hardware)
         )
     hidden = {}
     if layer.trans_hidden + layer.agg_hidden:

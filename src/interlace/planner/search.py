@@ -11,8 +11,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     recompute); with tp > 1:
     tp_subbatches 1 or 2 (overlapped tensor parallelism); 3D tensor
     parallelism tp3d = (x, y, z) × pp × dp (powers of two, the batch split over dp, a rank's
-    micro-batches and then z; with pp > 1 the pipeline options above; dense models with y > 1
-    with and without sequence parallelism over y; MoE models with ep > 1),
+    micro-batches and then z; with pp > 1 the pipeline options above; grids with y > 1 with
+    and without sequence parallelism over y; MoE models with ep > 1),
     priced by `interlace.planner.cost3d`; and, for dense models, context parallelism
     cp × tp × dp (cp > 1 any divisor of N / tp, both cp modes, recompute none or full: what the
     runtime composes cp with), priced by `interlace.planner.cost_context`.
@@ -150,9 +150,9 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
     of powers of two dividing the devices, alone (its data parallel ranks replicated or, FSDP2,
     sharded; with z > 1 without the weight prefetch) or in pipelines of every power-of-two depth
     up to the layers (with the pipeline options of 1D plans); the batch split over dp, then a
-    rank's micro-batches, then z. Dense models with y > 1 take each plan with and without the
-    sequence split over y. A Mixture-of-Experts model takes every power-of-two ep > 1 dividing
-    dp (experts whole on their owners)."""
+    rank's micro-batches, then z; grids with y > 1 with and without the sequence split over y.
+    A Mixture-of-Experts model takes every power-of-two ep > 1 dividing dp (experts whole on
+    their owners)."""
     for x in powers_of_two(n_devices):
         for y in powers_of_two(n_devices // x):
             for z in powers_of_two(n_devices // (x * y)):
@@ -167,7 +167,7 @@ def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[
                     eps = [1]
                     if spec.is_moe:
                         eps = [e for e in power_of_two_divisors(spec.n_experts, dp) if e > 1]
-                    sequence = (False, True) if y > 1 and not spec.is_moe else (False,)
+                    sequence = (False, True) if y > 1 else (False,)
                     for ep, sp in itertools.product(eps, sequence):
                         yield from _grid_plans(dp, pp, (x, y, z), ep, per_dp, sp)
 

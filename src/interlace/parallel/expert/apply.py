@@ -69,19 +69,21 @@ def link_within(stages: Iterable[nn.Module]) -> None:
 
 
 def share_tokens_over_tp(
-    model: nn.Module, tp: Group, sequence_parallel: bool, rows: Group | None = None
+    model: nn.Module, tp: Group, replicated: bool, rows: tuple[Group, ...] = ()
 ) -> list[str]:
     """Make every `ExpertParallelMoE` of `model` dispatch each token once per `tp` group (see the
-    module docstring), the aux loss averaged over `rows` too (tp3d's z slices, which route
-    other batch rows); returns the report line."""
+    module docstring): the tokens `replicated` over it (each rank takes its chunk) or already
+    split (sequence parallelism); the aux loss averaged over `rows` too (groups whose ranks
+    route other tokens: tp3d's z slices, and its y ranks under sequence parallelism);
+    returns the report line."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     for layer in layers:
-        layer.tokens = TokenShare(tp, replicated=not sequence_parallel, rows=rows)
-        if not sequence_parallel:  # the sequence pass hooks every replicated layer parameter
+        layer.tokens = TokenShare(tp, replicated=replicated, rows=rows)
+        if replicated:  # else the sequence pass hooks every replicated layer parameter
             for param in layer.router.parameters():
                 sum_gradient_over(param, tp)
-    how = "its own sequence shard" if sequence_parallel else f"1/{tp.size} of the tokens"
-    over = " and ".join(["ep_dp", tp.name] + ([rows.name] if rows is not None else []))
+    how = f"1/{tp.size} of the tokens" if replicated else "its own sequence shard"
+    over = " and ".join(["ep_dp", tp.name, *(group.name for group in rows)])
     return [
         f"ep × tp: each {tp.name} rank dispatches {how} in {len(layers)} expert-parallel "
         f"layers; expert gradients summed over {over}"

@@ -26,11 +26,12 @@ def expert_step(
     reduced over "ep_dp"; under 1D tensor parallelism each tp rank dispatches its share of the
     tokens, the experts reduced over "tp" too (`expert.tp_tokens`); under 3D tensor
     parallelism each layer takes the hidden states gathered over "tp_x"
-    (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way;
-    the grid's z slices route other rows, so the experts are summed over "tp_z" too and the aux
-    loss averaged over it. With etp = tp each expert is split over "tp" instead
-    (`expert.tp_split`): every tp rank routes all the tokens, and the experts' pieces are
-    summed over "ep_dp" alone.
+    (`tensor3d.apply.keep_whole`) and the x·y ranks, "tp_xy", share its tokens the same way
+    (under its sequence parallelism the x ranks share them, the y ranks holding other parts
+    of the sequences, the aux loss averaged over "tp_y" too); the grid's z slices route other
+    rows, so the experts are summed over "tp_z" too and the aux loss averaged over it. With
+    etp = tp each expert is split over "tp" instead (`expert.tp_split`): every tp rank routes
+    all the tokens, and the experts' pieces are summed over "ep_dp" alone.
     `blocks`: the blocks with fused experts, as found before step 1 split the model. Returns
     the groups (None without ep), which the data step shards and reduces the experts over."""
     plan = result.plan
@@ -39,11 +40,15 @@ def expert_step(
     ep, ep_dp = build_expert_groups(mesh, plan.ep)
     result.report += parallelize_experts(result.model, ep, plan.moe_balance, blocks=blocks)
     tp = z = None  # the ranks that share one set of tokens; the grid's slices of the rows
+    share, rows = None, ()  # the ranks that split that set; those that hold other tokens
     if plan.tensor_parallel:
-        tp = mesh.group("tp")
+        tp = share = mesh.group("tp")
     elif plan.tensor3d_parallel:
         tp, x = mesh.group("tp_xy"), mesh.group("tp_x")
         z = mesh.group("tp_z") if plan.tp3d[2] > 1 else None
+        share = x if plan.sequence_parallel else tp  # y ranks then hold other sequence parts
+        rows = (mesh.group("tp_y"),) if plan.sequence_parallel else ()
+        rows += (z,) if z is not None else ()
         for name, layer in result.model.named_modules():
             if isinstance(layer, FusedExpertParallel):  # its block routes: the block is whole
                 block = result.model.get_submodule(name.rpartition(".")[0])
@@ -55,8 +60,9 @@ def expert_step(
         result.report += split_experts_over_tp(result.model, tp, plan.sequence_parallel)
         store_expert_pieces(result, mesh)
         tp = None
-    elif tp is not None:
-        result.report += share_tokens_over_tp(result.model, tp, plan.sequence_parallel, z)
+    elif share is not None:
+        replicated = plan.tensor3d_parallel or not plan.sequence_parallel
+        result.report += share_tokens_over_tp(result.model, share, replicated, rows)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts
         result.norm_shares.append(expert_norm_share(result.model, ep))
     others = tuple(g for g in (tp, z) if g is not None)

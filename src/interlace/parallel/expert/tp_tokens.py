@@ -104,13 +104,14 @@ def gather_tokens(chunk: torch.Tensor, group: Group, n: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TokenShare:
     """An expert-parallel layer's tokens over its tensor parallel `group`: `replicated` (no
-    sequence parallelism; each rank dispatches its chunk) or already split; `rows`: a group
-    whose ranks route other batch rows (tp3d's z slices, whose cross-entropy is averaged over
-    them, `tensor3d.step`), over which the aux loss is averaged too."""
+    sequence parallelism; each rank dispatches its chunk) or already split; `rows`: groups
+    whose ranks route other tokens (tp3d's z slices, whose cross-entropy is averaged over
+    them, `tensor3d.step`; under tp3d's sequence parallelism its y ranks, which hold other
+    parts of the sequences), over which the aux loss is averaged too."""
 
     group: Group
     replicated: bool
-    rows: Group | None = None
+    rows: tuple[Group, ...] = ()
 
     def enter(self, tokens: torch.Tensor) -> torch.Tensor:
         """The layer's tokens [N, d] → those this rank routes and dispatches [n_r, d]; without
@@ -131,7 +132,6 @@ class TokenShare:
     def aux_loss(self, aux: torch.Tensor) -> torch.Tensor:
         """This rank's aux loss (0-d) → the mean over the group and `rows` (backward: 1/p
         each)."""
-        for group in (self.group, self.rows):
-            if group is not None:
-                aux = reduce_from_tp(aux / group.size, group)
+        for group in (self.group, *self.rows):
+            aux = reduce_from_tp(aux / group.size, group)
         return aux
