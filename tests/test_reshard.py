@@ -100,6 +100,15 @@ def test_hf_fused_experts_resume_between_expert_layouts_with_tensor_splits(tmp_p
     config = dataclasses.replace(BASE, model=model)
     plans = ["dp=2,ep=2,tp=2", "dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2"]
     _check_matrix(tmp_path, config, plans, plans)
+    # experts split over tp: gate|up's pieces are two runs (gate rows, up rows), stored as the
+    # split had them, as fused q|k|v's are: they resume under their own plan
+    split = "dp=2,ep=2,tp=2,etp=2"
+    saved = dataclasses.replace(config, out=str(tmp_path / split))
+    continued = _run(saved, split)[SAVED_AT:]
+    checkpoint = tmp_path / split / "checkpoints" / checkpoint_name(SAVED_AT)
+    assert _run(config, split, checkpoint) == pytest.approx(continued, abs=1e-5)
+    with pytest.raises(RankFailed, match=r"\(plan dp=2,tp=2,ep=2,etp=2\) cannot be read"):
+        _run(config, "dp=2,ep=2", checkpoint)
 
 
 def test_sharded_stacked_experts_resume_under_expert_parallelism_and_back(tmp_path):
@@ -145,15 +154,18 @@ def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path
 @pytest.mark.slow  # 4-rank runs
 def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     # MoE layers in pipeline stages (with experts over ep), sequences split inside stages, 3D
-    # tensor parallel stages (z = 1, and z > 1: rows over z); 3D pieces sharded by FSDP2 (z = 1
+    # tensor parallel stages (z = 1, and z > 1: rows over z), a 3D grid's sequence split over y
+    # (dense, and with experts over ep); 3D pieces sharded by FSDP2 (z = 1
     # and z > 1) resume under their own plan (as dp_shard with 1D tp: stored as their split had
     # them)
     moe = dataclasses.replace(BASE, model=_moe_file(tmp_path))
-    _check_matrix(tmp_path, moe, ["dp=2,ep=2,pp=2,micro_batches=2"], ["dp=1", "dp=2,ep=2"])
+    moe_plans = ["dp=2,ep=2,pp=2,micro_batches=2", "dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true"]
+    _check_matrix(tmp_path, moe, moe_plans, ["dp=1", "dp=2,ep=2"])
     dense = [
         "cp=2,pp=2,micro_batches=2",
         "pp=2,tp3d=2x1x1,micro_batches=2",
         "pp=2,tp3d=1x1x2,micro_batches=2",
+        "tp3d=1x2x1,sequence_parallel=true",
     ]
     _check_matrix(tmp_path, BASE, dense, ["dp=1"])
     _check_matrix(tmp_path, BASE, ["dp=1"], dense)
