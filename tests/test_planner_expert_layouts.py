@@ -72,7 +72,7 @@ def test_sharded_experts_reduce_scatter_and_gather_over_ep_dp():
     assert kept.memory_bytes_per_device > sharded.memory_bytes_per_device
 
 
-def test_experts_split_over_tp_dispatch_every_token_and_sum_the_output_over_tp():
+def test_experts_split_over_tp_share_the_dispatch_and_exchange_the_rows_over_tp():
     from interlace.planner.bytes import activation_bytes
     from interlace.planner.collective_cost import collective_seconds
     from interlace.planner.cost_moe import expert_terms
@@ -80,28 +80,30 @@ def test_experts_split_over_tp_dispatch_every_token_and_sum_the_output_over_tp()
 
     alone, whole = _cost("dp=4,ep=2"), _cost("dp=4,ep=2,tp=2")
     split = _cost("dp=4,ep=2,tp=2,etp=2")
-    # every tp rank dispatches its dp rank's tokens, as a rank of ep alone does
-    assert split.breakdown["ep.all_to_all"] == pytest.approx(alone.breakdown["ep.all_to_all"])
-    assert split.breakdown["ep.all_to_all"] > whole.breakdown["ep.all_to_all"]
+    # the tp ranks share the dispatch out as with etp=1: half of ep alone's each
+    assert split.breakdown["ep.all_to_all"] == pytest.approx(whole.breakdown["ep.all_to_all"])
+    assert split.breakdown["ep.all_to_all"] < alone.breakdown["ep.all_to_all"]
     assert split.memory_bytes_per_device < whole.memory_bytes_per_device
     tokens = 16 * MOE.seq_len  # a rank's micro-batch: 64 sequences over dp = 4
-    whole_bytes = tokens * MOE.d_model * activation_bytes("bf16")
-    for text, payloads in (
-        ("dp=4,ep=2,tp=2,etp=2,recompute=full", {"all_reduce": whole_bytes}),
-        (  # the sequence's all-gather hands over each rank's half of it
-            "dp=4,ep=2,tp=2,etp=2,sequence_parallel=true",
-            {"all_gather": whole_bytes / 2, "reduce_scatter": whole_bytes},
-        ),
+    token_bytes = MOE.d_model * activation_bytes("bf16")
+    rows = tokens * MOE.top_k * token_bytes  # the rows a tp group's owner ranks received
+    for text, share in (
+        ("dp=4,ep=2,tp=2,etp=2,recompute=full", tokens / 2 * token_bytes),
+        ("dp=4,ep=2,tp=2,etp=2,sequence_parallel=true", 0.0),  # each its own shard: no share
     ):
         plan = Plan.parse(text)
         stage = pipeline_stages(model_profile(MOE), plan)[0]
         work = stage_work(plan, MOE, stage, tokens, HW, "bf16")
         exposed = expert_terms(plan, MOE, stage, tokens, 2, work, HW, 0.0).comm.exposed
         calls = 2 * stage.n_moe + stage.n_moe_checkpointed  # forward, backward, replayed
-        assert {k for k in exposed if k.startswith("tp.")} == {f"tp.{op}" for op in payloads}
-        for op, payload in payloads.items():
-            one = collective_seconds(op, payload, 2, True, HW)
-            assert exposed[f"tp.{op}"] == pytest.approx(calls * one), (text, op)
+        gather, scatter = (
+            collective_seconds(op, payload, 2, True, HW)
+            for op, payload in (("all_gather", rows / 2), ("reduce_scatter", rows))
+        )
+        shared = collective_seconds("all_gather", share, 2, True, HW) if share else 0.0
+        assert {k for k in exposed if k.startswith("tp.")} == {"tp.all_gather", "tp.reduce_scatter"}
+        assert exposed["tp.reduce_scatter"] == pytest.approx(calls * scatter), text
+        assert exposed["tp.all_gather"] == pytest.approx(calls * (gather + shared)), text
 
 
 def test_sub_batches_price_the_layers_without_experts_and_leave_moe_layers_whole():

@@ -9,7 +9,6 @@ from torch import nn
 from interlace.errors import PlanError
 from interlace.mesh import Mesh
 from interlace.parallel.detect import Structure, find_structure
-from interlace.parallel.expert.tp_split import check_fused_split
 from interlace.parallel.pipeline.runner import check_pipelined
 from interlace.parallel.tensor.apply import check_divisible
 from interlace.parallel.tensor.moe import check_expert_blocks
@@ -37,8 +36,6 @@ def tensor_structure(model: nn.Module, plan: Plan) -> Structure:
     check_divisible(structure, plan.tp)
     check_expert_blocks(model, structure, plan.tp, subbatches, plan.expert_parallel)
     check_tp_overlap(model, structure, subbatches, plan.sequence_parallel)
-    blocks = [b.name for b in structure.expert_blocks]
-    check_fused_split(blocks, plan.etp, plan.sequence_parallel)
     return structure
 
 

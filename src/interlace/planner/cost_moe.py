@@ -51,11 +51,12 @@ share each part (`tp_x.all_gather` of the same tokens / (x·y·z) shares), and t
 gathered over x is [T/(y·z), d/x].
 
 **Under etp = tp** each expert is split over the tp group (F/tp of its features on each
-rank): every tp rank routes and dispatches all the micro-batch's tokens, computes its part of
-each expert (its throughput tp times a whole expert's; Trans moves its pieces, expert
-parameters / tp) and the layer's output is summed over tp as a row-parallel block's, its
-input gradient too (`tp.all_reduce`, again when replayed; under sequence parallelism the
-sequence's all-gather and reduce-scatter, each twice a layer).
+rank): the tp ranks share the tokens out as above, and an owner's tp ranks all-gather the
+rows they received (top_k · tokens / tp each, balanced), each computes its part of every
+row (its throughput tp times a whole expert's; Trans moves its pieces, expert parameters /
+tp) and the parts are reduce-scattered back: `tp.all_gather` and `tp.reduce_scatter`
+forward, again backward (the rows' gradients reduce-scattered, the results' gathered) and
+when replayed.
 
 **Per stage** and micro-batch, each MoE layer runs a dispatch and a combine all_to_all forward
 and both again backward (+2 when recomputed), plus the replicas' Trans and Agg, and one
@@ -154,7 +155,8 @@ def moe_layer_terms(
     alpha, bandwidth = hardware.link(inside)
     latency = alpha * (d_count - 1)
     row_bytes = config.d_model * act_bytes
-    flops_per_token = 2 * 2 * config.d_model * config.ffn_dim / plan.etp  # etp: F/tp each
+    # per token of this device's share; under etp its F/tp of the tp group's tp times as many
+    flops_per_token = 2 * 2 * config.d_model * config.ffn_dim
     throughput = rate / flops_per_token
     assignments = tokens * k
     counts = assignments * zipf_popularity(n_experts, d_count, skew).expand(d_count, -1)
@@ -234,7 +236,7 @@ def expert_terms(
         plan,
         config,
         hardware,
-        tokens / (tp // plan.etp),  # ep × tp: each tp rank dispatches its share; etp: all
+        tokens / tp,  # ep × tp: each tp rank dispatches its share
         act_bytes,
         work.expert_rate,
         expert_params=stage.expert_params / (n_moe * config.n_experts * plan.etp),
@@ -249,28 +251,21 @@ def expert_terms(
     }
     gathers = 0
     sharing, ranks = split_group(plan)  # the ranks sharing the tokens
-    if plan.etp > 1:  # a row-parallel block: its output summed over tp, its input's gradient
-        gathers = 2 * n_moe + n_ckpt
+    if plan.etp > 1:  # the rows an owner's tp ranks received, gathered and scattered back
         tp_inside = group_inside_node(tp, 1, hardware.devices_per_node)
-        whole = tokens * config.d_model * act_bytes
-        if plan.sequence_parallel:  # the sequence gathered on entry, reduce-scattered on exit
-            exposed["tp.all_gather"] = gathers * collective_seconds(
-                "all_gather", whole / tp, tp, tp_inside, hardware
-            )
-            exposed["tp.reduce_scatter"] = gathers * collective_seconds(
-                "reduce_scatter", whole, tp, tp_inside, hardware
-            )
-        else:
-            exposed["tp.all_reduce"] = gathers * collective_seconds(
-                "all_reduce", whole, tp, tp_inside, hardware
-            )
-    elif plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
+        rows = tokens * config.top_k * config.d_model * act_bytes  # a tp group's, balanced
+        exchanges = 2 * n_moe + n_ckpt
+        for op, payload in (("all_gather", rows / tp), ("reduce_scatter", rows)):
+            seconds = collective_seconds(op, payload, tp, tp_inside, hardware)
+            exposed[f"tp.{op}"] = exchanges * seconds
+    if plan.tp3d is not None or (plan.tensor_parallel and not plan.sequence_parallel):
         gathers = 2 * n_moe + n_ckpt  # output forward (and replayed), input gradient backward
         if plan.tp3d is not None and plan.sequence_parallel:  # y ranks: other sequence parts
             sharing, ranks = "tp_x", plan.tp3d[0]
         tp_inside = group_inside_node(ranks, 1, hardware.devices_per_node)
         share = tokens / tp * config.d_model * act_bytes
-        exposed[f"{sharing}.all_gather"] = gathers * collective_seconds(
+        key = f"{sharing}.all_gather"  # beside etp's rows, gathered over the same ranks
+        exposed[key] = exposed.get(key, 0.0) + gathers * collective_seconds(
             "all_gather", share, ranks, tp_inside, hardware
         )
     if plan.tp3d is not None:  # the input gathered over x (and replayed), its gradient too
@@ -285,8 +280,10 @@ def expert_terms(
     if layer.trans_hidden + layer.agg_hidden:
         hidden["ep.all_to_all"] = n_moe * (layer.trans_hidden + layer.agg_hidden)
     replicated = 2 * n_moe if layer.replicated else 0  # Trans forward, Agg backward
-    forward_calls = 3 * n_moe + replicated // 2 + (n_moe if gathers else 0)
-    comm = CommTerms(exposed, hidden, forward_calls, a2a_count + n_moe + replicated + gathers)
+    split = 2 * n_moe if plan.etp > 1 else 0  # its gather and scatter, forward
+    forward_calls = 3 * n_moe + replicated // 2 + (n_moe if gathers else 0) + split
+    calls = a2a_count + n_moe + replicated + gathers + 2 * split
+    comm = CommTerms(exposed, hidden, forward_calls, calls)
     summary = {
         "expert_skew": skew,
         "hottest_device_load": layer.hottest,

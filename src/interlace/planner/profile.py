@@ -274,8 +274,9 @@ def stage_memory(
     part (parameters with gradients and optimizer state, AdamW's moments in `optimizer_state`'s
     dtype; saved activations of the micro-batches in flight, a recomputation's working set, the
     parameters sharded data parallelism gathers and the block gradients it holds before their
-    reduce-scatter) and their `total`. Under etp each tp rank keeps the rows its MoE layers
-    dispatch and combine for every token (2 · top_k · d a token and layer), not 1/tp of them."""
+    reduce-scatter) and their `total`. Under etp each tp rank keeps the rows its tp group
+    received, gathered for its expert pieces, and their results (2 · top_k · d a token and
+    layer), not 1/tp of them."""
     tp = plan.tp_size
     boundary = d / tp if plan.sequence_parallel and plan.tp3d is None else d
 
@@ -286,7 +287,7 @@ def stage_memory(
         kept(shard) if ckpt else _per_rank(shard, tp, plan.sequence_parallel)
         for shard, ckpt in zip(stage.shards, stage.checkpointed, strict=True)
     )
-    if plan.etp > 1:  # each tp rank keeps every token's expert rows (d wide), not 1/tp
+    if plan.etp > 1:  # each tp rank keeps its tp group's gathered expert rows, not 1/tp
         saved += (stage.n_moe - stage.n_moe_checkpointed) * 2 * stage.top_k * d * (1 - 1 / tp)
     if plan.tp3d is not None:  # tokens over z; the head's V over x·y
         x, y, z = plan.tp3d

@@ -1,8 +1,14 @@
 """The token exchange of expert parallelism as autograd functions: `all_to_all_rows` sends rows to
 their owner ranks (dispatch, combine) and its backward sends the gradients back by the reverse
 split; `keep_in_graph` ties the replicas of a Trans into the graph so its backward (Agg, a
-collective) runs on every rank. Written over `interlace.comm` so the meter counts both
-directions."""
+collective) runs on every rank. Experts split over a tensor parallel group (etp) pass their
+rows through a conjugate pair of uneven collectives:
+
+    gather_rows           forward all-gather of each rank's rows    backward reduce-scatter
+    reduce_scatter_rows   forward each rank's rows of the sum       backward all-gather
+
+(rank r holds `sizes[r]` rows; the collectives move them padded to the largest). Written over
+`interlace.comm` so the meter counts both directions."""
 
 from __future__ import annotations
 
@@ -61,3 +67,69 @@ def all_to_all_rows(
 def keep_in_graph(out: torch.Tensor, replicas: torch.Tensor) -> torch.Tensor:
     """`out` unchanged, with `replicas` (any shape) an input of its graph (gradient zero)."""
     return _KeepInGraph.apply(out, replicas)
+
+
+def gathered_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """Every rank's rows x [sizes[rank], ...] → [Σ sizes, ...] in rank order: one all-gather of
+    the rows padded to max(sizes). Not differentiable (`gather_rows` is)."""
+    most, rest = max(sizes), x.shape[1:]
+    padded = x.contiguous()
+    if x.shape[0] < most:
+        padded = torch.cat([padded, x.new_zeros((most - x.shape[0], *rest))])
+    out = x.new_empty((group.size * most, *rest))
+    comm.all_gather(out, padded, group)
+    if all(n == most for n in sizes):
+        return out
+    pieces = zip(out.view(group.size, most, *rest), sizes, strict=True)
+    return torch.cat([rows[:n] for rows, n in pieces])
+
+
+def _scattered_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """Partial sums x [Σ sizes, ...] on every rank → this rank's rows [sizes[rank], ...] of their
+    sum over `group`: one reduce-scatter of the rows padded to max(sizes)."""
+    most, rest = max(sizes), x.shape[1:]
+    if all(n == most for n in sizes):
+        padded = x.contiguous()
+    else:
+        padded = x.new_zeros((group.size, most, *rest))
+        for slot, rows in zip(padded, x.split(sizes), strict=True):
+            slot[: rows.shape[0]] = rows
+        padded = padded.view(group.size * most, *rest)
+    out = x.new_empty((most, *rest))
+    comm.reduce_scatter(out, padded, group)
+    return out[: sizes[group.rank]]
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+        ctx.group, ctx.sizes = group, sizes
+        return gathered_rows(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _scattered_rows(grad, ctx.group, ctx.sizes), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+        ctx.group, ctx.sizes = group, sizes
+        return _scattered_rows(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gathered_rows(grad, ctx.group, ctx.sizes), None, None
+
+
+def gather_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """This rank's rows x [sizes[rank], ...] → every rank's, [Σ sizes, ...] in rank order;
+    backward: each rank's rows of the gradients' sum over the group (their consumers compute
+    a part of a sum on every rank)."""
+    return _GatherRows.apply(x, group, sizes)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """Partial sums x [Σ sizes, ...] over the group → this rank's rows [sizes[rank], ...] of their
+    sum; backward: every rank's rows' gradients gathered."""
+    return _ReduceScatterRows.apply(x, group, sizes)

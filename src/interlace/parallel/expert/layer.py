@@ -224,10 +224,11 @@ class ExpertParallelMoE(nn.Module):
         trans = self._take_inflight()
         placement = trans.placement
         routing = self.router(tokens)
-        aux = routing.aux_loss if share is None else share.aux_loss(routing.aux_loss)
-        self.aux_loss = aux if self.split is None else self.split.aux_loss(aux)
+        self.aux_loss = routing.aux_loss if share is None else share.aux_loss(routing.aux_loss)
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
         routed, kept = self._gather_counts(routing)
+        if self.split is not None:  # the placements of a tp group's pieces must agree
+            routed = self.split.total(routed)
         if self.training:
             self.routing_history.append(routed.cpu().clone())
             self.iteration += 1
@@ -304,8 +305,18 @@ class ExpertParallelMoE(nn.Module):
         )
         order = torch.argsort(labels, stable=True)
         params = self.experts(compute_dtype(inbox))  # stacked (FSDP2 gathers them here)
-        y = self.run_experts(params, inbox.index_select(0, order), received.sum(dim=0).to(device))
+        y = self._run(params, inbox.index_select(0, order), received.sum(dim=0).to(device))
         return torch.empty_like(y).index_copy(0, order, y)
+
+    def _run(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """`run_experts` on x [M, d] sorted by expert, `counts` [n]; with the experts split over
+        tp, on the rows of every rank of the tp group, this rank's rows of the sum returned
+        (`ExpertSplit.run`)."""
+        if self.split is None:
+            return self.run_experts(params, x, counts)
+        return self.split.run(lambda rows, n: self.run_experts(params, rows, n), x, counts)
 
     def run_experts(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, counts: torch.Tensor
@@ -401,7 +412,7 @@ class ExpertParallelMoE(nn.Module):
         order = torch.argsort(replica, stable=True)
         token, gate = token[order], gate.index_select(0, order)
         counts = expert_counts(replica, len(replicated_here))
-        y = self.run_experts(params, tokens.index_select(0, token), counts)
+        y = self._run(params, tokens.index_select(0, token), counts)
         out.index_add_(0, token, (y * gate.unsqueeze(1).to(y.dtype)).to(out.dtype))
 
     # ------------------------------------------------------------------ metrics

@@ -30,8 +30,9 @@ def expert_step(
     (under its sequence parallelism the x ranks share them, the y ranks holding other parts
     of the sequences, the aux loss averaged over "tp_y" too); the grid's z slices route other
     rows, so the experts are summed over "tp_z" too and the aux loss averaged over it. With
-    etp = tp each expert is split over "tp" instead (`expert.tp_split`): every tp rank routes
-    all the tokens, and the experts' pieces are summed over "ep_dp" alone.
+    etp = tp each expert is split over "tp" as well (`expert.tp_split`): the tp ranks share the
+    tokens out as with etp = 1 and gather the rows they received for their pieces, whose
+    gradients are summed over "ep_dp" alone.
     `blocks`: the blocks with fused experts, as found before step 1 split the model. Returns
     the groups (None without ep), which the data step shards and reduces the experts over."""
     plan = result.plan
@@ -56,11 +57,11 @@ def expert_step(
             elif isinstance(layer, ExpertParallelMoE):
                 keep_whole(layer, layer.router.d_model, x)
         result.report.append("ep × tp3d: each expert-parallel layer's input gathered over tp_x")
-    if plan.etp > 1:  # each expert split over tp: the tp ranks compute the same tokens
-        result.report += split_experts_over_tp(result.model, tp, plan.sequence_parallel)
+    if plan.etp > 1:  # each expert split over tp: its pieces see every row of the tp group
+        result.report += split_experts_over_tp(result.model, tp)
         store_expert_pieces(result, mesh)
         tp = None
-    elif share is not None:
+    if share is not None:
         replicated = plan.tensor3d_parallel or not plan.sequence_parallel
         result.report += share_tokens_over_tp(result.model, share, replicated, rows)
     if not plan.sharded_data_parallel:  # else sharded data parallelism's share counts experts

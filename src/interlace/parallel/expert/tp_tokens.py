@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from interlace import comm
 from interlace.comm import Group
+from interlace.parallel.expert.comm import gathered_rows
 from interlace.parallel.tensor.comm import reduce_from_tp
 
 
@@ -56,15 +56,7 @@ def _chunk(n: int, group: Group) -> tuple[int, int]:
 def _gather_rows(chunk: torch.Tensor, group: Group, n: int) -> torch.Tensor:
     """Every rank's chunk [n_r, d] → the n rows [n, d] in rank order (one all-gather of the
     chunks padded to ⌈n/p⌉ rows)."""
-    lengths = _lengths(n, group)
-    size, rest = lengths[0], chunk.shape[1:]
-    padded = chunk if chunk.shape[0] == size else torch.cat([chunk, chunk.new_zeros((1, *rest))])
-    out = chunk.new_empty((group.size * size, *rest))
-    comm.all_gather(out, padded, group)
-    if lengths[-1] == size:
-        return out
-    pieces = zip(out.view(group.size, size, *rest), lengths, strict=True)
-    return torch.cat([rows[:k] for rows, k in pieces])
+    return gathered_rows(chunk, group, _lengths(n, group))
 
 
 class _SplitTokens(torch.autograd.Function):
