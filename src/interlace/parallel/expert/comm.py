@@ -100,36 +100,28 @@ def _scattered_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Te
     return out[: sizes[group.rank]]
 
 
-class _GatherRows(torch.autograd.Function):
+class _Rows(torch.autograd.Function):
+    """`gathered_rows` forward and `_scattered_rows` backward (`gather`), or the reverse."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return gathered_rows(x, group, sizes)
+    def forward(ctx, x: torch.Tensor, group: Group, sizes: list[int], gather: bool):
+        ctx.group, ctx.sizes, ctx.gather = group, sizes, gather
+        return (gathered_rows if gather else _scattered_rows)(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _scattered_rows(grad, ctx.group, ctx.sizes), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return _scattered_rows(x, group, sizes)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gathered_rows(grad, ctx.group, ctx.sizes), None, None
+        conjugate = _scattered_rows if ctx.gather else gathered_rows
+        return conjugate(grad, ctx.group, ctx.sizes), None, None, None
 
 
 def gather_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
     """This rank's rows x [sizes[rank], ...] → every rank's, [Σ sizes, ...] in rank order;
     backward: each rank's rows of the gradients' sum over the group (their consumers compute
     a part of a sum on every rank)."""
-    return _GatherRows.apply(x, group, sizes)
+    return _Rows.apply(x, group, sizes, True)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
     """Partial sums x [Σ sizes, ...] over the group → this rank's rows [sizes[rank], ...] of their
     sum; backward: every rank's rows' gradients gathered."""
-    return _ReduceScatterRows.apply(x, group, sizes)
+    return _Rows.apply(x, group, sizes, False)

@@ -105,25 +105,17 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
+    """All-gather along T; backward reduce-scatters the gradient, or (`whole`) slices it."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: Group, whole: bool) -> torch.Tensor:
+        ctx.group, ctx.whole = group, whole
         return _gather_dim1(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_dim1(grad, ctx.group), None
-
-
-class _GatherSequenceWhole(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_dim1(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _slice_dim1(grad, ctx.group), None
+        back = _slice_dim1 if ctx.whole else reduce_scatter_dim1
+        return back(grad, ctx.group), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -180,13 +172,13 @@ def reduce_from_tp(x: torch.Tensor, group: Group, reduce: Reduce = all_reduced) 
 def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sequence shards [B, T/p, ...] → full [B, T, ...]; backward reduce-scatters the gradient
     (the full-sequence consumers are tensor parallel, so their input gradients are partial)."""
-    return _GatherSequence.apply(x, group)
+    return _GatherSequence.apply(x, group, False)
 
 
 def gather_sequence_whole(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sequence shards [B, T/p, ...] → full [B, T, ...] for a consumer whose input gradient is
     already whole on every rank (a replicated one); backward keeps this rank's shard."""
-    return _GatherSequenceWhole.apply(x, group)
+    return _GatherSequence.apply(x, group, True)
 
 
 def reduce_scatter_sequence(

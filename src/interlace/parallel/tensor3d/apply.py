@@ -115,12 +115,7 @@ def apply_tensor3d(
         piece = functools.partial(shard3d_parameter, spec=VOCAB_ROWS, grid=grid)
         lines.append(split_vocab(model, structure.vocab, vocab_group, piece, False, gather_logits))
     if z > 1:
-        synced = 0
-        for param in model.parameters():
-            spec = shard3d_spec(param)
-            if param.requires_grad and (spec is None or "z" not in spec.axes):
-                sum_gradient_over(param, grid.z)
-                synced += 1
+        synced = _sum_unsplit_over(model, "z", grid.z)
         lines.append(
             f"batch rows split over z (the loop feeds this rank's rows, `z_rows`); gradients "
             f"of {synced} parameters all-reduced over z"
@@ -206,6 +201,18 @@ def _split_residual(
     norm.register_forward_pre_hook(gather, with_kwargs=True)
 
 
+def _sum_unsplit_over(module: nn.Module, axis: str, group: Group) -> int:
+    """Sum over `group` (a hook) the gradient of each trainable parameter of `module` that the
+    grid's `axis` does not split (each of its ranks saw other tokens); returns their count."""
+    synced = 0
+    for param in module.parameters():
+        spec = shard3d_spec(param)
+        if param.requires_grad and (spec is None or axis not in spec.axes):
+            sum_gradient_over(param, group)
+            synced += 1
+    return synced
+
+
 def _split_sequence(model: nn.Module, structure: Structure, grid: Grid) -> str:
     """Sequence parallelism over y: each attention and feed-forward block all-gathers its
     input's sequence over y on entry (backward: reduce-scatter, the sum over y its normal
@@ -220,12 +227,7 @@ def _split_sequence(model: nn.Module, structure: Structure, grid: Grid) -> str:
             if isinstance(linear, Linear3D):
                 linear.sequence = grid.y
     layers = model.get_submodule(structure.layers)  # type: ignore[arg-type]
-    synced = 0
-    for param in layers.parameters():
-        spec = shard3d_spec(param)
-        if param.requires_grad and (spec is None or "y" not in spec.axes):
-            sum_gradient_over(param, grid.y)
-            synced += 1
+    synced = _sum_unsplit_over(layers, "y", grid.y)
     return (
         f"sequence parallel over y={grid.y.size}: residual stream [B/z, T/{grid.y.size}, "
         f"d/{grid.x.size}] between blocks; gradients of {synced} parameters all-reduced over y"
