@@ -110,7 +110,8 @@ def test_sharded_experts_under_expert_and_tensor_parallelism_follow_the_twin(con
     ],
 )
 def test_experts_split_over_tp_under_sharded_data_parallelism_follow_the_twin(config, plan_text):
-    # each tp rank routes all of its dp rank's tokens: the twin is the plan without tp
+    # dropless routing without aux loss: every split of the tokens computes the same step, so
+    # the twin is the plan without tp
     plan = Plan.parse(plan_text)
     twin_text = f"dp_shard={plan.dp_shard},ep=2"
     reference = run_ranks(plan.dp_shard, _run, config, twin_text)
