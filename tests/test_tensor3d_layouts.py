@@ -26,6 +26,7 @@ def serial() -> dict:
         "pp=2,tp3d=1x1x2,micro_batches=2",
         "pp=2,tp3d=1x1x2,micro_batches=2,schedule=gpipe,tp3d_prefetch=false",
         "pp=2,tp3d=1x2x1,micro_batches=2,sequence_parallel=true",
+        "pp=2,tp3d=1x2x1,micro_batches=2,sequence_parallel=true,schedule=shifted,recompute=full",
     ],
 )
 def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):

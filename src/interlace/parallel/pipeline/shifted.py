@@ -79,8 +79,8 @@ class ShiftedSchedule:
     replays the rest inside the backward, where it is cheap (elementwise work only). Prefix
     and suffix run as calls of the stage module (`run_span`), so its hooks run for each (FSDP2
     gathers a sharded stage's parameters there). Each step's first activation crossing a
-    boundary is preceded by its width (d, or d/x under 3D tensor parallelism), so the receiver
-    sizes its buffers from it.
+    boundary is preceded by its shape [b, T, d] (the splits' own: d/x under 3D tensor
+    parallelism, T/y with its sequence parallelism), so the receiver sizes its buffers from it.
     `loss_fn(logits, targets)` returns the micro-batch's loss as it should be differentiated
     (already divided by M). `trace` lists the last step's actions
     ("F" | "R" | "recv_grad" | "B", micro-batch) in the order they ran. `on_compute`, when set,
@@ -116,7 +116,8 @@ class ShiftedSchedule:
         self.suffix = [*([] if n else [self.wire.receive]), lambda h: stage(h, n), self.wire.send]
         self.trace: list[tuple[str, int]] = []
         self.on_compute: Callable[[str, int, float, float], None] | None = None
-        self._shape: tuple[int, int, int] = (0, 0, 0)  # [b, T, d] of this step's activations
+        self._shape: tuple[int, ...] = ()  # [b, T, d] of this step's activations as they cross
+        self._shape_sent = False
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, backward: bool = True) -> None:
@@ -124,8 +125,8 @@ class ShiftedSchedule:
         and backward unless `backward` is False; gradients accumulate in the stage."""
         self.trace = []
         xs, ys = x.chunk(self.micro_batches), y.chunk(self.micro_batches)
-        self._shape = (xs[0].shape[0], xs[0].shape[1], 0)  # the width comes with the first
-        self._width_sent = False
+        self._shape = ()  # comes with the step's first activation
+        self._shape_sent = False
         kept: dict[int, _InFlight] = {}
         if backward:
             order = shifted_order(self.index, self.pp, self.micro_batches)
@@ -146,10 +147,10 @@ class ShiftedSchedule:
         if self.stage.is_first:
             inputs = x.to(self.device)
         else:
-            if not self._shape[2]:  # the step's first activation: its width first (d, or a
-                width = torch.empty(1, dtype=torch.long, device=self.device)  # split's d/x)
-                dist.recv(width, group=self.group.pg, group_src=self.group.rank - 1)
-                self._shape = (*self._shape[:2], int(width))
+            if not self._shape:  # the step's first activation: its shape first
+                shape = torch.empty(3, dtype=torch.long, device=self.device)
+                dist.recv(shape, group=self.group.pg, group_src=self.group.rank - 1)
+                self._shape = tuple(int(n) for n in shape.tolist())
             inputs = torch.empty(self._shape, device=self.device, dtype=self.wire.dtype)
             dist.recv(inputs, group=self.group.pg, group_src=self.group.rank - 1)
             inputs.requires_grad_(keep_graph)
@@ -172,10 +173,10 @@ class ShiftedSchedule:
             if self.stage.is_last:
                 out = self.loss_fn(out, y.to(self.device))
         if not self.stage.is_last:
-            if not self._width_sent:
-                width = torch.tensor([out.shape[-1]], device=self.device)
-                self._send(width, self.group.rank + 1)
-                self._width_sent = True
+            if not self._shape_sent:
+                shape = torch.tensor(list(out.shape), dtype=torch.long, device=self.device)
+                self._send(shape, self.group.rank + 1)
+                self._shape_sent = True
             self._send(out.detach(), self.group.rank + 1)
         return _InFlight(inputs, out, boundary, rng, replay)
 
