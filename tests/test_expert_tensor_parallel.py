@@ -129,13 +129,18 @@ def test_expert_and_tensor_parallel_training_equals_serial(
     for rank, result in enumerate(results):
         _assert_same(result, serial, f"{plan_text}, rank {rank}")
         assert any(".experts.0." in n for n in result["params"]) == (rank // 2 == 0)
-    # rank = dp index · 2 + tp index: the two tp ranks of a dp rank dispatch its tokens once
-    # between them, the rows `ep=2` alone dispatches from that dp rank (forward and backward)
+    _assert_dispatched_once(results, expert_only, plan_text)
+
+
+def _assert_dispatched_once(results: list[dict], expert_only: list[dict], what: str) -> None:
+    """rank = dp index · 2 + tp index: the two tp ranks of a dp rank dispatch its tokens once
+    between them, the rows `ep=2` alone dispatches from that dp rank (forward and backward)."""
     for dp_index, alone in enumerate(expert_only):
         tp_group = results[2 * dp_index : 2 * dp_index + 2]
         per_step = [sum(steps) for steps in zip(*(r["all_to_all"] for r in tp_group), strict=True)]
-        assert per_step == alone["all_to_all"], plan_text
+        assert per_step == alone["all_to_all"], what
         assert min(alone["all_to_all"]) > 0
+        assert all(0 < r["all_to_all"][0] < alone["all_to_all"][0] for r in tp_group), what
 
 
 @pytest.mark.parametrize("plan_text", [ETP, ETP_SP])
@@ -148,13 +153,7 @@ def test_experts_split_over_tp_train_as_serial_and_hold_half_of_each_expert(
         pieces = result["local"]
         assert pieces and all(rows == 128 for rows in pieces.values())  # 256 / etp
     assert {n for n in results[0]["local"]} == {n for n in results[1]["local"]}
-    # the two tp ranks of a dp rank dispatch its tokens once between them, as with etp=1:
-    # the rows `ep=2` alone dispatches from that dp rank
-    for dp_index, alone in enumerate(expert_only):
-        tp_group = results[2 * dp_index : 2 * dp_index + 2]
-        per_step = [sum(steps) for steps in zip(*(r["all_to_all"] for r in tp_group), strict=True)]
-        assert per_step == alone["all_to_all"], plan_text
-        assert all(0 < r["all_to_all"][0] < alone["all_to_all"][0] for r in tp_group)
+    _assert_dispatched_once(results, expert_only, plan_text)  # as with etp=1
 
 
 def test_split_experts_route_each_tp_ranks_share_capacity_and_aux_loss_included(tmp_path):

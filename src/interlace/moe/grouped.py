@@ -244,3 +244,19 @@ def mlp_experts(
         rows,
     )
     return template.dropout(y)
+
+
+def run_by_expert(
+    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Rows x [M, d] that arrive by source, then expert (`counts` [S, n]: rows from source s
+    for expert e) → `run`(rows sorted by expert, rows per expert [n]) [M, d'], returned in
+    arrival order."""
+    n = counts.shape[1]
+    labels = torch.arange(n, device=x.device).repeat(counts.shape[0])
+    labels = labels.repeat_interleave(counts.reshape(-1).to(x.device), output_size=x.shape[0])
+    order = torch.argsort(labels, stable=True)
+    y = run(x.index_select(0, order), counts.sum(dim=0).to(x.device))
+    return torch.empty_like(y).index_copy(0, order, y)

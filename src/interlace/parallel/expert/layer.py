@@ -108,7 +108,7 @@ from interlace.moe.balance import (
     make_balancer,
 )
 from interlace.moe.gating import expert_counts
-from interlace.moe.grouped import mlp_experts
+from interlace.moe.grouped import mlp_experts, run_by_expert
 from interlace.moe.layer import MoELayer
 from interlace.parallel.expert.comm import all_to_all_rows, keep_in_graph
 from interlace.parallel.expert.local import LocalExperts
@@ -298,15 +298,8 @@ class ExpertParallelMoE(nn.Module):
         """Rows of `inbox` arrive by source rank, then local expert (counts `received`
         [D, local]); run the local experts on them in one grouped call (`run_experts`) and
         return the results in arrival order."""
-        device = inbox.device
-        labels = torch.arange(self.num_local, device=device).repeat(received.shape[0])
-        labels = labels.repeat_interleave(
-            received.reshape(-1).to(device), output_size=inbox.shape[0]
-        )
-        order = torch.argsort(labels, stable=True)
         params = self.experts(compute_dtype(inbox))  # stacked (FSDP2 gathers them here)
-        y = self._run(params, inbox.index_select(0, order), received.sum(dim=0).to(device))
-        return torch.empty_like(y).index_copy(0, order, y)
+        return run_by_expert(lambda x, n: self._run(params, x, n), inbox, received)
 
     def _run(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, counts: torch.Tensor

@@ -13,6 +13,7 @@ import torch
 
 from interlace import comm
 from interlace.comm import Group
+from interlace.moe.grouped import run_by_expert
 from interlace.parallel.expert.comm import gather_rows, reduce_scatter_rows
 
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,9 +55,4 @@ class ExpertSplit:
         if not sum(sizes):  # no rank of the group has a row: nothing to exchange
             return experts(x, counts)
         rows = gather_rows(x, self.group, sizes)  # by rank, then expert
-        labels = torch.arange(counts.numel(), device=x.device).repeat(self.group.size)
-        labels = labels.repeat_interleave(every.reshape(-1).to(x.device), output_size=sum(sizes))
-        order = torch.argsort(labels, stable=True)
-        y = experts(rows.index_select(0, order), every.sum(dim=0))
-        y = torch.empty_like(y).index_copy(0, order, y)
-        return reduce_scatter_rows(y, self.group, sizes)
+        return reduce_scatter_rows(run_by_expert(experts, rows, every), self.group, sizes)
