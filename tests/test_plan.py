@@ -127,7 +127,7 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
+        (Plan(tp3d=(1, 1, 2), overlap=Overlap(tp_subbatches=2)), "(z > 1) with tp_subbatches=2"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):

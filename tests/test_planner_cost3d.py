@@ -5,7 +5,7 @@ import pytest
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
 from interlace.parallel.tensor3d.layers import layer_wire_bytes
-from interlace.plan import Plan
+from interlace.plan import Overlap, Plan
 from interlace.planner.cost import estimate
 from interlace.planner.cost3d import layer_cost
 from interlace.planner.gemm import block_linears
@@ -125,3 +125,50 @@ def test_sequence_parallel_splits_the_norm_inputs_over_y_and_is_searched():
     assert plain.memory["activations"] - cost.memory["activations"] == pytest.approx(saved)
     plans = {str(c.plan) for c in search(CONFIG, hardware, 4, global_batch=8, dtype="fp32")}
     assert str(sp) in plans and str(Plan(tp3d=(2, 2, 1))) in plans
+
+
+@pytest.mark.parametrize("boundary", [True, False])
+def test_sub_batches_hide_the_grids_all_reduces_as_1d_does(boundary):
+    """tp3d = (2, 1, 1), two sub-batches, no latency, compute far above communication. Over x
+    the normal linears (q, k, v: d wide, up: 4d) all-reduce their outputs and the transposed
+    ones (out: d, down: 4d) their input gradients, 12·t·d a layer, in halves on the sub-batch
+    threads: half of it stays exposed (comm / s), and each layer but the last leaves its last
+    forward reduction (up's half) under the next layer; the norms' statistics stay exposed."""
+    tokens, b = 4 * CONFIG.seq_len, 4
+    slow = local(1e8, BANDWIDTH, latency=0.0, devices_per_node=2)
+    overlap = Overlap(tp_subbatches=2, tp_block_boundary=boundary)
+    cost = estimate(Plan(tp3d=(2, 1, 1), overlap=overlap), CONFIG, slow, 4, dtype="fp32")
+    ring = 2 * (2 - 1) / 2 / BANDWIDTH  # seconds per byte of a ring all-reduce over 2 ranks
+    layers, d = CONFIG.n_layers, CONFIG.d_model
+    pool = layers * 12 * tokens * d * b * ring
+    carried = (layers - 1) * tokens * 4 * d * b / 2 * ring if boundary else 0.0
+    norms = layers * 4 * tokens * 2 * b * ring
+    assert cost.hidden["tp_x.all_reduce"] == pytest.approx(pool / 2 + carried)
+    assert cost.breakdown["tp_x.all_reduce"] == pytest.approx(pool / 2 - carried + norms)
+    assert "tp_y.all_reduce" not in cost.breakdown
+
+
+def test_sub_batched_grids_are_searched_where_z_is_one():
+    hardware = local(1e12, BANDWIDTH, latency=1e-5, devices_per_node=8)
+    found = [c.plan for c in search(CONFIG, hardware, 4, global_batch=8, dtype="fp32")]
+    assert {"tp3d=2x2x1,tp_subbatches=2", "tp3d=2x2x1"} <= {str(p) for p in found}
+    sub_batched = [p for p in found if p.tp3d is not None and p.overlap.tp_subbatches > 1]
+    assert sub_batched and all(p.tp3d[2] == 1 and not p.sequence_parallel for p in sub_batched)
+
+
+def test_recomputed_sub_batches_issue_their_forward_reductions_again():
+    # a recomputed 3D layer repeats its forward all-reduces (the runtime's meter counts them
+    # twice, with or without sub-batches): over x, q, k, v and up's outputs (7·t·d) and the
+    # two norms' forward statistics [t, 2]
+    tokens, b = 4 * CONFIG.seq_len, 4
+    slow = local(1e8, BANDWIDTH, latency=0.0, devices_per_node=2)
+    sub = Overlap(tp_subbatches=2)
+    total = {}
+    for recompute in ("none", "full"):
+        plan = Plan(tp3d=(2, 1, 1), recompute=recompute, overlap=sub)
+        cost = estimate(plan, CONFIG, slow, 4, dtype="fp32")
+        total[recompute] = cost.breakdown["tp_x.all_reduce"] + cost.hidden["tp_x.all_reduce"]
+    ring = 2 * (2 - 1) / 2 / BANDWIDTH
+    d = CONFIG.d_model
+    repeated = CONFIG.n_layers * (7 * tokens * d + 2 * tokens * 2) * b * ring
+    assert total["full"] - total["none"] == pytest.approx(repeated)

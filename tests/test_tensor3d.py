@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,15 @@ def _expected_piece(name: str, full: torch.Tensor, at: dict[str, tuple[int, int]
 
 
 def _compare(
-    model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int, sequence_parallel: bool
+    model: nn.Module,
+    ref: dict,
+    tp3d: tuple[int, int, int],
+    dp: int,
+    sequence_parallel: bool,
+    subbatches: int = 1,
 ) -> dict:
-    plan = Plan(tp3d=tp3d, dp=dp, sequence_parallel=sequence_parallel)
+    overlap = Overlap(tp_subbatches=subbatches)
+    plan = Plan(tp3d=tp3d, dp=dp, sequence_parallel=sequence_parallel, overlap=overlap)
     mesh = build_mesh(plan)
     par = parallelize(model, plan, mesh)
     residual: list[tuple[int, ...]] = []  # what the second block receives
@@ -142,11 +149,11 @@ def _compare(
 
 
 def _assert_equal_to_serial(
-    tp3d: tuple[int, int, int], dp: int = 1, sequence_parallel: bool = False
+    tp3d: tuple[int, int, int], dp: int = 1, sequence_parallel: bool = False, subbatches: int = 1
 ) -> list[dict]:
     model, ref = _serial_run()
     world_size = dp * tp3d[0] * tp3d[1] * tp3d[2]
-    results = run_ranks(world_size, _compare, model, ref, tp3d, dp, sequence_parallel)
+    results = run_ranks(world_size, _compare, model, ref, tp3d, dp, sequence_parallel, subbatches)
     for rank, result in enumerate(results):
         bad = {k: v for k, v in result["errors"].items() if not v <= ATOL}
         assert not bad, f"rank {rank} differs from serial: {bad}"
@@ -182,6 +189,60 @@ def test_sequence_parallel_3d_equals_serial(tp3d):
         tp_y = result["ops"]["tp_y"]
         assert {"all_gather", "reduce_scatter"} <= set(tp_y)
         assert tp_y["all_reduce"]["bytes"] == cfg.n_layers * 6 * cfg.d_model // x * 4
+
+
+@pytest.mark.parametrize("tp3d", [(2, 1, 1), pytest.param((1, 2, 1), marks=pytest.mark.slow)])
+def test_overlapped_3d_equals_serial_with_the_same_bytes(tp3d):
+    # two sub-batches take turns at each linear's all-reduces: the same bytes over x and y,
+    # each reduction inside a layer issued once per sub-batch
+    plain = _assert_equal_to_serial(tp3d)
+    for result, before in zip(_assert_equal_to_serial(tp3d, subbatches=2), plain, strict=True):
+        assert "overlapped tensor parallel" in result["report"][-1]
+        for axis in ("tp_x", "tp_y"):
+            got, was = result["ops"].get(axis, {}), before["ops"].get(axis, {})
+            assert got.keys() == was.keys()
+            for op, meter in got.items():
+                assert meter["bytes"] == was[op]["bytes"], (axis, op)
+            if axis in result["ops"]:  # the residual's gather and split at the ends stay whole
+                assert got["all_reduce"]["calls"] > was["all_reduce"]["calls"]
+
+
+def _reductions_by_thread(model: nn.Module, tp3d: tuple[int, int, int]) -> dict:
+    """(rows, issuing thread) of every async all-reduce over x or y in the forward and in the
+    backward of one step under `tp3d` with two sub-batches."""
+    plan = Plan(tp3d=tp3d, overlap=Overlap(tp_subbatches=2))
+    par = parallelize(model, plan, build_mesh(plan))
+    log: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": []}
+    issue, phase = comm.all_reduce, ["forward"]
+
+    def logged(tensor, group, *args, **kwargs):
+        if group.name in ("tp_x", "tp_y") and kwargs.get("async_op"):
+            log[phase[0]].append((tensor.shape[0], threading.get_ident()))
+        return issue(tensor, group, *args, **kwargs)
+
+    tokens = _batch(0)
+    comm.all_reduce = logged
+    try:
+        loss = par.loss(par.module(tokens[:, :-1]), tokens[:, 1:])
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        comm.all_reduce = issue
+    return log
+
+
+def test_sub_batches_hand_over_at_each_3d_linear_reduction():
+    # x = 2: the normal linears (q, k, v, up) all-reduce their outputs over x, the transposed
+    # ones (out, down) their input gradients; each sub-batch's rows, and in the backward the
+    # turn passes at each: consecutive reductions of a layer come from the two sub-batches
+    torch.manual_seed(0)
+    layers = get_preset("tiny").n_layers
+    log = run_ranks(2, _reductions_by_thread, build_model(get_preset("tiny")), (2, 1, 1))[0]
+    assert [rows for rows, _ in log["forward"]] == [B // 2] * (4 * layers * 2)
+    backward = log["backward"]
+    assert [rows for rows, _ in backward] == [B // 2] * (2 * layers * 2)
+    same = sum(a[1] == b[1] for a, b in itertools.pairwise(backward))
+    assert same <= layers - 1, backward
 
 
 # ----------------------------------------------------------------------------- Trainer
@@ -336,7 +397,11 @@ def test_bytes_per_collective_equal_the_axonn_formula():
             Plan(tp3d=(1, 2, 64)),
             "query width / y=32 is not divisible by 64, the tp3d=1x2x64 factor z",
         ),
-        (Plan(tp3d=(2, 1, 1), overlap=Overlap(tp_subbatches=2)), "with tp_subbatches=2"),
+        (Plan(tp3d=(1, 1, 2), overlap=Overlap(tp_subbatches=2)), "(z > 1) with tp_subbatches=2"),
+        (
+            Plan(tp3d=(1, 2, 1), sequence_parallel=True, overlap=Overlap(tp_subbatches=2)),
+            "no sequence_parallel",
+        ),
     ],
 )
 def test_plans_the_grid_cannot_split_are_refused(plan, message):

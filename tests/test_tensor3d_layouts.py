@@ -1,6 +1,7 @@
 """3D tensor parallelism inside pipeline stages (z = 1, and z > 1: the last stage's copy of the
 tied embedding summed over z), under sharded data parallelism (z = 1) and with recomputed blocks
-(z > 1), each also with the sequence split over y (`sequence_parallel`): the Trainer's losses
+(z > 1), each also with the sequence split over y (`sequence_parallel`) or in overlapped
+sub-batches (`tp_subbatches`, z = 1): the Trainer's losses
 and gradient norms over four steps equal one process's; the combinations still refused name
 their fix."""
 
@@ -37,6 +38,29 @@ def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
         assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
         assert result["comm"]["pp"] > 0
         assert {name for name in result["grads"]} <= set(expected)
+
+
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "pp=2,tp3d=2x1x1,micro_batches=2,tp_subbatches=2",
+        pytest.param("dp=2,tp3d=1x2x1,tp_subbatches=2,recompute=full", marks=pytest.mark.slow),
+        pytest.param(
+            "dp_shard=2,tp3d=2x1x1,tp_subbatches=2,recompute=selective", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "pp=2,tp3d=1x2x1,micro_batches=2,tp_subbatches=2,schedule=shifted,recompute=full",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_overlapped_3d_sub_batches_equal_serial(serial, plan_text):
+    # each layer's sub-batches take turns at the x and y all-reduces, the last one's left to
+    # the next layer; in stages, with data parallel ranks, FSDP2 and recomputed sub-batches
+    for rank, result in enumerate(run_ranks(4, _steps, plan_text, 4)):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        assert any("2 interleaved sub-batches" in line for line in result["report"]), rank
 
 
 @pytest.mark.parametrize(

@@ -211,8 +211,8 @@ def _refusal(plan: Plan) -> str:
 def test_parallelize_refuses_tp_subbatches_without_tp():
     message = run_ranks(1, _refusal, Plan(overlap=Overlap(tp_subbatches=2)))[0]
     assert message == (
-        "tp_subbatches=2 overlaps 1D tensor parallel all-reduces: it needs tp > 1 and no "
-        "sequence_parallel"
+        "tp_subbatches=2 overlaps tensor parallel all-reduces: it needs tp > 1 (or a tp3d grid "
+        "of more than one rank) and no sequence_parallel"
     )
 
 

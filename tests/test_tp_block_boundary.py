@@ -29,6 +29,7 @@ from interlace.parallel.tensor import reduction as tp_reduction
 from interlace.parallel.tensor.shard import shard_of, shard_spec
 from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
+from test_context_parallel import _steps
 
 B, T = 4, 16
 ATOL = 1e-5
@@ -217,6 +218,19 @@ def test_the_plan_switches_the_block_boundary_step():
             assert result["parked"] == parked, f"tp_block_boundary={boundary}"
     with pytest.raises(PlanError, match="tp_block_boundary=false applies"):
         Plan.parse("tp=2,tp_block_boundary=false").validate(2)
+
+
+@pytest.mark.parametrize("plan_text", ["dp_shard=2,tp=2", "dp_shard=2,tp3d=2x1x1"])
+def test_under_fsdp2_each_layer_waits_for_its_own_reductions(plan_text):
+    # FSDP2 reshards a layer's weights when its forward returns: a parked reduction's thread
+    # would then run the layer's bias add on the shard, so under dp_shard no layer defers
+    plan_text += ",tp_subbatches=2"
+    serial = _steps("dp=1", 1)
+    for rank, result in enumerate(run_ranks(4, _steps, plan_text, 4)):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        overlapped = next(line for line in result["report"] if "sub-batches" in line)
+        assert "under the next layer" not in overlapped, rank
 
 
 def _seat_threads() -> set[int]:

@@ -37,9 +37,10 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "recompute=full, or tp3d_prefetch=false",
         ),
         (
-            bool(tp3d) and plan.overlap.tp_subbatches > 1,
-            f"{tp3d} with tp_subbatches={plan.overlap.tp_subbatches}",
-            "tp_subbatches=1",
+            bool(tp3d) and plan.tp3d[2] > 1 and plan.overlap.tp_subbatches > 1,
+            f"{tp3d} (z > 1) with tp_subbatches={plan.overlap.tp_subbatches} (each sub-batch "
+            "would gather the weights over z again)",
+            "a grid with z = 1 (tp3d=XxYx1), or tp_subbatches=1",
         ),
         *context_options.pending_with(plan, tp3d),
     ]

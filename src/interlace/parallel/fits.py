@@ -43,6 +43,7 @@ def tensor3d_structure(model: nn.Module, plan: Plan) -> Structure:
     """The structure 3D tensor parallelism splits under `plan`; PlanError where it cannot."""
     structure = _structure(model, "tp3d")
     check_tensor3d(model, structure, plan.tp3d, plan.expert_parallel)  # type: ignore[arg-type]
+    check_tp_overlap(model, structure, plan.overlap.tp_subbatches, plan.sequence_parallel)
     return structure
 
 

@@ -32,6 +32,13 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
   tokens; the ends' gathers also cross Y ([T/y, d/x] of the embedding's gradient, [T/y, d]
   before the final norm). The y all-reduce of the norms' and transposed biases' gradients
   ([d/x] each) is not priced, as the z one of the blocks' norms;
+- overlapped sub-batches (`tp_subbatches` s > 1, z = 1): a layer without an MoE layer runs s
+  sub-batches taking turns, handing over at each linear's output all-reduce and input-gradient
+  all-reduce. Those become s all-reduces of 1/s the payload each, pooled with the replayed
+  forward's, and hide under the other sub-batches' compute as 1D's do
+  (`cost_tensor.exposed_under_subbatches`; each layer's last forward reduction, but the
+  stage's last, under the next layer when `defers_block_boundary`); the norms' statistics are
+  all-reduced once per sub-batch, exposed;
 - the embedding and the LM head are split by vocabulary rows over the x·y ranks (`tp_xy`):
   the embedding's output [T, d] all-reduced there in the forward, the head's input gradient
   in the backward (the cross-entropy's [T] reductions are not priced, as under 1D); with
@@ -43,9 +50,10 @@ head's compute is divided by x·y·z, their weights by x·y.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from interlace.models.config import GPTConfig
+from interlace.parallel.tensor.options import defers_block_boundary
 from interlace.plan import Plan
 from interlace.planner.bytes import GRAD_BYTES
 from interlace.planner.collective_cost import (
@@ -54,6 +62,8 @@ from interlace.planner.collective_cost import (
     exposed_after_overlap,
     group_inside_node,
 )
+from interlace.planner.cost_tensor import exposed_under_subbatches
+from interlace.planner.cost_work import StageWork
 from interlace.planner.gemm import Linear, block_linears
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage
@@ -64,9 +74,12 @@ class Layer3DCost:
     """Seconds of one layer's 3D-TP collectives per micro-batch, by comm-meter term:
     `exposed` on the critical path and `hidden` under compute; `forward` the share of
     `exposed` that a recomputation replays and `replay_hidden` the gather seconds it hides.
-    With prefetch, `first_forward` / `first_backward` are the seconds `hidden` credits to the
-    first linear's forward gather and the last linear's backward gather, which a pass
-    starting there cannot hide."""
+    Under sub-batches, `split` are the x and y all-reduces issued on the sub-batch threads
+    (hidden or not by `tensor3d_terms`), `split_forward` their share a recomputation replays
+    and `boundary` one sub-batch's last forward reduction (where the last sub-batch parks). With
+    prefetch, `first_forward` /
+    `first_backward` are the seconds `hidden` credits to the first linear's forward gather and
+    the last linear's backward gather, which a pass starting there cannot hide."""
 
     exposed: dict[str, float]
     hidden: dict[str, float]
@@ -74,6 +87,9 @@ class Layer3DCost:
     replay_hidden: float = 0.0
     first_forward: float = 0.0
     first_backward: float = 0.0
+    split: dict[str, float] = field(default_factory=dict)
+    split_forward: dict[str, float] = field(default_factory=dict)
+    boundary: float = 0.0
 
 
 def _add(into: dict[str, float], key: str, seconds: float) -> None:
@@ -91,12 +107,14 @@ def layer_cost(
     prefetch: bool = False,
     scatter_in_backward: bool = False,
     sequence_parallel: bool = False,
+    subbatches: int = 1,
 ) -> Layer3DCost:
     """The collectives of one transformer layer per micro-batch of `tokens` tokens (before the
     split over z), `rate` FLOP/s per device, on `hardware`, the weight gathers prefetched
     under the neighbouring linear's compute when `prefetch`, the Z reduce-scatters waited
     inside the backward when `scatter_in_backward` (FSDP2), the sequence split over Y when
-    `sequence_parallel` (see the module docstring)."""
+    `sequence_parallel`, run in `subbatches` interleaved sub-batches (see the module
+    docstring)."""
     x, y, z = tp3d
     per_node = hardware.devices_per_node
     size = {"x": x, "y": y, "z": z}
@@ -109,7 +127,10 @@ def layer_cost(
     exposed: dict[str, float] = {}
     hidden: dict[str, float] = {}
     forward: dict[str, float] = {}
-    scatter = 0.0
+    split: dict[str, float] = {}
+    split_forward: dict[str, float] = {}
+    scatter = boundary = 0.0
+    sub = subbatches
     linears = block_linears(config)
     gathers = prefetched_gathers(linears, tp3d, t, act_bytes, rate, hardware, prefetch)
     for lin, (gather, gather_f, gather_b) in zip(linears, gathers, strict=True):
@@ -119,6 +140,9 @@ def layer_cost(
 
         def seconds(op: str, payload: float, axis: str) -> float:
             return collective_seconds(op, payload, size[axis], inside[axis], hardware)
+
+        def pieces(payload: float, axis: str) -> float:  # one all-reduce per sub-batch
+            return sub * seconds("all_reduce", payload / sub, axis)
 
         output = t * lin.n_out / p_out * act_bytes
         for into in (exposed, forward):
@@ -133,12 +157,20 @@ def layer_cost(
                 _add(into, "tp_y.all_gather", gather_y)
             _add(exposed, "tp_y.all_gather", gather_y)  # their backward
             _add(exposed, "tp_y.reduce_scatter", scatter_y)
+        elif sub > 1:  # on the sub-batch threads
+            for into in (split, split_forward):
+                _add(into, f"tp_{in_axis}.all_reduce", pieces(output, in_axis))
+            if size[in_axis] > 1:  # the layer's last hand-over in the forward so far
+                boundary = seconds("all_reduce", output / sub, in_axis)
         else:
             out_reduce = seconds("all_reduce", output, in_axis)
             for into in (exposed, forward):
                 _add(into, f"tp_{in_axis}.all_reduce", out_reduce)
-        if not (sequence_parallel and out_axis == "y"):  # else the block entry's scatter
-            dx = seconds("all_reduce", t * lin.n_in / p_in * act_bytes, out_axis)
+        grad_in = t * lin.n_in / p_in * act_bytes
+        if sub > 1:
+            _add(split, f"tp_{out_axis}.all_reduce", pieces(grad_in, out_axis))
+        elif not (sequence_parallel and out_axis == "y"):  # else the block entry's scatter
+            dx = seconds("all_reduce", grad_in, out_axis)
             dw = 2 * t * lin.n_in * lin.n_out / (x * y) / rate
             dx_exposed = exposed_after_overlap(dx, max(0.0, dx - dw), hardware)
             _add(exposed, f"tp_{out_axis}.all_reduce", dx_exposed)
@@ -153,13 +185,22 @@ def layer_cost(
     _add(exposed, "tp_z.reduce_scatter", scatter_exposed)
     _add(hidden, "tp_z.reduce_scatter", scatter - scatter_exposed)
     rows = t / y if sequence_parallel else t
-    norms = 2 * collective_seconds("all_reduce", rows * 2 * act_bytes, x, inside["x"], hardware)
+    stats = rows / sub * 2 * act_bytes  # each sub-batch's, waited on its thread
+    norms = 2 * sub * collective_seconds("all_reduce", stats, x, inside["x"], hardware)
     _add(exposed, "tp_x.all_reduce", 2 * norms)
     _add(forward, "tp_x.all_reduce", norms)
     first, last = gathers[0], gathers[-1]
     replay_hidden = sum(whole - ahead for whole, ahead, _ in gathers)
     return Layer3DCost(
-        exposed, hidden, forward, replay_hidden, first[0] - first[1], last[0] - last[2]
+        exposed,
+        hidden,
+        forward,
+        replay_hidden,
+        first[0] - first[1],
+        last[0] - last[2],
+        split,
+        split_forward,
+        boundary,
     )
 
 
@@ -259,32 +300,55 @@ def tensor3d_terms(
     config: GPTConfig,
     tokens: int,
     act_bytes: int,
-    rate: float,
+    work: StageWork,
     hardware: Hardware,
 ) -> CommTerms:
     """The 3D tensor parallel collectives of `stage` per micro-batch of `tokens` tokens (before
-    the split over z) at `act_bytes` bytes per element and `rate` FLOP/s per device: its
-    layers' `layer_cost` (checkpointed layers replaying their forward's), the first gather of
-    each pass under prefetch, and the collectives of the model's ends (`ends_seconds`).
+    the split over z) at `act_bytes` bytes per element, `work`'s compute and rate: its layers'
+    `layer_cost` (checkpointed layers replaying their forward's; under `tp_subbatches` those
+    without an MoE layer sub-batched, their x and y all-reduces hidden under the other
+    sub-batches' compute as 1D's are, `cost_tensor.exposed_under_subbatches`), the first gather
+    of each pass under prefetch, and the collectives of the model's ends (`ends_seconds`).
     `forward_calls` is the exposed seconds' forward share (`calls` 1); empty without 3D
     tensor parallelism."""
     if plan.tp3d is None:
         return CommTerms()
     exposed: dict[str, float] = {}
     hidden: dict[str, float] = {}
+    split: dict[str, float] = {}
     prefetch, sequence = plan.overlap.tp3d_prefetch, plan.sequence_parallel
-    sharded = plan.sharded_data_parallel
-    layer = layer_cost(
-        config, plan.tp3d, tokens, act_bytes, rate, hardware, prefetch, sharded, sequence
-    )
-    forward = 0.0
-    for key, seconds in layer.exposed.items():
-        exposed[key] = exposed.get(key, 0.0) + stage.n_layers * seconds
-    for key, seconds in layer.forward.items():
-        exposed[key] = exposed.get(key, 0.0) + stage.n_checkpointed * seconds
-        forward += (stage.n_layers + stage.n_checkpointed) * seconds
-    for key, seconds in layer.hidden.items():
-        hidden[key] = hidden.get(key, 0.0) + stage.n_layers * seconds
+    sharded, s = plan.sharded_data_parallel, plan.overlap.tp_subbatches
+    args = (config, plan.tp3d, tokens, act_bytes, work.rate, hardware, prefetch, sharded, sequence)
+    layer = layer_cost(*args)
+    split_layers = stage.n_layers - stage.n_moe if s > 1 else 0  # MoE layers run whole
+    kinds = [(layer, stage.n_layers - split_layers)]
+    if split_layers:
+        kinds.append((layer_cost(*args, subbatches=s), split_layers))
+    forward = split_forward = 0.0
+    for cost, count in kinds:
+        checkpointed = stage.n_checkpointed * count / stage.n_layers if stage.n_layers else 0
+        for key, seconds in cost.exposed.items():
+            exposed[key] = exposed.get(key, 0.0) + count * seconds
+        for key, seconds in cost.forward.items():
+            exposed[key] = exposed.get(key, 0.0) + checkpointed * seconds
+            forward += (count + checkpointed) * seconds
+        for key, seconds in cost.hidden.items():
+            hidden[key] = hidden.get(key, 0.0) + count * seconds
+        for key, seconds in cost.split.items():
+            split[key] = split.get(key, 0.0) + count * seconds
+        for key, seconds in cost.split_forward.items():
+            split[key] += checkpointed * seconds
+            split_forward += (count + checkpointed) * seconds
+    pool = sum(split.values())
+    if pool:
+        boundary = 0.0
+        if defers_block_boundary(plan):  # each forward boundary but the stage's last hides
+            boundary = max(0, split_layers - 1) * kinds[-1][0].boundary
+        share = exposed_under_subbatches(pool, s, boundary, work, hardware) / pool
+        for key, seconds in split.items():
+            exposed[key] = exposed.get(key, 0.0) + share * seconds
+            hidden[key] = hidden.get(key, 0.0) + (1 - share) * seconds
+        forward += share * split_forward
     if prefetch and stage.n_layers:
         # the first gather of the forward and of the backward pass has nothing to hide under;
         # a checkpointed stage's backward starts with the recomputed first linear

@@ -11,8 +11,9 @@ With `tp_subbatches` s > 1 the layers' all-reduces (those without an MoE layer, 
 whole) run under the other sub-batches' compute
 (a checkpointed layer's recomputation included: each sub-batch checkpoints itself and
 recomputes inside its backward): exposed = max(comm / s − b, comm − compute), where b, with
-`tp_block_boundary`, is one sub-batch all-reduce for each layer but the stage's last (its
-forward boundary reduction runs under the next layer's first compute). Of the hideable part
+`tp_block_boundary` (not under FSDP2: `tensor.options.defers_block_boundary`), is one
+sub-batch all-reduce for each layer but the stage's last (its forward boundary reduction runs
+under the next layer's first compute). Of the hideable part
 only `hardware.overlap_efficiency` hides.
 
 The tp group is the innermost (stride 1): inside a node iff tp ≤ devices_per_node.
@@ -20,6 +21,7 @@ The tp group is the innermost (stride 1): inside a node iff tp ≤ devices_per_n
 
 from __future__ import annotations
 
+from interlace.parallel.tensor.options import defers_block_boundary
 from interlace.plan import Plan
 from interlace.planner.collective_cost import (
     CommTerms,
@@ -30,6 +32,18 @@ from interlace.planner.collective_cost import (
 from interlace.planner.cost_work import StageWork
 from interlace.planner.hardware import Hardware
 from interlace.planner.profile import Stage
+
+
+def exposed_under_subbatches(
+    split: float, s: int, boundary: float, work: StageWork, hardware: Hardware
+) -> float:
+    """Seconds left exposed of `split`, the collectives issued on `s` sub-batch threads (1D or
+    3D tensor parallelism under `tp_subbatches`), which fly under the other sub-batches'
+    compute (`work`'s, its recomputation included): max(split / s − `boundary`, split −
+    compute) ideally (`boundary`: the block-boundary reductions hidden under the next layer),
+    of whose hideable part `hardware.overlap_efficiency` hides."""
+    ideal = max(split / s - boundary, split - (work.compute + work.recompute))
+    return exposed_after_overlap(split, ideal, hardware)
 
 
 def tensor_terms(
@@ -68,13 +82,8 @@ def tensor_terms(
     reduce = (count - 4 * split_layers) * one + split
     if not split:
         return CommTerms({"tp.all_reduce": reduce}, {}, forward_calls, count)
-    floor = split / s
-    if plan.overlap.tp_block_boundary:  # each forward boundary but the stage's last hides
-        floor -= max(0, split_layers - 1) * piece
-    exposed_split = exposed_after_overlap(
-        split, max(floor, split - (work.compute + work.recompute)), hardware
-    )
-    hidden = split - exposed_split
+    boundary = max(0, split_layers - 1) * piece if defers_block_boundary(plan) else 0.0
+    hidden = split - exposed_under_subbatches(split, s, boundary, work, hardware)
     return CommTerms(
         {"tp.all_reduce": reduce - hidden}, {"tp.all_reduce": hidden}, forward_calls, count
     )

@@ -11,7 +11,7 @@ SMs (`gemm.layer_shape_efficiency`, 1 without SMs; experts: `gemm.expert_shape_e
 
 - the micro-batch's tokens; under 3D tensor parallelism tokens / z (its x·y ranks split the
   embedding and head by vocabulary rows, so every part is split by x·y·z, as 1D splits by tp);
-- under `tp_subbatches` s > 1, a layer's tokens / s (each sub-batch runs its own matmuls; a
+- under `tp_subbatches` s > 1 (1D or 3D), those rows / s (each sub-batch runs its own matmuls; a
   layer holding an MoE layer runs whole; its share of the replayed work taken as of the FLOPs);
 - for each expert its share of the ep group's tokens, tokens · top_k · ep / E (balanced).
 
@@ -71,9 +71,10 @@ def stage_work(
     rate = hardware.matmul_flops(dtype, rows, width) * shape_factor
     compute = 3 * stage.flops * tokens / tp / rate
     recompute = stage.recompute_flops * tokens / tp / rate
-    subbatches = plan.overlap.tp_subbatches if plan.tensor_parallel else 1
-    if subbatches > 1:  # each layer without experts runs on tokens / s rows at a time
-        sub_rows = tokens / subbatches
+    split = plan.tensor_parallel or plan.tensor3d_parallel
+    subbatches = plan.overlap.tp_subbatches if split else 1
+    if subbatches > 1:  # each layer without experts runs on rows / s rows at a time
+        sub_rows = rows / subbatches
         sub_rate = hardware.matmul_flops(dtype, sub_rows, width)
         sub_rate *= layer_shape_efficiency(plan, config, sub_rows, shapes)
         dense = stage.layer_flops - stage.moe_layer_flops

@@ -12,7 +12,8 @@ Candidates (AxoNN-style enumeration of powers of two, priced by `interlace.plann
     tp_subbatches 1 or 2 (overlapped tensor parallelism); 3D tensor
     parallelism tp3d = (x, y, z) × pp × dp (powers of two, the batch split over dp, a rank's
     micro-batches and then z; with pp > 1 the pipeline options above; grids with y > 1 with
-    and without sequence parallelism over y; MoE models with ep > 1),
+    and without sequence parallelism over y; grids with z = 1 without it also with
+    tp_subbatches 2; MoE models with ep > 1),
     priced by `interlace.planner.cost3d`; and, for dense models, context parallelism
     cp × tp × dp (cp > 1 any divisor of N / tp, both cp modes, recompute none or full: what the
     runtime composes cp with), priced by `interlace.planner.cost_context`.
@@ -179,21 +180,32 @@ def _grid_plans(
     rank's `per_dp` rows, the sequence split over y if `sp` (see `_tp3d_plans`)."""
     z = grid[2]
     if pp == 1:
-        if per_dp % z == 0:
-            yield Plan(dp=dp, tp3d=grid, ep=ep, sequence_parallel=sp)
-        if per_dp % z == 0 and dp > 1:  # the pieces sharded over dp (FSDP2)
+        if per_dp % z:
+            return
+        for subbatches in _grid_subbatches(grid, sp, per_dp):
+            overlap = Overlap(tp_subbatches=subbatches)
+            yield Plan(dp=dp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap)
+        if dp > 1:  # the pieces sharded over dp (FSDP2)
             overlap = Overlap(tp3d_prefetch=z == 1)
             yield Plan(dp_shard=dp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap)
         return
     for pipeline in _pipeline_options(pp, per_dp):
-        if (per_dp // pipeline["micro_batches"]) % z:
+        rows = per_dp // pipeline["micro_batches"]
+        if rows % z:
             continue
         # selective recomputation with z > 1 runs without the weight prefetch
         prefetch = z == 1 or pipeline["recompute"] != "selective"
-        overlap = Overlap(tp3d_prefetch=prefetch)
-        yield Plan(
-            dp=dp, pp=pp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap, **pipeline
-        )
+        for subbatches in _grid_subbatches(grid, sp, rows):
+            overlap = Overlap(tp3d_prefetch=prefetch, tp_subbatches=subbatches)
+            yield Plan(
+                dp=dp, pp=pp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap, **pipeline
+            )
+
+
+def _grid_subbatches(grid: tuple[int, int, int], sp: bool, rows: int) -> tuple[int, ...]:
+    """`tp_subbatches` to try on a 3D grid: 1, and 2 (overlapped x and y all-reduces) where
+    z = 1, the sequence is not split over y and a micro-batch's `rows` halve."""
+    return (1, 2) if grid[2] == 1 and not sp and rows % 2 == 0 else (1,)
 
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:

@@ -139,7 +139,7 @@ def step_terms(
     d = config.d_model
     comms = (
         tensor_terms(plan, slowest, tokens, act_bytes, d, work, hardware),
-        tensor3d_terms(plan, slowest, config, tokens, act_bytes, work.rate, hardware),
+        tensor3d_terms(plan, slowest, config, tokens, act_bytes, work, hardware),
         context_terms(plan, slowest, config, tokens, act_bytes, work.rate, hardware),
     )
     expert = expert_terms(plan, config, slowest, tokens, act_bytes, work, hardware, expert_skew)

@@ -18,9 +18,9 @@ def mesh_dims(plan: Any) -> tuple[tuple[str, int], ...]:
 
 def check_values(plan: Any) -> None:
     """PlanError naming the fix for a bad option of 1D tensor parallelism in `plan`:
-    `tp_subbatches` (overlapped all-reduces, tp > 1 without sequence parallelism),
-    `tp_block_boundary` (with sub-batches), `sequence_parallel` (tp > 1). Under a 3D grid the
-    not-implemented table answers for these (`plan_pending`)."""
+    `tp_subbatches` (overlapped all-reduces, 1D tp > 1 or a 3D grid, without sequence
+    parallelism), `tp_block_boundary` (with sub-batches), `sequence_parallel` (tp > 1; a 3D
+    grid's own rule is `tensor3d.options.check_values`)."""
     overlap = plan.overlap
     if overlap.tp_subbatches < 1:
         raise PlanError(f"tp_subbatches={overlap.tp_subbatches} must be >= 1 (1 = off)")
@@ -34,15 +34,23 @@ def check_values(plan: Any) -> None:
             "tp_block_boundary=false applies to overlapped tensor parallelism; use it with "
             "tp_subbatches=2 or more, or drop it"
         )
+    if overlap.tp_subbatches > 1 and (plan.tp_size == 1 or plan.sequence_parallel):
+        raise PlanError(
+            f"tp_subbatches={overlap.tp_subbatches} overlaps tensor parallel all-reduces: it "
+            "needs tp > 1 (or a tp3d grid of more than one rank) and no sequence_parallel"
+        )
     if plan.tp3d is not None:
         return
-    if overlap.tp_subbatches > 1 and (plan.tp == 1 or plan.sequence_parallel):
-        raise PlanError(
-            f"tp_subbatches={overlap.tp_subbatches} overlaps 1D tensor parallel "
-            "all-reduces: it needs tp > 1 and no sequence_parallel"
-        )
     if plan.sequence_parallel and plan.tp == 1:
         raise PlanError("sequence_parallel=true needs 1D tensor parallelism (tp > 1)")
+
+
+def defers_block_boundary(plan: Any) -> bool:
+    """Whether each sub-batched layer's last forward all-reduce of `plan` (a Plan) runs under
+    the next layer's first compute: `tp_block_boundary`, except under FSDP2 (`dp_shard > 1`),
+    which reshards a layer's weights when its forward returns, while the parked reduction's
+    thread still has the layer's bias add and residual to run on them."""
+    return plan.overlap.tp_block_boundary and not plan.sharded_data_parallel
 
 
 def check_model(plan: Any, spec: Any) -> None:

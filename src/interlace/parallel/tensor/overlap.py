@@ -108,13 +108,13 @@ def _checkpointed(forward: Callable) -> Callable:
     return functools.partial(checkpointed, forward, "full")
 
 
-def _batch_size(args: tuple, kwargs: dict, d_model: int) -> int | None:
+def _batch_size(args: tuple, kwargs: dict, width: int) -> int | None:
     for value in (*args, *kwargs.values()):
         if (
             isinstance(value, torch.Tensor)
             and value.is_floating_point()
             and value.dim() >= 2
-            and value.shape[-1] == d_model
+            and value.shape[-1] == width
         ):
             return value.shape[0]
     return None
@@ -205,7 +205,7 @@ class _SubBatchRun:
         tail: Tail | None,
         may_park: bool,
     ):
-        batch = _batch_size(args, kwargs, layer._interlace_d_model)
+        batch = _batch_size(args, kwargs, layer._interlace_width)
         self.k = min(layer._interlace_tp_subbatches, batch)
         forward = _checkpointed(base_forward) if _under_checkpoint() else base_forward
         originals = _tensors((args, kwargs))
@@ -397,12 +397,12 @@ class _SubBatched:
     and (with autograd recording) so does the backward."""
 
     _interlace_tp_subbatches: int
-    _interlace_d_model: int
+    _interlace_width: int
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         base_forward = super().forward  # type: ignore[misc]
         tail = take_pending(_tensors((args, kwargs)))
-        batch = _batch_size(args, kwargs, self._interlace_d_model)
+        batch = _batch_size(args, kwargs, self._interlace_width)
         k = min(self._interlace_tp_subbatches, batch or 0)
         split = k >= 2 and _splittable((args, kwargs))
         if tail is not None and not (
@@ -442,7 +442,7 @@ def check_tp_overlap(
         return
     if sequence_parallel:
         raise PlanError(
-            "tp_subbatches>1 overlaps the all-reduce of plain 1D TP; with sequence_parallel=True "
+            "tp_subbatches>1 overlaps tensor parallel all-reduces; with sequence_parallel=True "
             "use tp_subbatches=1"
         )
     if structure.layers is None and not (structure.attentions or structure.feed_forwards):
@@ -461,13 +461,16 @@ def apply_tp_overlap(
     subbatches: int,
     sequence_parallel: bool = False,
     block_boundary: bool = True,
+    width: int | None = None,
 ) -> list[str]:
     """Make every layer of the tensor-parallel `model` (already split by
-    `apply_tensor_parallel` with `structure`) run in `subbatches` interleaved sub-batches;
-    return the report line. Parameters and their names are unchanged (each layer's class gains
-    the sub-batching forward in place). `block_boundary`: inside `model`'s forward, each
-    layer's last all-reduce runs under the next layer's first compute. `subbatches` < 2:
-    nothing to do."""
+    `apply_tensor_parallel` or `apply_tensor3d` with `structure`) run in `subbatches`
+    interleaved sub-batches; return the report line. Parameters and their names are unchanged
+    (each layer's class gains the sub-batching forward in place). `block_boundary`: inside
+    `model`'s forward, each layer's last all-reduce runs under the next layer's first compute.
+    `width`: the residual stream's last dimension as the layers see it (a 3D grid's d/x;
+    default d_model), by which the hidden state, and its batch size, is found. `subbatches`
+    < 2: nothing to do."""
     check_tp_overlap(model, structure, subbatches, sequence_parallel)
     if subbatches < 2:
         return []
@@ -480,7 +483,7 @@ def apply_tp_overlap(
     for module in modules:
         module.__class__ = _sub_batched_class(type(module))
         module._interlace_tp_subbatches = subbatches
-        module._interlace_d_model = structure.d_model
+        module._interlace_width = width or structure.d_model
         module._interlace_defer = defer
     if defer:
         model.register_forward_pre_hook(lambda *_: enter_deferral(), prepend=True)

@@ -1,4 +1,4 @@
-"""The reductions of 1D tensor parallelism as the layers run them: the plain all-reduce, made to
+"""The reductions of tensor parallelism as the layers run them: the plain all-reduce, made to
 hand the thread's turn over to another sub-batch while it flies (overlapped tensor parallelism,
 `overlap.py` and `interleave.py`), and, in a recomputed forward, to replay the first forward's
 result instead of communicating again (`ReductionReplay`).
@@ -35,16 +35,25 @@ def set_reduce_yield(switch: Callable[[], None] | None) -> None:
     _yield_point.switch = switch
 
 
+def hand_over() -> None:
+    """Hand this thread's turn over to the other sub-batches and wait for it to come back, if
+    a yield point is installed (else nothing): called with a collective in flight, which the
+    caller waits on afterwards."""
+    switch = getattr(_yield_point, "switch", None)
+    if switch is not None:
+        switch()
+
+
 def yielding_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Σ over `group` of x (`comm.all_reduced`), handing the thread's turn over while the
     reduction flies if a yield point is installed on this thread: the backward reduction of
-    `copy_to_tp` at every layer."""
-    switch = getattr(_yield_point, "switch", None)
-    if switch is None:
+    `copy_to_tp` at every layer, and the output reduction of a 3D linear
+    (`tensor3d.comm.linear3d`)."""
+    if getattr(_yield_point, "switch", None) is None:
         return all_reduced(x, group)
     out = x.clone(memory_format=torch.contiguous_format)
     work = comm.all_reduce(out, group, async_op=True)
-    switch()
+    hand_over()
     work.wait()
     return out
 

@@ -12,6 +12,7 @@ from interlace.parallel.storage import Storage
 from interlace.parallel.tensor.apply import apply_tensor_parallel
 from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
+from interlace.parallel.tensor.options import defers_block_boundary
 from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.parallel.tensor.shard import (
     sharded_parameter_names,
@@ -36,7 +37,7 @@ def tensor_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
         structure,
         plan.overlap.tp_subbatches,
         sequence_parallel,
-        plan.overlap.tp_block_boundary,
+        defers_block_boundary(plan),
     )
     if not gather_logits:
         result.scores = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp)

@@ -21,6 +21,10 @@ The other conjugate pairs of the layout:
     split_last_dim    forward: this rank's slice of the last dim   backward: all-gather
     mean_over         forward: all-reduce / p                       backward: gradient / p
 
+Under overlapped sub-batches (`tp_subbatches`, `parallel.tensor.overlap`) the output's
+all-reduce and the input gradient's are the hand-over points: issued async, the turn passes to
+the other sub-batches, then the result is waited on (`tensor.reduction`).
+
 (`gather_last_dim` of `parallel.tensor.comm` is the inverse of `split_last_dim`.) Every
 collective passes the comm meter (`interlace.comm`); a group of one rank issues none.
 
@@ -42,6 +46,7 @@ from interlace import comm
 from interlace.comm import Group
 from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.tensor.comm import gather_last_dim
+from interlace.parallel.tensor.reduction import hand_over, yielding_reduce
 from interlace.precision import autocast_in_force, compute_dtype
 
 ALONE = Group("alone", None, 1, 0)  # type: ignore[arg-type]
@@ -134,7 +139,8 @@ class _Linear3D(torch.autograd.Function):
         ctx.matmul = matmul
         ctx.autocast = autocast_in_force(x.device.type)
         block = gather_weight(weight, z) if gather is None else gather()
-        return summed(matmul.output(x, block), in_group)
+        out = matmul.output(x, block)
+        return out if in_group.size == 1 else yielding_reduce(out, in_group)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -161,6 +167,7 @@ class _Linear3D(torch.autograd.Function):
                 _reduce_scatter_weight_grad(grad_w, weight, z)
                 grad_w = None
         if work is not None:
+            hand_over()  # other sub-batches compute while it flies (`tp_subbatches`)
             work.wait()
         return grad_x, grad_w, None, None, None, None, None, None, None
 

@@ -10,7 +10,10 @@ from interlace.mesh import Mesh
 from interlace.parallel.fits import tensor3d_structure
 from interlace.parallel.parallelized import Parallelized
 from interlace.parallel.storage import Storage
+from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
+from interlace.parallel.tensor.options import defers_block_boundary
+from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.parallel.tensor.shard import parameters_split_by
 from interlace.parallel.tensor3d.apply import apply_tensor3d, z_rows
 from interlace.parallel.tensor3d.comm import mean_over
@@ -25,9 +28,10 @@ from interlace.parallel.tensor3d.shard import (
 
 def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     """Step 1 of `parallelize` under `tp3d`: 3D tensor parallelism over "tp_x", "tp_y",
-    "tp_z", the vocabulary over "tp_xy"; the loss scored from this rank's vocabulary slice
-    (unless `gather_logits`); with z > 1 each rank's rows of a batch and the loss averaged over
-    z; the norm's shares and the checkpoint layout of the split parameters."""
+    "tp_z" (with sub-batch overlap, z = 1), the vocabulary over "tp_xy"; the loss scored from
+    this rank's vocabulary slice (unless `gather_logits`); with z > 1 each rank's rows of a
+    batch and the loss averaged over z; the norm's shares and the checkpoint layout of the
+    split parameters."""
     model, plan = result.model, result.plan
     structure = tensor3d_structure(model, plan)
     grid, xy = Grid.from_mesh(mesh), mesh.group("tp_xy")
@@ -41,6 +45,15 @@ def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None
         gather_logits,
         plan.sequence_parallel,
     )
+    result.report += apply_tp_overlap(
+        model,
+        structure,
+        plan.overlap.tp_subbatches,
+        plan.sequence_parallel,
+        defers_block_boundary(plan),
+        structure.d_model // grid.x.size,
+    )
+    result.forward_scopes.append(deferral_scope)  # a stage's forward, as the model's does
     score = result.scores
     if structure.vocab is not None and xy.size > 1 and not gather_logits:
         score = functools.partial(vocab_parallel_cross_entropy, group=xy)
