@@ -21,7 +21,7 @@ from interlace.parallel.fits import check_fits
 from interlace.parallel.parallelize import parallelize
 from interlace.parallel.tensor3d.layers import rms_norm_eps
 from interlace.parallel.tensor3d.shard import Grid, shard3d_of, shard3d_spec
-from interlace.plan import Plan
+from interlace.plan import Overlap, Plan
 from interlace.testing import run_ranks
 
 pytestmark = needs_hf
@@ -57,9 +57,15 @@ def _serial(model: nn.Module, length: int) -> dict:
 
 
 def _compare(
-    model: nn.Module, ref: dict, tp3d: tuple[int, int, int], dp: int, sequence_parallel: bool
+    model: nn.Module,
+    ref: dict,
+    tp3d: tuple[int, int, int],
+    dp: int,
+    sequence_parallel: bool,
+    subbatches: int,
 ) -> dict:
-    plan = Plan(tp3d=tp3d, dp=dp, sequence_parallel=sequence_parallel)
+    overlap = Overlap(tp_subbatches=subbatches)
+    plan = Plan(tp3d=tp3d, dp=dp, sequence_parallel=sequence_parallel, overlap=overlap)
     mesh = build_mesh(plan)
     par = parallelize(model, plan, mesh)
     grid, dp_group = Grid.from_mesh(mesh), mesh.group("dp")
@@ -88,13 +94,17 @@ def _compare(
 
 
 def _assert_equal_to_serial(
-    model: nn.Module, tp3d: tuple[int, int, int], dp: int = 1, sequence_parallel: bool = False
+    model: nn.Module,
+    tp3d: tuple[int, int, int],
+    dp: int = 1,
+    sequence_parallel: bool = False,
+    subbatches: int = 1,
 ) -> list:
     # the loop feeds T - 1 positions: under sequence parallelism a multiple of y
     length = T + 1 if sequence_parallel else T
     ref = {**_serial(model, length), "length": length}
     world_size = dp * tp3d[0] * tp3d[1] * tp3d[2]
-    results = run_ranks(world_size, _compare, model, ref, tp3d, dp, sequence_parallel)
+    results = run_ranks(world_size, _compare, model, ref, tp3d, dp, sequence_parallel, subbatches)
     for rank, result in enumerate(results):
         assert result["names"] == sorted(ref["grads"]), f"rank {rank}: parameters differ"
         bad = {k: v for k, v in result["errors"].items() if not v <= ATOL}
@@ -131,6 +141,17 @@ def test_hf_sequence_parallel_3d_equals_serial(kind, tp3d, kv_heads):
     # the decoder layers take [B/z, T/y, d/x]; attention and MLP gather the sequence over y
     results = _assert_equal_to_serial(_build(kind, kv_heads), tp3d, sequence_parallel=True)
     assert any(line.startswith("sequence parallel over y=2") for line in results[0]["report"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp3d", "kv_heads"),
+    [("llama", (2, 1, 1), 2), pytest.param("gpt2", (1, 2, 1), 2, marks=pytest.mark.slow)],
+)
+def test_hf_overlapped_3d_sub_batches_equal_serial(kind, tp3d, kv_heads):
+    # the decoder layers take [B, T, d/x] in two interleaved halves of the batch (Llama's
+    # rotary tables split with them)
+    results = _assert_equal_to_serial(_build(kind, kv_heads), tp3d, subbatches=2)
+    assert any("2 interleaved sub-batches" in line for line in results[0]["report"])
 
 
 def test_norms_are_recognised_on_the_meta_device_as_on_the_cpu():
