@@ -94,7 +94,7 @@ def test_the_search_prices_3d_grids_inside_pipelines():
         if p.pipelined and p.tp3d is not None and p.tp3d[2] > 1 and _runs(p, spec)
     ]
     assert len(staged) > 10
-    assert any(p.recompute == "selective" for p in staged)  # without the z prefetch
+    assert any(p.recompute == "selective" and p.overlap.tp3d_prefetch for p in staged)
     for plan in staged[:20]:
         priced = estimate(plan, spec, A100, 64)
         assert priced.breakdown["pp.bubble"] > 0 and priced.breakdown["tp_z.all_gather"] > 0

@@ -29,14 +29,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
             "tp3d_prefetch=false, or a grid with z = 1 (tp3d=XxYx1)",
         ),
         (
-            bool(tp3d)
-            and plan.tp3d[2] > 1
-            and plan.recompute == "selective"
-            and plan.overlap.tp3d_prefetch,
-            f"{tp3d} (z > 1) with recompute=selective and the weight prefetch over z",
-            "recompute=full, or tp3d_prefetch=false",
-        ),
-        (
             bool(tp3d) and plan.tp3d[2] > 1 and plan.overlap.tp_subbatches > 1,
             f"{tp3d} (z > 1) with tp_subbatches={plan.overlap.tp_subbatches} (each sub-batch "
             "would gather the weights over z again)",

@@ -193,10 +193,8 @@ def _grid_plans(
         rows = per_dp // pipeline["micro_batches"]
         if rows % z:
             continue
-        # selective recomputation with z > 1 runs without the weight prefetch
-        prefetch = z == 1 or pipeline["recompute"] != "selective"
         for subbatches in _grid_subbatches(grid, sp, rows):
-            overlap = Overlap(tp3d_prefetch=prefetch, tp_subbatches=subbatches)
+            overlap = Overlap(tp_subbatches=subbatches)
             yield Plan(
                 dp=dp, pp=pp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap, **pipeline
             )

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._python_dispatch import _disable_current_modes
 
 from interlace import comm
 from interlace.comm import Group
@@ -82,10 +83,16 @@ def _add_reduced_gradient(work: dist.Work, shard: torch.Tensor, param: torch.nn.
 
 def _gathered(shard: torch.Tensor, z: Group, async_op: bool):
     """All-gather over Z of a weight piece [rows, cols] into a block [z·rows, cols], in the
-    dtype the matmul computes in (under bf16 autocast the wire carries bf16)."""
-    piece = shard.detach().to(compute_dtype(shard)).contiguous()
-    block = piece.new_empty((z.size * piece.shape[0], piece.shape[1]))
-    return block, comm.all_gather(block, piece, z, async_op=async_op)
+    dtype the matmul computes in (under bf16 autocast the wire carries bf16). Its ops run
+    outside the dispatch modes (torch's private `_disable_current_modes`, as no public call
+    does it): selective recomputation's cache (torch's selective checkpoint policy) numbers
+    every op of a checkpointed block and needs the same ones in its recomputation, while the
+    weight prefetch gathers a layer's block during another layer, in the forward and not in
+    the recomputation."""
+    with _disable_current_modes():
+        piece = shard.detach().to(compute_dtype(shard)).contiguous()
+        block = piece.new_empty((z.size * piece.shape[0], piece.shape[1]))
+        return block, comm.all_gather(block, piece, z, async_op=async_op)
 
 
 def start_gather(shard: torch.Tensor, z: Group) -> tuple[torch.Tensor, dist.Work]:
