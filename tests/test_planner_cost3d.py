@@ -172,3 +172,22 @@ def test_recomputed_sub_batches_issue_their_forward_reductions_again():
     d = CONFIG.d_model
     repeated = CONFIG.n_layers * (7 * tokens * d + 2 * tokens * 2) * b * ring
     assert total["full"] - total["none"] == pytest.approx(repeated)
+
+
+def test_under_fsdp2_each_block_gathers_its_edges_on_the_spot():
+    # z = 2, compute slow enough to hide every prefetched gather: replicated, the prefetch
+    # runs across blocks and hides them all; under FSDP2 a block's pieces are gathered in its
+    # own pre-forward and pre-backward, so q's forward gather and down's backward gather (the
+    # block's first in either half) are exposed, half the block each on the wire
+    grid, tokens, b, d = (1, 1, 2), 512, 4, CONFIG.d_model
+    hardware = local(1e30, BANDWIDTH, latency=0.0, devices_per_node=64)
+    replicated = layer_cost(CONFIG, grid, tokens, b, 1e3, hardware, prefetch=True)
+    sharded = layer_cost(
+        CONFIG, grid, tokens, b, 1e3, hardware, prefetch=True, scatter_in_backward=True
+    )
+    assert replicated.exposed.get("tp_z.all_gather", 0.0) == pytest.approx(0.0, abs=1e-15)
+    q, down = d * d * b / 2 / BANDWIDTH, 4 * d * d * b / 2 / BANDWIDTH
+    assert sharded.exposed["tp_z.all_gather"] == pytest.approx(q + down)
+    both = {s: r.exposed.get("tp_z.all_gather", 0) + r.hidden.get("tp_z.all_gather", 0)
+            for s, r in (("replicated", replicated), ("sharded", sharded))}  # fmt: skip
+    assert both["sharded"] == pytest.approx(both["replicated"])

@@ -2,15 +2,18 @@
 tied embedding summed over z), under sharded data parallelism (z = 1) and with recomputed blocks
 (z > 1), each also with the sequence split over y (`sequence_parallel`) or in overlapped
 sub-batches (`tp_subbatches`, z = 1): the Trainer's losses
-and gradient norms over four steps equal one process's; the combinations still refused name
-their fix."""
+and gradient norms over four steps equal one process's; under FSDP2 with z > 1 the weight
+prefetch over z serves each block's linears but its first."""
+
+from unittest import mock
 
 import pytest
 
-from interlace.errors import PlanError
+from interlace import comm
+from interlace.models.presets import get_preset
 from interlace.plan import Plan
 from interlace.testing import run_ranks
-from test_context_parallel import _steps
+from test_context_parallel import STEPS, _steps
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,40 @@ def test_recomputed_3d_blocks_with_z_equal_serial(serial, plan_text):
         assert result["comm"]["tp_z"] > 0
 
 
-def test_sharding_a_3d_grid_with_z_under_the_prefetch_is_refused_with_the_fix():
-    plan = Plan.parse("dp_shard=2,tp3d=1x1x2")
-    with pytest.raises(PlanError, match=r"dp_shard=2 with tp3d=1x1x2 \(z > 1\).*use tp3d_pre"):
-        plan.validate(plan.world_size)
+def _z_gathers(plan_text: str) -> dict:
+    """`_steps` of `plan_text` on 4 ranks, with the weight all-gathers over z counted: issued
+    ahead (async) or on the spot."""
+    counts = {True: 0, False: 0}
+    issue = comm.all_gather
+
+    def counted(output, shard, group, async_op=False, meter=None):
+        if group.name == "tp_z":
+            counts[async_op] += 1
+        return issue(output, shard, group, async_op=async_op, meter=meter)
+
+    with mock.patch.object(comm, "all_gather", counted):
+        result = _steps(plan_text, 4)
+    return {**result, "ahead": counts[True], "on the spot": counts[False]}
+
+
+@pytest.mark.parametrize(
+    "plan_text",
+    [
+        "dp_shard=2,tp3d=1x1x2",
+        pytest.param("dp_shard=2,tp3d=1x1x2,recompute=selective", marks=pytest.mark.slow),
+    ],
+)
+def test_sharded_3d_grid_with_z_prefetches_within_each_block(serial, plan_text):
+    # FSDP2 gathers a block's pieces in its pre-forward (pre-backward, or the recomputed
+    # forward's): the z prefetch serves the block's next linear, and each block's first
+    # gather of either half of the pass is on the spot. The first step records the order:
+    # every gather on the spot
+    layers, linears = get_preset("tiny").n_layers, 6
+    backward = 2 * linears if "selective" in plan_text else linears  # recomputed, then back
+    per_step = layers * (linears + backward)
+    recorded = STEPS - 1
+    for rank, result in enumerate(run_ranks(4, _z_gathers, plan_text)):
+        assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
+        assert result["norms"] == pytest.approx(serial["norms"], rel=1e-5), rank
+        assert result["ahead"] == recorded * (per_step - 2 * layers), rank
+        assert result["on the spot"] == per_step + recorded * 2 * layers, rank

@@ -20,15 +20,6 @@ def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
     tp3d = f"tp3d={fmt_tp3d(plan.tp3d)}" if plan.tp3d is not None else ""
     return [
         (
-            bool(tp3d)
-            and plan.sharded_data_parallel
-            and plan.tp3d[2] > 1
-            and plan.overlap.tp3d_prefetch,
-            f"dp_shard={plan.dp_shard} with {tp3d} (z > 1) and the weight prefetch over z (it "
-            "gathers the next block's pieces before FSDP2 has gathered them)",
-            "tp3d_prefetch=false, or a grid with z = 1 (tp3d=XxYx1)",
-        ),
-        (
             bool(tp3d) and plan.tp3d[2] > 1 and plan.overlap.tp_subbatches > 1,
             f"{tp3d} (z > 1) with tp_subbatches={plan.overlap.tp_subbatches} (each sub-batch "
             "would gather the weights over z again)",

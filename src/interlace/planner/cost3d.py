@@ -19,7 +19,8 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
   before it in the pass computes, so only max(0, gather − that linear's compute) stays
   exposed (`prefetched_gathers`; forward matmul 2·T·n_in·n_out/(x·y) FLOPs, backward twice
   that), less the part `overlap_efficiency` does not hide; the rest is `hidden`. Without it
-  every gather is exposed;
+  every gather is exposed. Under FSDP2 (`dp_shard > 1`) nothing is prefetched across blocks:
+  each block's first forward gather and last backward gather stay exposed;
 - each of the block's two LayerNorms all-reduces [T, 2] statistics over X forward and
   backward; the first stage splits the embedding output over X and the last gathers the
   residual [T, d/x] over X before the replicated final norm;
@@ -132,7 +133,9 @@ def layer_cost(
     scatter = boundary = 0.0
     sub = subbatches
     linears = block_linears(config)
-    gathers = prefetched_gathers(linears, tp3d, t, act_bytes, rate, hardware, prefetch)
+    gathers = prefetched_gathers(
+        linears, tp3d, t, act_bytes, rate, hardware, prefetch, not scatter_in_backward
+    )
     for lin, (gather, gather_f, gather_b) in zip(linears, gathers, strict=True):
         in_axis, out_axis = ("y", "x") if lin.transposed else ("x", "y")
         p_in, p_out = size[in_axis], size[out_axis]
@@ -212,14 +215,17 @@ def prefetched_gathers(
     rate: float,
     hardware: Hardware,
     prefetch: bool,
+    across_blocks: bool = True,
 ) -> list[tuple[float, float, float]]:
     """Seconds of each linear's weight all-gather over Z for `t` tokens per rank: (the whole
     gather, exposed in forward, exposed in backward). Without `prefetch`, all exposed. With
     it, a gather flies while the linear before it in the pass computes: in forward the
     previous linear's forward matmul (2·t·n_in·n_out/(x·y) FLOPs), in backward the next
     linear's backward (twice that), the layers repeating (q follows the previous layer's
-    down), so the ideal exposed part is max(0, gather − that compute), of which
-    `overlap_efficiency` of the rest hides."""
+    down, unless not `across_blocks`: under FSDP2 a block's pieces are gathered in its own
+    pre-forward and pre-backward, so its first linear's forward gather and its last one's
+    backward gather are exposed), so the ideal exposed part is max(0, gather − that compute),
+    of which `overlap_efficiency` of the rest hides."""
     x, y, z = tp3d
     inside = group_inside_node(z, x * y, hardware.devices_per_node)
     out = []
@@ -232,6 +238,9 @@ def prefetched_gathers(
         before, after = linears[j - 1], linears[(j + 1) % len(linears)]
         forward = 2 * t * before.n_in * before.n_out / (x * y) / rate
         backward = 4 * t * after.n_in * after.n_out / (x * y) / rate
+        if not across_blocks:  # nothing to hide under at the block's edges
+            forward = forward if j > 0 else 0.0
+            backward = backward if j < len(linears) - 1 else 0.0
         forward_exposed, backward_exposed = (
             exposed_after_overlap(gather, max(0.0, gather - compute), hardware)
             for compute in (forward, backward)

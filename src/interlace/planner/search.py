@@ -149,7 +149,7 @@ def _context_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterat
 def _tp3d_plans(n_devices: int, spec: GPTConfig, global_batch: int) -> Iterator[Plan]:
     """3D tensor parallel plans (tp3d × pp × dp, what the runtime runs): every grid x·y·z ≥ 2
     of powers of two dividing the devices, alone (its data parallel ranks replicated or, FSDP2,
-    sharded; with z > 1 without the weight prefetch) or in pipelines of every power-of-two depth
+    sharded) or in pipelines of every power-of-two depth
     up to the layers (with the pipeline options of 1D plans); the batch split over dp, then a
     rank's micro-batches, then z; grids with y > 1 with and without the sequence split over y.
     A Mixture-of-Experts model takes every power-of-two ep > 1 dividing dp (experts whole on
@@ -186,8 +186,7 @@ def _grid_plans(
             overlap = Overlap(tp_subbatches=subbatches)
             yield Plan(dp=dp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap)
         if dp > 1:  # the pieces sharded over dp (FSDP2)
-            overlap = Overlap(tp3d_prefetch=z == 1)
-            yield Plan(dp_shard=dp, tp3d=grid, ep=ep, sequence_parallel=sp, overlap=overlap)
+            yield Plan(dp_shard=dp, tp3d=grid, ep=ep, sequence_parallel=sp)
         return
     for pipeline in _pipeline_options(pp, per_dp):
         rows = per_dp // pipeline["micro_batches"]

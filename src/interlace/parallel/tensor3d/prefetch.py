@@ -21,6 +21,10 @@ layer gathers next is fixed by the model, identical on every rank and the same e
   order) while its backward computes. Gather k+1 then waits on that work instead of
   communicating. No prefetch crosses from forward into backward, so an evaluation forward
   leaves nothing unused.
+- **Under FSDP2** (`dp_shard > 1`) a layer's piece is a DTensor shard over dp_shard until
+  FSDP2 gathers its block (in the block's pre-forward or pre-backward): the next layer's
+  gather is issued ahead only if its block is gathered already, within a block therefore, and
+  the first linear of each block (forward) and the last (backward) gather on the spot.
 - **Bytes.** Each gather is served by exactly one all-gather of the same block, issued ahead or
   on the spot, so the bytes and the number of all-gathers per step are unchanged. Only a pass
   that leaves the record (not the steady state) drops its pending prefetch, a wasted gather.
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from interlace.comm import Group
 from interlace.parallel.tensor3d.comm import gather_weight, start_gather
@@ -98,7 +103,9 @@ class WeightPrefetcher:
             block = gather_weight(layer.weight, self.z)
         ahead = self.record[index + 1 : index + 2]
         if self.on_record and ahead and ahead[0].backward == step.backward:
-            self.pending = _Prefetch(index + 1, *start_gather(ahead[0].layer.weight, self.z))
+            weight = ahead[0].layer.weight
+            if not isinstance(weight, DTensor):  # else still sharded by FSDP2: gathered later
+                self.pending = _Prefetch(index + 1, *start_gather(weight, self.z))
         return block
 
     def _take(self, index: int) -> torch.Tensor | None:
