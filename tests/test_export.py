@@ -264,9 +264,9 @@ def test_pieces_of_a_3d_grid_cutting_a_dimension_twice_are_assembled(tmp_path, c
 def test_pieces_with_no_recorded_assembly_are_refused_naming_plan_and_parameter(
     capsys, tmp_path, monkeypatch
 ):
-    # a checkpoint written before checkpoints recorded how their pieces assemble (dp_shard
-    # with tp keeps each rank's piece under its own key)
-    run = _trained(tmp_path / "run", "dp_shard=2,tp=2", dataclasses.replace(BASE, steps=1))
+    # a checkpoint written before checkpoints recorded how their pieces assemble (tp3d=1x2x2
+    # keeps each rank's piece of q, k, v and up under its own key)
+    run = _trained(tmp_path / "run", "tp3d=1x2x2", dataclasses.replace(BASE, steps=1))
     real = hf_folder.read_full_state
 
     def without_assembly(checkpoint, meta, shapes):
@@ -274,7 +274,7 @@ def test_pieces_with_no_recorded_assembly_are_refused_naming_plan_and_parameter(
 
     monkeypatch.setattr(hf_folder, "read_full_state", without_assembly)
     argv = ["export", str(run), "--to", "hf", str(tmp_path / "hf")]
-    needle = "plan 'dp_shard=2,tp=2' stores wte.weight as per-rank pieces"
+    needle = "plan 'tp3d=1x2x2' stores blocks.0.attn.q_proj.weight as per-rank pieces"
     expect_usage_error(capsys, argv, needle)
     assert not (tmp_path / "hf").exists()
 

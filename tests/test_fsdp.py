@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from helpers import TINY_RUN, assert_grads_close, per_expert
+from hf_models import needs_hf, saved_tiny_model
 from interlace.checkpoint import checkpoint_name
 from interlace.errors import PlanError
 from interlace.mesh import build_mesh
@@ -204,3 +205,15 @@ def test_sharding_with_expert_parallelism_equals_serial(tmp_path, plan_text):
     world_size = Plan.parse(plan_text).world_size
     for rank, result in enumerate(run_ranks(world_size, _run, config, plan_text, world_size)):
         _assert_same(result, serial_run, f"{plan_text}, rank {rank}")
+
+
+@needs_hf
+def test_a_kv_head_several_tp_ranks_hold_sums_its_gradient_among_them_under_fsdp2(tmp_path):
+    # Llama with one kv head under tp=2: both tp ranks hold it, and its gradient is the sum of
+    # theirs; FSDP2 computes gradients on parameters of its own, where a hook on the original
+    # never runs, so the sum is made on the reduce-scattered shards instead
+    model = saved_tiny_model("llama", tmp_path / "model", 320, kv_heads=1)
+    config = dataclasses.replace(BASE, model=model, steps=3)
+    reference = run_ranks(2, _run, config, "tp=2", 2)
+    for rank, result in enumerate(run_ranks(4, _run, config, "dp_shard=2,tp=2", 4)):
+        _assert_same(result, reference[rank % 2], f"dp_shard=2,tp=2 rank {rank}")

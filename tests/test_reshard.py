@@ -6,11 +6,13 @@ checkpoint's plan)."""
 
 import dataclasses
 import json
+from unittest import mock
 
 import pytest
 
 from helpers import TINY_RUN, train_steps
 from hf_models import needs_hf, saved_tiny_model
+from interlace import checkpoint
 from interlace.checkpoint import checkpoint_name
 from interlace.models.presets import get_preset
 from interlace.plan import Plan
@@ -100,15 +102,11 @@ def test_hf_fused_experts_resume_between_expert_layouts_with_tensor_splits(tmp_p
     config = dataclasses.replace(BASE, model=model)
     plans = ["dp=2,ep=2,tp=2", "dp=2,ep=2,tp3d=2x1x1", "dp=2,ep=2"]
     _check_matrix(tmp_path, config, plans, plans)
-    # experts split over tp: gate|up's pieces are two runs (gate rows, up rows), stored as the
-    # split had them, as fused q|k|v's are: they resume under their own plan
-    split = "dp=2,ep=2,tp=2,etp=2"
-    saved = dataclasses.replace(config, out=str(tmp_path / split))
-    continued = _run(saved, split)[SAVED_AT:]
-    checkpoint = tmp_path / split / "checkpoints" / checkpoint_name(SAVED_AT)
-    assert _run(config, split, checkpoint) == pytest.approx(continued, abs=1e-5)
-    with pytest.raises(RankFailed, match=r"\(plan dp=2,tp=2,ep=2,etp=2\) cannot be read"):
-        _run(config, "dp=2,ep=2", checkpoint)
+    # experts split over tp: gate|up's pieces are two runs (gate rows, up rows), gathered into
+    # the full expert on saving and cut from it on loading, as fused q|k|v's are
+    split = ["dp=2,ep=2,tp=2,etp=2"]
+    _check_matrix(tmp_path, config, split, ["dp=2,ep=2", "dp=2,ep=2,tp=2"])
+    _check_matrix(tmp_path, config, ["dp=2,ep=2"], split)
 
 
 def test_sharded_stacked_experts_resume_under_expert_parallelism_and_back(tmp_path):
@@ -139,6 +137,47 @@ def test_pieces_no_other_split_can_read_are_refused_naming_the_plan(tmp_path):
     assert len(_run(BASE, "tp3d=1x2x2", checkpoint)) == BASE.steps - SAVED_AT  # its own plan
 
 
+def test_tensor_pieces_fsdp2_shards_again_are_stored_whole(tmp_path):
+    # dp_shard=2 with tp=2: each tp piece sharded over dp_shard, gathered over both on saving
+    _check_matrix(tmp_path, BASE, ["dp_shard=2,tp=2"], ["dp=1"])
+
+
+def _losses_written_as_before(config: TrainConfig, plan_text: str) -> list[float]:
+    """`_losses` of a run whose checkpoint holds each rank's tensor parallel pieces under their
+    own keys, as checkpoints were written before those pieces were stored whole."""
+    write = checkpoint._write_folder
+
+    def as_before(tmp, step, model, optimizer, meta, storage):
+        return write(tmp, step, model, optimizer, meta, dataclasses.replace(storage, whole={}))
+
+    with mock.patch.object(checkpoint, "_write_folder", as_before):
+        return _losses(config, plan_text)
+
+
+@pytest.mark.slow
+def test_tensor_pieces_resume_elsewhere_and_from_checkpoints_written_before(tmp_path):
+    _check_matrix(tmp_path, BASE, ["dp_shard=2,tp=2"], ["tp=2"])
+    _check_matrix(tmp_path, BASE, ["tp=2"], ["dp_shard=2,tp=2"])
+    sharded = "dp_shard=2,tp=2"
+    saved = dataclasses.replace(BASE, out=str(tmp_path / "before"))
+    continued = run_ranks(4, _losses_written_as_before, saved, sharded)[0][SAVED_AT:]
+    written = tmp_path / "before" / "checkpoints" / checkpoint_name(SAVED_AT)
+    assert _run(BASE, sharded, written) == pytest.approx(continued, abs=1e-5)
+
+
+@needs_hf
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "kv_heads"), [("gpt2", 4), ("llama", 1)])
+def test_fused_and_shared_kv_pieces_resume_under_other_plans_and_back(tmp_path, kind, kv_heads):
+    # GPT-2's fused q|k|v pieces are three runs each; Llama's one kv head is held by both tp
+    # ranks: stored as full tensors, gathered on saving and cut on loading
+    config = dataclasses.replace(
+        BASE, model=saved_tiny_model(kind, tmp_path / "model", 320, kv_heads=kv_heads)
+    )
+    _check_matrix(tmp_path, config, ["tp=2"], ["dp=1", "dp_shard=2,tp=2"])
+    _check_matrix(tmp_path, config, ["dp=2"], ["tp=2"])
+
+
 def test_a_pipeline_of_tensor_parallel_stages_resumes_elsewhere(tmp_path):
     # the last stage's piece of the tied head is stored as the embedding's, like stage 0's
     _check_matrix(tmp_path, BASE, ["pp=2,tp=2,micro_batches=2"], ["dp=1", "tp=2"])
@@ -156,8 +195,7 @@ def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     # MoE layers in pipeline stages (with experts over ep), sequences split inside stages, 3D
     # tensor parallel stages (z = 1, and z > 1: rows over z), a 3D grid's sequence split over y
     # (dense, and with experts over ep); 3D pieces sharded by FSDP2 (z = 1
-    # and z > 1) resume under their own plan (as dp_shard with 1D tp: stored as their split had
-    # them)
+    # and z > 1) resume under their own plan (stored as their split had them)
     moe = dataclasses.replace(BASE, model=_moe_file(tmp_path))
     moe_plans = ["dp=2,ep=2,pp=2,micro_batches=2", "dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true"]
     _check_matrix(tmp_path, moe, moe_plans, ["dp=1", "dp=2,ep=2"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import errno
 import hashlib
 import json
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from interlace.errors import CheckpointError
-from interlace.parallel.storage import Storage
+from interlace.parallel.storage import Storage, Whole
 from interlace.plan import Plan
 from interlace.run_folder import fsync_path, write_atomic
 from interlace.safe_load import check_dcp_metadata, load_rng_state
@@ -77,15 +78,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """A piece stored whole, on loading: the full tensor read, how it is cut, the piece."""
+
+    full: torch.Tensor
+    whole: Whole
+    piece: torch.Tensor
+
+    def apply(self) -> None:
+        """Copy this rank's part of the full tensor read into the piece, in place."""
+        local_tensor(self.piece).copy_(self.whole.cut(self.full, self.piece))
+
+
 def _stored(
-    state: dict[str, Any], optim: dict[str, Any], storage: Storage
-) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
-    """Model and optimizer state dicts as DCP stores them, and the names stored as full
-    tensors. A piece of a parameter in `storage.layouts` (and not already a DTensor) becomes a
-    DTensor view of the full tensor, sharing its storage: the checkpoint holds the full tensor,
-    which any other split can read. Another parameter in `storage.keys` is stored under its
-    own key: a piece only the same split can read. `param_groups` keep the parameter names,
-    shared by all."""
+    state: dict[str, Any], optim: dict[str, Any], storage: Storage, reading: bool = False
+) -> tuple[dict[str, Any], dict[str, Any], set[str], list[_Cut]]:
+    """Model and optimizer state dicts as DCP stores them, the names stored as DTensor views,
+    and (`reading`) what goes back from the full tensors read into each piece. A piece of a
+    parameter in `storage.layouts` (and not already a DTensor) becomes a DTensor view of the
+    full tensor, sharing its storage: the checkpoint holds the full tensor, which any other
+    split can read. One in `storage.whole` is stored as its full tensor too, gathered on
+    saving (collective); on `reading`, an empty full tensor is read in its place. Another
+    parameter in `storage.keys` is stored under its own key: a piece only the same split can
+    read. `param_groups` keep the parameter names, shared by all."""
     aliases = storage.aliases
     # a pipeline's last stage holds the tied head under its own name: its piece's layout (or
     # key) is the embedding's, under which it is stored
@@ -94,22 +110,33 @@ def _stored(
     state = {aliases.get(k, k): v for k, v in state.items()}
     optim = {**optim, "state": {aliases.get(k, k): v for k, v in optim["state"].items()}}
     viewed = {n for n in layouts if n in state and not isinstance(state[n], DTensor)}
+    whole = {aliases.get(k, k): v for k, v in storage.whole.items()}
+    whole = {n: w for n, w in whole.items() if n in state and n not in viewed}
+    cuts: list[_Cut] = []
 
     def view(name: str, value: Any) -> Any:
-        if name not in viewed or not torch.is_tensor(value) or value.dim() == 0:
+        if not torch.is_tensor(value) or value.dim() == 0:
             return value  # AdamW's step count stays as it is
-        mesh, placements = layouts[name]
-        return DTensor.from_local(value, mesh, placements, run_check=False)
+        if name in viewed:
+            mesh, placements = layouts[name]
+            return DTensor.from_local(value, mesh, placements, run_check=False)
+        if name not in whole:
+            return value
+        if not reading:
+            return whole[name].full(value)
+        cut = _Cut(whole[name].empty(value), whole[name], value)
+        cuts.append(cut)
+        return cut.full
 
     def key(name: str) -> str:
-        return name if name in viewed else keys.get(name, name)
+        return name if name in viewed or name in whole else keys.get(name, name)
 
     model_state = {key(k): view(k, v) for k, v in state.items()}
     optim_state = {
         **optim,
         "state": {key(k): {n: view(k, t) for n, t in s.items()} for k, s in optim["state"].items()},
     }
-    return model_state, optim_state, viewed
+    return model_state, optim_state, viewed | set(whole), cuts
 
 
 def _untied(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -131,14 +158,25 @@ def _untied(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def _restored(
-    model_state: dict[str, Any], optim_state: dict[str, Any], storage: Storage, viewed: set[str]
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
+    storage: Storage,
+    full: set[str],
+    cuts: list[_Cut],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Inverse of `_stored`: this rank's pieces under the parameter names."""
-    back = {stored: name for name, stored in storage.keys.items() if name not in viewed}
+    """Inverse of `_stored`: this rank's pieces under the parameter names, `full` the names
+    stored as full tensors; each of `cuts` copies its part of a full tensor read into its
+    piece, which takes the full tensor's place."""
+    back = {stored: name for name, stored in storage.keys.items() if name not in full}
     unalias = {stored: name for name, stored in storage.aliases.items()}
+    for cut in cuts:
+        cut.apply()
+    pieces = {id(cut.full): cut.piece for cut in cuts}
 
     def local(name: str, value: Any) -> Any:
-        return value.to_local() if name in viewed and isinstance(value, DTensor) else value
+        if id(value) in pieces:
+            return pieces[id(value)]
+        return value.to_local() if name in full and isinstance(value, DTensor) else value
 
     def name(key: str) -> str:
         stored = back.get(key, key)
@@ -200,7 +238,7 @@ def _write_folder(
         tmp.mkdir(parents=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    model_state, optim_state, _ = _stored(_untied(model_state)[0], optim_state, storage)
+    model_state, optim_state, *_ = _stored(_untied(model_state)[0], optim_state, storage)
     model_state, optim_state = one_key_per_row(model_state, optim_state, sliced_names(model))
     # DCP stages tensors ahead (torch's default: 10 MB) on a CUDA stream wherever CUDA is
     # available: useless for CPU tensors, fatal in a CPU rank forked from a CUDA process.
@@ -369,10 +407,10 @@ def load_checkpoint(
     if same_world and not rng_file.exists():
         raise CheckpointError(f"checkpoint '{path}' has no RNG state for rank {_rank()}")
     rng_state = load_rng_state(rng_file) if same_world else None
-    storage = storage or Storage()
+    storage = _as_written(storage or Storage(), path)
     model_state, optim_state = get_state_dict(model, optimizer)
     model_state, tied = _untied(model_state)
-    model_state, optim_state, viewed = _stored(model_state, optim_state, storage)
+    model_state, optim_state, full, cuts = _stored(model_state, optim_state, storage, True)
     sliced = sliced_names(model)
     # DCP keeps one copy of non-tensor values, so ranks holding different parameters (pipeline
     # stages) would get another rank's param_groups: keep this rank's own, unread (hyper-
@@ -387,18 +425,34 @@ def load_checkpoint(
     except (CheckpointException, RuntimeError) as exc:
         raise CheckpointError(
             f"checkpoint '{path}' (plan {Plan.from_dict(meta['plan'])}) cannot be read under "
-            f"this split: {_first_line(exc)}; pieces of fused or grouped-query projections, of "
-            "3D grids that cut one dimension twice and of dp_shard with tp are stored as their "
-            "split had them: resume under the checkpoint's plan"
+            f"this split: {_first_line(exc)}; pieces of 3D grids that cut one dimension twice "
+            "or that dp_shard shards again are stored as their split had them: resume under "
+            "the checkpoint's plan"
         ) from None
     state["optim"]["param_groups"] = param_groups
     loaded = rejoined(state["model"], state["optim"], model_state, optim_state, sliced)
-    model_state, optim_state = _restored(*loaded, storage, viewed)
+    model_state, optim_state = _restored(*loaded, storage, full, cuts)
     model_state.update({name: model_state[first] for name, first in tied.items()})
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if rng_state is not None:
         _set_rng_state(rng_state)
     return meta
+
+
+def _as_written(storage: Storage, path: Path) -> Storage:
+    """`storage` reading each piece the way the checkpoint at `path` holds it: a piece of
+    `storage.whole` that the checkpoint holds under its own key (written before such pieces
+    were stored whole) is read from there."""
+    written = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = {name: storage.aliases.get(name, name) for name in storage.whole}
+    own = {
+        name
+        for name, as_named in stored.items()
+        if f"model.{as_named}" not in written
+        and f"model.{storage.keys.get(name, as_named)}" in written
+    }
+    kept = {name: whole for name, whole in storage.whole.items() if name not in own}
+    return dataclasses.replace(storage, whole=kept)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -5,7 +5,9 @@ either as its place in the full tensor, which any split can read, or under its o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
@@ -14,13 +16,34 @@ Layout = tuple[DeviceMesh, tuple[Placement, ...]]
 placement along each of the mesh's dimensions."""
 
 
+class Whole(Protocol):
+    """How a split parameter's piece that is not one block of its full tensor is stored as the
+    full tensor (`tensor.shard.StoredWhole`), for a parameter or an optimizer state of its
+    shape, `value` as the state dict holds it (a plain piece, or FSDP2's DTensor of it)."""
+
+    def full(self, value: torch.Tensor) -> torch.Tensor:
+        """The full tensor, gathered from every rank's piece (collective)."""
+        ...
+
+    def empty(self, value: torch.Tensor) -> torch.Tensor:
+        """An uninitialised full tensor to read into."""
+        ...
+
+    def cut(self, full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `full`, the local tensor of `value`'s shape."""
+        ...
+
+
 @dataclass(frozen=True)
 class Storage:
     """How this rank's parameters are named and placed in a checkpoint: `aliases` {name: the
     name it is stored as} (a pipeline's copy of the tied embedding, stored as the embedding);
     `keys` {name: key of this rank's piece} for pieces only the same split can read; `layouts`
     {name: where its piece lies in the full tensor} for pieces stored as full tensors, which
-    any split can read. `keys` and `layouts` are looked up under the stored name.
+    any split can read; `whole` {name: `Whole`} for pieces stored as full tensors gathered on
+    saving and cut on loading, which any split can read too (`keys` still names where
+    checkpoints written before them hold such a piece). `keys`, `layouts` and `whole` are looked
+    up under the stored name.
     `assembly` {name: how the pieces of its split make the full tensor}: 1D tensor
     parallelism's `ShardSpec` fields (dim, segments, replicas) or 3D's `Shard3D` fields,
     recorded in the checkpoint's
@@ -30,4 +53,5 @@ class Storage:
     aliases: dict[str, str] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
+    whole: dict[str, Whole] = field(default_factory=dict)
     assembly: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -40,6 +40,7 @@ def pipeline_step(
         aliases=runner.checkpoint_aliases(),
         keys={n: k for n, k in storage.keys.items() if n in held},
         layouts={n: layout for n, layout in storage.layouts.items() if n in held},
+        whole={n: whole for n, whole in storage.whole.items() if n in held},
         assembly={n: spec for n, spec in storage.assembly.items() if n in held},
     )
     result.report.append(f"pipeline: stages {runner.stage_indices} of {runner.layout.n_stages}")

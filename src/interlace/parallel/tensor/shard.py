@@ -15,12 +15,15 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.detect import linear_shape
 from interlace.parallel.grad_norm import NormShare
+from interlace.parallel.grad_sums import Slots, sum_gradient_among
+from interlace.tensors import local_tensor
 
 S = TypeVar("S")
 
@@ -103,6 +106,42 @@ def gather_full(shard: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Ten
     return assemble(pieces, spec)
 
 
+@dataclass(frozen=True)
+class StoredWhole:
+    """How a checkpoint stores a 1D tensor parallel piece that no DCP placement describes (the
+    runs of fused q|k|v or gate|up, a grouped-query kv head's replicas, a piece FSDP2 shards
+    again): as the full tensor, which any split reads (`parallel.storage.Whole`). Written by
+    hand because DCP reshards a tensor by one block per rank, and such a piece is several."""
+
+    spec: ShardSpec
+    group: Group
+
+    def full(self, value: torch.Tensor) -> torch.Tensor:
+        """[..., n/p (piece), ...] on each rank → the full tensor (FSDP2's shards gathered
+        first, then the tp group's pieces)."""
+        piece = value.full_tensor() if isinstance(value, DTensor) else value
+        return gather_full(piece, self.spec, self.group)
+
+    def empty(self, value: torch.Tensor) -> torch.Tensor:
+        """An uninitialised full tensor for `value`'s piece."""
+        shape = list(value.shape)  # a DTensor's: the whole tp piece
+        shape[self.spec.dim] = shape[self.spec.dim] * self.group.size // self.spec.replicas
+        return local_tensor(value).new_empty(shape)
+
+    def cut(self, full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `full` as `value` holds it locally (FSDP2's shard of it where
+        `value` is its DTensor)."""
+        piece = shard_of(full, self.spec, self.group.rank, self.group.size)
+        if not isinstance(value, DTensor):
+            return piece
+        shape, offset = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        for dim, (length, start) in enumerate(zip(shape, offset, strict=True)):
+            piece = piece.narrow(dim, start, length)
+        return piece
+
+
 def shard_parameter(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Parameter:
     """This rank's piece of `param` (see `shard_of`) as a new Parameter carrying `spec`; a
     piece shared by several ranks (replicas > 1) gets its gradient summed among them."""
@@ -110,22 +149,14 @@ def shard_parameter(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Pa
     new = nn.Parameter(piece, requires_grad=param.requires_grad)
     setattr(new, _SPEC_ATTR, spec)
     if spec.replicas > 1 and new.requires_grad:
-        new.register_hook(replica_sum_hook(spec, group))
+        sum_gradient_among(new, replica_slots(spec, group))
     return new
 
 
-def replica_sum_hook(spec: ShardSpec, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Sum a replicated piece's gradient over the ranks holding it (one all-reduce of
-    [parts, *piece] over the group, each rank writing its own slot)."""
-    parts, slot = group.size // spec.replicas, group.rank // spec.replicas
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        slots = grad.new_zeros((parts, *grad.shape))
-        slots[slot] = grad
-        comm.all_reduce(slots, group)
-        return slots[slot]
-
-    return hook
+def replica_slots(spec: ShardSpec, group: Group) -> Slots:
+    """The ranks of `group` holding each piece of a parameter split by `spec` (`replicas`
+    consecutive ranks each), among which its gradient is summed."""
+    return Slots(group, group.size // spec.replicas, group.rank // spec.replicas)
 
 
 def shard_column(layer: nn.Module, segments: int, replicas: int, group: Group) -> None:

@@ -11,8 +11,9 @@ from torch import nn
 from interlace.comm import Group
 from interlace.matmul import PLAIN, Matmul
 from interlace.parallel.detect import linear_shape
+from interlace.parallel.grad_sums import sum_gradient_among
 from interlace.parallel.tensor.comm import reduce_scatter_sequence
-from interlace.parallel.tensor.shard import ShardSpec, replica_sum_hook
+from interlace.parallel.tensor.shard import ShardSpec, replica_slots
 from interlace.parallel.tensor3d.comm import ALONE, linear3d, summed
 from interlace.parallel.tensor3d.prefetch import WeightPrefetcher
 from interlace.parallel.tensor3d.shard import Grid, Shard3D, shard3d_parameter
@@ -66,9 +67,10 @@ class Linear3D(nn.Module):
         self.block_grad_hook = None
         self.prefetcher: WeightPrefetcher | None = None
         if replicas > 1:
-            self.block_grad_hook = replica_sum_hook(ShardSpec(0, replicas=replicas), self.out_group)
+            slots = replica_slots(ShardSpec(0, replicas=replicas), self.out_group)
+            self.block_grad_hook = slots.sum
             if self.bias is not None and self.bias.requires_grad:
-                self.bias.register_hook(self.block_grad_hook)
+                sum_gradient_among(self.bias, slots)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in/|in_group|] → [..., out/|out_group|] ([B, T/y, out/x] from a transposed
