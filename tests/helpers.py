@@ -9,12 +9,15 @@ in the tiny test models the largest entry of a tensor ranges from ~1 (output bia
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from interlace import checkpoint
 from interlace.mesh import build_mesh
 from interlace.models.config import GPTConfig
 from interlace.models.presets import get_preset
@@ -150,3 +153,16 @@ def train_steps(
         if config.out and trainer.step == saved_at:
             trainer.save()
     return losses, trainer
+
+
+@contextlib.contextmanager
+def pieces_under_own_keys() -> Iterator[None]:
+    """Checkpoints written inside hold each rank's tensor parallel pieces under keys of their
+    own, as checkpoints were written before such pieces were stored whole."""
+    write = checkpoint._write_folder
+
+    def as_before(tmp, step, model, optimizer, meta, storage):
+        return write(tmp, step, model, optimizer, meta, dataclasses.replace(storage, whole={}))
+
+    with mock.patch.object(checkpoint, "_write_folder", as_before):
+        yield

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, pieces_under_own_keys
 from hf_models import saved_tiny_model
 from interlace.cli import main
 from interlace.data.corpus import load_corpus
@@ -52,6 +52,11 @@ def _trained(folder: Path, plan_text: str, config: TrainConfig = BASE) -> Path:
     else:
         run_ranks(world_size, _fit, config, plan_text)
     return folder
+
+
+def _fit_written_as_before(config: TrainConfig, plan_text: str) -> None:
+    with pieces_under_own_keys():
+        _fit(config, plan_text)
 
 
 def _export(capsys, run: Path, out: Path, *extra: str) -> str:
@@ -249,8 +254,8 @@ def test_a_model_without_biases_is_refused(capsys, tmp_path):
 
 
 def test_pieces_of_a_3d_grid_cutting_a_dimension_twice_are_assembled(tmp_path, capsys):
-    # tp3d=1x2x2 cuts the rows of q, k, v and up over y, then again over z: each stored per
-    # piece, assembled by its recorded Shard3D; the run follows one process to float rounding
+    # tp3d=1x2x2 cuts the rows of q, k, v and up over y, then again over z: each stored whole,
+    # its Shard3D recorded; the run follows one process to float rounding
     config = dataclasses.replace(BASE, steps=1)
     run = _trained(tmp_path / "run", "tp3d=1x2x2", config)
     stored = json.loads((checkpoint_dir(run) / "meta.json").read_text())["assembly"]
@@ -264,9 +269,11 @@ def test_pieces_of_a_3d_grid_cutting_a_dimension_twice_are_assembled(tmp_path, c
 def test_pieces_with_no_recorded_assembly_are_refused_naming_plan_and_parameter(
     capsys, tmp_path, monkeypatch
 ):
-    # a checkpoint written before checkpoints recorded how their pieces assemble (tp3d=1x2x2
-    # keeps each rank's piece of q, k, v and up under its own key)
-    run = _trained(tmp_path / "run", "tp3d=1x2x2", dataclasses.replace(BASE, steps=1))
+    # a checkpoint written before checkpoints recorded how their pieces assemble, nor stored
+    # them whole (tp3d=1x2x2: each rank's piece of q, k, v and up under its own key)
+    config = dataclasses.replace(BASE, steps=1, out=str(tmp_path / "run"))
+    run_ranks(4, _fit_written_as_before, config, "tp3d=1x2x2")
+    run = tmp_path / "run"
     real = hf_folder.read_full_state
 
     def without_assembly(checkpoint, meta, shapes):

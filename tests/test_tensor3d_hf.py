@@ -145,7 +145,10 @@ def test_hf_sequence_parallel_3d_equals_serial(kind, tp3d, kv_heads):
 
 @pytest.mark.parametrize(
     ("kind", "tp3d", "kv_heads"),
-    [("llama", (2, 1, 1), 2), pytest.param("gpt2", (1, 2, 1), 2, marks=pytest.mark.slow)],
+    [
+        pytest.param("llama", (2, 1, 1), 2, marks=pytest.mark.slow),
+        pytest.param("gpt2", (1, 2, 1), 2, marks=pytest.mark.slow),
+    ],
 )
 def test_hf_overlapped_3d_sub_batches_equal_serial(kind, tp3d, kv_heads):
     # the decoder layers take [B, T, d/x] in two interleaved halves of the batch (Llama's

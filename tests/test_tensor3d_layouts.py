@@ -46,7 +46,7 @@ def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
 @pytest.mark.parametrize(
     "plan_text",
     [
-        "pp=2,tp3d=2x1x1,micro_batches=2,tp_subbatches=2",
+        pytest.param("pp=2,tp3d=2x1x1,micro_batches=2,tp_subbatches=2", marks=pytest.mark.slow),
         pytest.param("dp=2,tp3d=1x2x1,tp_subbatches=2,recompute=full", marks=pytest.mark.slow),
         pytest.param(
             "dp_shard=2,tp3d=2x1x1,tp_subbatches=2,recompute=selective", marks=pytest.mark.slow
@@ -90,7 +90,7 @@ def test_sharded_3d_tensor_parallel_equals_serial(serial, plan_text, axis):
     [
         "tp3d=1x1x2,recompute=full",
         "tp3d=1x1x2,recompute=selective",
-        "tp3d=1x1x2,recompute=selective,tp3d_prefetch=false",
+        pytest.param("tp3d=1x1x2,recompute=selective,tp3d_prefetch=false", marks=pytest.mark.slow),
         pytest.param("pp=2,tp3d=1x1x2,micro_batches=2,recompute=selective", marks=pytest.mark.slow),
         "tp3d=1x2x2,recompute=selective,tp3d_prefetch=false,sequence_parallel=true",
         pytest.param(

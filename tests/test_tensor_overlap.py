@@ -266,8 +266,13 @@ def test_interleaved_calls_carry_the_callers_saved_tensor_hooks():
         packed.append(threading.current_thread().name)
         return t
 
+    def call() -> torch.Tensor:
+        loss = (x * x).sum()
+        tp_reduction._yield_point.switch()  # as after an async all-reduce: both seats alive
+        return loss
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        losses = run_interleaved([lambda: (x * x).sum(), lambda: (x * x).sum()])
+        losses = run_interleaved([call, call])
     threads = set(packed)
     assert len(threads) == 2 and threading.current_thread().name not in threads
     sum(losses).backward()

@@ -220,7 +220,9 @@ def test_the_plan_switches_the_block_boundary_step():
         Plan.parse("tp=2,tp_block_boundary=false").validate(2)
 
 
-@pytest.mark.parametrize("plan_text", ["dp_shard=2,tp=2", "dp_shard=2,tp3d=2x1x1"])
+@pytest.mark.parametrize(
+    "plan_text", ["dp_shard=2,tp=2", pytest.param("dp_shard=2,tp3d=2x1x1", marks=pytest.mark.slow)]
+)
 def test_under_fsdp2_each_layer_waits_for_its_own_reductions(plan_text):
     # FSDP2 reshards a layer's weights when its forward returns: a parked reduction's thread
     # would then run the layer's bias add on the shard, so under dp_shard no layer defers

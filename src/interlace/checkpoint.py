@@ -425,9 +425,9 @@ def load_checkpoint(
     except (CheckpointException, RuntimeError) as exc:
         raise CheckpointError(
             f"checkpoint '{path}' (plan {Plan.from_dict(meta['plan'])}) cannot be read under "
-            f"this split: {_first_line(exc)}; pieces of 3D grids that cut one dimension twice "
-            "or that dp_shard shards again are stored as their split had them: resume under "
-            "the checkpoint's plan"
+            f"this split: {_first_line(exc)}; checkpoints written before tensor parallel "
+            "pieces were stored whole hold them as their split had them: resume under the "
+            "checkpoint's plan"
         ) from None
     state["optim"]["param_groups"] = param_groups
     loaded = rejoined(state["model"], state["optim"], model_state, optim_state, sliced)

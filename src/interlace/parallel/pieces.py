@@ -18,18 +18,27 @@ piece holds, in order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.expert.fused import fused_expert_slices
 from interlace.parallel.storage import Storage
-from interlace.parallel.tensor.shard import narrow_runs, shard_runs, shard_spec
-from interlace.parallel.tensor3d.shard import Grid, full_shape3d, shard3d_runs, shard3d_spec
+from interlace.parallel.tensor.shard import ShardSpec, narrow_runs, shard_runs, shard_spec
+from interlace.parallel.tensor3d.shard import (
+    Grid,
+    Shard3D,
+    full_shape3d,
+    shard3d_runs,
+    shard3d_spec,
+)
 from interlace.tensors import Runs, local_tensor, materialise, state_tensors
 
 
@@ -99,25 +108,126 @@ def _place(
 def piece_runs(tensor: torch.Tensor, tp: Group | None, grid: Grid | None) -> Runs:
     """Where this rank's piece of `tensor` (a parameter as `parallelize` left it: a tensor
     parallel piece carrying its `ShardSpec`, over `tp`, or its `Shard3D`, over `grid`; a DTensor
-    of FSDP2) lies in the full tensor as stored (a 3D piece of a Conv1D weight: [in, out])."""
-    spec3d = shard3d_spec(tensor)
+    of FSDP2, its local shard of that piece) lies in the full tensor as stored (a 3D piece of a
+    Conv1D weight: [in, out])."""
+    return _runs(tensor, shard_spec(tensor), shard3d_spec(tensor), tp, grid)
+
+
+def _runs(
+    tensor: torch.Tensor,
+    spec: ShardSpec | None,
+    spec3d: Shard3D | None,
+    tp: Group | None,
+    grid: Grid | None,
+) -> Runs:
+    """`piece_runs` of `tensor` split by `spec` or `spec3d` (a state dict's copy of a parameter
+    does not carry them)."""
+    full = _full_shape(tensor, spec, spec3d, tp, grid)
+    runs = [[(0, n)] for n in full]
     if spec3d is not None:
-        assert grid is not None, "a 3D tensor parallel piece without its grid"
-        runs = shard3d_runs(full_shape3d(tensor.shape, spec3d, grid), spec3d, grid)
-        return runs[::-1] if spec3d.conv1d else runs
-    shape = list(tensor.shape)  # a DTensor: its global shape, the tensor parallel piece
-    runs = [[(0, n)] for n in shape]
-    spec = shard_spec(tensor)
-    if spec is not None:
-        assert tp is not None, "a tensor parallel piece without its group"
-        length = shape[spec.dim] * tp.size // spec.replicas
-        runs[spec.dim] = shard_runs(spec, tp.rank, tp.size, length)
+        runs = shard3d_runs(full, spec3d, grid)  # type: ignore[arg-type]
+    elif spec is not None:
+        runs[spec.dim] = shard_runs(spec, tp.rank, tp.size, full[spec.dim])  # type: ignore[union-attr]
     if isinstance(tensor, DTensor):
         local, offset = compute_local_shape_and_global_offset(
             tensor.shape, tensor.device_mesh, tensor.placements
         )
         runs = [narrow_runs(r, start, n) for r, start, n in zip(runs, offset, local, strict=True)]
-    return runs
+    return runs[::-1] if spec3d is not None and spec3d.conv1d else runs
+
+
+def _full_shape(
+    tensor: torch.Tensor,
+    spec: ShardSpec | None,
+    spec3d: Shard3D | None,
+    tp: Group | None,
+    grid: Grid | None,
+) -> list[int]:
+    """The shape of the full tensor `tensor` is a piece of (see `_runs`), as the piece is held
+    (a 3D piece of a Conv1D weight: [out, in])."""
+    shape = list(tensor.shape)  # a DTensor: its global shape, the tensor parallel piece
+    if spec3d is not None:
+        assert grid is not None, "a 3D tensor parallel piece without its grid"
+        return full_shape3d(shape, spec3d, grid)
+    if spec is not None:
+        assert tp is not None, "a tensor parallel piece without its group"
+        shape[spec.dim] = shape[spec.dim] * tp.size // spec.replicas
+    return shape
+
+
+@dataclass(frozen=True)
+class StoredWhole:
+    """How a checkpoint stores a tensor parallel piece that no DCP placement describes (the
+    runs of fused q|k|v or gate|up, a kv head several ranks hold, a 3D grid's rows cut twice,
+    a piece FSDP2 shards again): as the full tensor, which any split reads
+    (`parallel.storage.Whole`). On saving, each rank writes its piece at its runs
+    (`piece_runs`) into a full tensor of −inf and a max all-reduce over the split's groups,
+    and over the mesh dimensions FSDP2 shards along, fills in the others': exact, since the
+    ranks holding one element hold the same value. On loading, each rank takes its runs from
+    the full tensor read. Written by hand because DCP reshards a tensor by one block per
+    rank, and such a piece is several."""
+
+    tp: Group | None
+    grid: Grid | None
+    spec: ShardSpec | None = None
+    spec3d: Shard3D | None = None
+
+    def full(self, value: torch.Tensor) -> torch.Tensor:
+        """The full tensor (collective over the split's groups)."""
+        local = local_tensor(value)
+        full = local.new_full(self._stored_shape(value), float("-inf"))
+        full[self._index(value)] = local.t() if self._transposed else local
+        for group in self._groups(value):
+            comm.all_reduce(full, group, op=dist.ReduceOp.MAX)
+        return full
+
+    def empty(self, value: torch.Tensor) -> torch.Tensor:
+        """An uninitialised full tensor to read into."""
+        return local_tensor(value).new_empty(self._stored_shape(value))
+
+    def cut(self, full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `full`, in the local layout of `value`."""
+        piece = full[self._index(value)]
+        return piece.t() if self._transposed else piece
+
+    @property
+    def _transposed(self) -> bool:
+        """A 3D piece of a Conv1D weight: held [out, in], stored [in, out]."""
+        return self.spec3d is not None and self.spec3d.conv1d
+
+    def _stored_shape(self, value: torch.Tensor) -> list[int]:
+        shape = _full_shape(value, self.spec, self.spec3d, self.tp, self.grid)
+        return shape[::-1] if self._transposed else shape
+
+    def _index(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Index tensors, broadcast against each other, of the positions of the rank's piece."""
+        runs = _runs(value, self.spec, self.spec3d, self.tp, self.grid)
+        device = local_tensor(value).device
+        return tuple(
+            torch.cat([torch.arange(a, b, device=device) for a, b in dim_runs]).view(
+                [-1 if k == d else 1 for k in range(len(runs))]
+            )
+            for d, dim_runs in enumerate(runs)
+        )
+
+    def _groups(self, value: torch.Tensor) -> list[Group]:
+        """The split's groups, then those of the mesh dimensions FSDP2 shards `value` along."""
+        groups = [] if self.tp is None else [self.tp]
+        if self.grid is not None:
+            groups += [self.grid.x, self.grid.y, self.grid.z]
+        if isinstance(value, DTensor):
+            mesh, names = value.device_mesh, value.device_mesh.mesh_dim_names or ()
+            groups += [
+                Group(
+                    names[i] if i < len(names) else "dp_shard",
+                    mesh.get_group(i),
+                    mesh.size(i),
+                    mesh.get_local_rank(i),
+                )
+                for i, placement in enumerate(value.placements)
+                if placement.is_shard()
+            ]
+        return [g for g in groups if g.size > 1]
 
 
 def _as_held(piece: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

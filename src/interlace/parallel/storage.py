@@ -18,7 +18,7 @@ placement along each of the mesh's dimensions."""
 
 class Whole(Protocol):
     """How a split parameter's piece that is not one block of its full tensor is stored as the
-    full tensor (`tensor.shard.StoredWhole`), for a parameter or an optimizer state of its
+    full tensor (`pieces.StoredWhole`), for a parameter or an optimizer state of its
     shape, `value` as the state dict holds it (a plain piece, or FSDP2's DTensor of it)."""
 
     def full(self, value: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,8 @@ from interlace.parallel.expert.groups import ExpertGroups, build_expert_groups
 from interlace.parallel.expert.layer import ExpertParallelMoE
 from interlace.parallel.expert.tp_split import split_experts_over_tp
 from interlace.parallel.parallelized import Parallelized
-from interlace.parallel.tensor.shard import (
-    StoredWhole,
-    sharded_parameter_names,
-    tensor_layouts,
-)
+from interlace.parallel.pieces import StoredWhole
+from interlace.parallel.tensor.shard import sharded_parameter_names, tensor_layouts
 from interlace.parallel.tensor3d.apply import keep_whole
 
 
@@ -77,7 +74,7 @@ def expert_step(
 def store_expert_pieces(result: Parallelized, mesh: Mesh) -> None:
     """Record the experts' pieces under etp as 1D tensor parallelism records its own (each
     stored as its place in the full expert, `tensor.shard.tensor_layouts`, or whole:
-    `tensor.shard.StoredWhole`)."""
+    `pieces.StoredWhole`)."""
     tp_mesh = mesh.device_mesh["tp"]
     stored = result.storage
     specs = sharded_parameter_names(result.model)
@@ -87,6 +84,6 @@ def store_expert_pieces(result: Parallelized, mesh: Mesh) -> None:
         stored,
         keys={**stored.keys, **{n: f"{n}.tp{mesh.group('tp').rank}" for n in new}},
         layouts={**stored.layouts, **{n: (tp_mesh, layouts[n]) for n in new if n in layouts}},
-        whole={**stored.whole, **{n: StoredWhole(specs[n], mesh.group("tp")) for n in new}},
+        whole={**stored.whole, **{n: StoredWhole(mesh.group("tp"), None, specs[n]) for n in new}},
         assembly={**stored.assembly, **{n: dataclasses.asdict(specs[n]) for n in new}},
     )

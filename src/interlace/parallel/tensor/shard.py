@@ -15,15 +15,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import Placement, Shard
 
 from interlace import comm
 from interlace.comm import Group
 from interlace.parallel.detect import linear_shape
 from interlace.parallel.grad_norm import NormShare
 from interlace.parallel.grad_sums import Slots, sum_gradient_among
-from interlace.tensors import local_tensor
 
 S = TypeVar("S")
 
@@ -104,42 +102,6 @@ def gather_full(shard: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Ten
     comm.all_gather(out, shard.detach().contiguous().view(-1), group)
     pieces = list(out.view(group.size, *shard.shape)[:: spec.replicas])
     return assemble(pieces, spec)
-
-
-@dataclass(frozen=True)
-class StoredWhole:
-    """How a checkpoint stores a 1D tensor parallel piece that no DCP placement describes (the
-    runs of fused q|k|v or gate|up, a grouped-query kv head's replicas, a piece FSDP2 shards
-    again): as the full tensor, which any split reads (`parallel.storage.Whole`). Written by
-    hand because DCP reshards a tensor by one block per rank, and such a piece is several."""
-
-    spec: ShardSpec
-    group: Group
-
-    def full(self, value: torch.Tensor) -> torch.Tensor:
-        """[..., n/p (piece), ...] on each rank → the full tensor (FSDP2's shards gathered
-        first, then the tp group's pieces)."""
-        piece = value.full_tensor() if isinstance(value, DTensor) else value
-        return gather_full(piece, self.spec, self.group)
-
-    def empty(self, value: torch.Tensor) -> torch.Tensor:
-        """An uninitialised full tensor for `value`'s piece."""
-        shape = list(value.shape)  # a DTensor's: the whole tp piece
-        shape[self.spec.dim] = shape[self.spec.dim] * self.group.size // self.spec.replicas
-        return local_tensor(value).new_empty(shape)
-
-    def cut(self, full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of `full` as `value` holds it locally (FSDP2's shard of it where
-        `value` is its DTensor)."""
-        piece = shard_of(full, self.spec, self.group.rank, self.group.size)
-        if not isinstance(value, DTensor):
-            return piece
-        shape, offset = compute_local_shape_and_global_offset(
-            value.shape, value.device_mesh, value.placements
-        )
-        for dim, (length, start) in enumerate(zip(shape, offset, strict=True)):
-            piece = piece.narrow(dim, start, length)
-        return piece
 
 
 def shard_parameter(param: nn.Parameter, spec: ShardSpec, group: Group) -> nn.Parameter:

@@ -8,6 +8,7 @@ import dataclasses
 from interlace.mesh import Mesh
 from interlace.parallel.fits import tensor_structure
 from interlace.parallel.parallelized import Parallelized
+from interlace.parallel.pieces import StoredWhole
 from interlace.parallel.storage import Storage
 from interlace.parallel.tensor.apply import apply_tensor_parallel
 from interlace.parallel.tensor.interleave import deferral_scope
@@ -15,7 +16,6 @@ from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
 from interlace.parallel.tensor.options import defers_block_boundary
 from interlace.parallel.tensor.overlap import apply_tp_overlap
 from interlace.parallel.tensor.shard import (
-    StoredWhole,
     sharded_parameter_names,
     tensor_layouts,
     tensor_norm_share,
@@ -49,6 +49,6 @@ def tensor_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     result.storage = Storage(
         keys={name: f"{name}.tp{tp.rank}" for name in specs},
         layouts={name: (tp_mesh, p) for name, p in tensor_layouts(model, tp_mesh).items()},
-        whole={name: StoredWhole(spec, tp) for name, spec in specs.items()},
+        whole={name: StoredWhole(tp, None, spec) for name, spec in specs.items()},
         assembly={name: dataclasses.asdict(spec) for name, spec in specs.items()},
     )

@@ -9,6 +9,7 @@ import functools
 from interlace.mesh import Mesh
 from interlace.parallel.fits import tensor3d_structure
 from interlace.parallel.parallelized import Parallelized
+from interlace.parallel.pieces import StoredWhole
 from interlace.parallel.storage import Storage
 from interlace.parallel.tensor.interleave import deferral_scope
 from interlace.parallel.tensor.layers import vocab_parallel_cross_entropy
@@ -67,6 +68,10 @@ def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None
     grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
     result.storage = Storage(
         keys=shard3d_keys(model, grid),
+        whole={
+            name: StoredWhole(None, grid, spec3d=spec)
+            for name, spec in parameters_split_by(model, shard3d_spec).items()
+        },
         layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
         assembly={
             name: dataclasses.asdict(spec)
