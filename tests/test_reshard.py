@@ -141,11 +141,6 @@ def test_pieces_no_other_split_can_read_are_refused_naming_the_plan(tmp_path):
     assert len(_run(BASE, "tp3d=1x2x2", checkpoint)) == BASE.steps - SAVED_AT  # its own plan
 
 
-def test_tensor_pieces_fsdp2_shards_again_are_stored_whole(tmp_path):
-    # dp_shard=2 with tp=2: each tp piece sharded over dp_shard, gathered over both on saving
-    _check_matrix(tmp_path, BASE, ["dp_shard=2,tp=2"], ["dp=1"])
-
-
 def _losses_written_as_before(config: TrainConfig, plan_text: str) -> list[float]:
     """`_losses` of a run whose checkpoint holds each rank's tensor parallel pieces under their
     own keys, as checkpoints were written before those pieces were stored whole."""
@@ -154,14 +149,16 @@ def _losses_written_as_before(config: TrainConfig, plan_text: str) -> list[float
 
 
 @pytest.mark.slow
-def test_tensor_pieces_resume_elsewhere_and_from_checkpoints_written_before(tmp_path):
-    _check_matrix(tmp_path, BASE, ["dp_shard=2,tp=2"], ["tp=2"])
-    _check_matrix(tmp_path, BASE, ["tp=2"], ["dp_shard=2,tp=2"])
+def test_pieces_fsdp2_shards_again_resume_under_their_own_plan(tmp_path):
+    # dp_shard=2 with tp=2: each rank's FSDP2 shard of its tp piece stays under its own key
+    # (gathering them whole would hold the sharded model whole on every rank)
     sharded = "dp_shard=2,tp=2"
-    saved = dataclasses.replace(BASE, out=str(tmp_path / "before"))
-    continued = run_ranks(4, _losses_written_as_before, saved, sharded)[0][SAVED_AT:]
-    written = tmp_path / "before" / "checkpoints" / checkpoint_name(SAVED_AT)
-    assert _run(BASE, sharded, written) == pytest.approx(continued, abs=1e-5)
+    saved = dataclasses.replace(BASE, out=str(tmp_path / "a"))
+    continued = _run(saved, sharded)[SAVED_AT:]
+    checkpoint = tmp_path / "a" / "checkpoints" / checkpoint_name(SAVED_AT)
+    assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5)
+    with pytest.raises(RankFailed, match=r"\(plan dp_shard=2,tp=2\) cannot be read"):
+        _run(BASE, "dp=2", checkpoint)
 
 
 @needs_hf
@@ -173,7 +170,7 @@ def test_fused_and_shared_kv_pieces_resume_under_other_plans_and_back(tmp_path, 
     config = dataclasses.replace(
         BASE, model=saved_tiny_model(kind, tmp_path / "model", 320, kv_heads=kv_heads)
     )
-    _check_matrix(tmp_path, config, ["tp=2"], ["dp=1", "dp_shard=2,tp=2"])
+    _check_matrix(tmp_path, config, ["tp=2"], ["dp=1", "dp=2"])
     _check_matrix(tmp_path, config, ["dp=2"], ["tp=2"])
 
 
@@ -193,7 +190,8 @@ def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path
 def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     # MoE layers in pipeline stages (with experts over ep), sequences split inside stages, 3D
     # tensor parallel stages (z = 1, and z > 1: rows over z), a 3D grid's sequence split over y
-    # (dense, and with experts over ep); 3D pieces sharded by FSDP2 (z = 1 and z > 1)
+    # (dense, and with experts over ep); 3D pieces sharded by FSDP2 (z = 1 and z > 1) resume
+    # under their own plan (each rank's shard under its own key)
     moe = dataclasses.replace(BASE, model=_moe_file(tmp_path))
     moe_plans = ["dp=2,ep=2,pp=2,micro_batches=2", "dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true"]
     _check_matrix(tmp_path, moe, moe_plans, ["dp=1", "dp=2,ep=2"])
@@ -205,7 +203,11 @@ def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     ]
     _check_matrix(tmp_path, BASE, dense, ["dp=1"])
     _check_matrix(tmp_path, BASE, ["dp=1"], dense)
-    _check_matrix(tmp_path, BASE, ["dp_shard=2,tp3d=2x1x1", "dp_shard=2,tp3d=1x1x2"], ["dp=1"])
+    for sharded in ("dp_shard=2,tp3d=2x1x1", "dp_shard=2,tp3d=1x1x2"):
+        saved = dataclasses.replace(BASE, out=str(tmp_path / sharded))
+        continued = _run(saved, sharded)[SAVED_AT:]
+        checkpoint = tmp_path / sharded / "checkpoints" / checkpoint_name(SAVED_AT)
+        assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5), sharded
 
 
 @pytest.mark.slow

@@ -98,8 +98,9 @@ def _stored(
     and (`reading`) what goes back from the full tensors read into each piece. A piece of a
     parameter in `storage.layouts` (and not already a DTensor) becomes a DTensor view of the
     full tensor, sharing its storage: the checkpoint holds the full tensor, which any other
-    split can read. One in `storage.whole` is stored as its full tensor too, gathered on
-    saving (collective); on `reading`, an empty full tensor is read in its place. Another
+    split can read. One in `storage.whole` (not sharded again by FSDP2) is stored as its full
+    tensor too, gathered on saving (collective); on `reading`, an empty full tensor is read in
+    its place. Another
     parameter in `storage.keys` is stored under its own key: a piece only the same split can
     read. `param_groups` keep the parameter names, shared by all."""
     aliases = storage.aliases
@@ -110,8 +111,14 @@ def _stored(
     state = {aliases.get(k, k): v for k, v in state.items()}
     optim = {**optim, "state": {aliases.get(k, k): v for k, v in optim["state"].items()}}
     viewed = {n for n in layouts if n in state and not isinstance(state[n], DTensor)}
+    # FSDP2's shards of a piece stay under their own key: gathering them whole on every rank
+    # would hold the sharded model whole
     whole = {aliases.get(k, k): v for k, v in storage.whole.items()}
-    whole = {n: w for n, w in whole.items() if n in state and n not in viewed}
+    whole = {
+        n: w
+        for n, w in whole.items()
+        if n in state and n not in viewed and not isinstance(state[n], DTensor)
+    }
     cuts: list[_Cut] = []
 
     def view(name: str, value: Any) -> Any:
@@ -425,9 +432,9 @@ def load_checkpoint(
     except (CheckpointException, RuntimeError) as exc:
         raise CheckpointError(
             f"checkpoint '{path}' (plan {Plan.from_dict(meta['plan'])}) cannot be read under "
-            f"this split: {_first_line(exc)}; checkpoints written before tensor parallel "
-            "pieces were stored whole hold them as their split had them: resume under the "
-            "checkpoint's plan"
+            f"this split: {_first_line(exc)}; FSDP2's shards of tensor parallel pieces (dp_shard "
+            "with tp or tp3d), and pieces in checkpoints written before they were stored "
+            "whole, are stored as their split had them: resume under the checkpoint's plan"
         ) from None
     state["optim"]["param_groups"] = param_groups
     loaded = rejoined(state["model"], state["optim"], model_state, optim_state, sliced)

@@ -158,14 +158,15 @@ def _full_shape(
 @dataclass(frozen=True)
 class StoredWhole:
     """How a checkpoint stores a tensor parallel piece that no DCP placement describes (the
-    runs of fused q|k|v or gate|up, a kv head several ranks hold, a 3D grid's rows cut twice,
-    a piece FSDP2 shards again): as the full tensor, which any split reads
-    (`parallel.storage.Whole`). On saving, each rank writes its piece at its runs
-    (`piece_runs`) into a full tensor of −inf and a max all-reduce over the split's groups,
-    and over the mesh dimensions FSDP2 shards along, fills in the others': exact, since the
-    ranks holding one element hold the same value. On loading, each rank takes its runs from
-    the full tensor read. Written by hand because DCP reshards a tensor by one block per
-    rank, and such a piece is several."""
+    runs of fused q|k|v or gate|up, a kv head several ranks hold, a 3D grid's rows cut
+    twice): as the full tensor, which any split reads (`parallel.storage.Whole`). On saving,
+    each rank writes its piece at its runs (`piece_runs`) into a full tensor of −inf and a max
+    all-reduce over the split's groups fills in the others' (exact: the ranks holding one
+    element hold the same value), then moves it to host memory; on loading, each rank takes
+    its runs from the full tensor read there. Every rank holds these parameters' full tensors
+    (and their optimizer states') in host memory while it saves or loads, one at a time on
+    its device. Written by hand because DCP reshards a tensor by one block per rank, and such
+    a piece is several."""
 
     tp: Group | None
     grid: Grid | None
@@ -173,21 +174,20 @@ class StoredWhole:
     spec3d: Shard3D | None = None
 
     def full(self, value: torch.Tensor) -> torch.Tensor:
-        """The full tensor (collective over the split's groups)."""
-        local = local_tensor(value)
-        full = local.new_full(self._stored_shape(value), float("-inf"))
-        full[self._index(value)] = local.t() if self._transposed else local
-        for group in self._groups(value):
+        """The full tensor, in host memory (collective over the split's groups)."""
+        full = value.new_full(self._stored_shape(value), float("-inf"))
+        full[self._index(value, full.device)] = value.t() if self._transposed else value
+        for group in self._groups():
             comm.all_reduce(full, group, op=dist.ReduceOp.MAX)
-        return full
+        return full.cpu()
 
     def empty(self, value: torch.Tensor) -> torch.Tensor:
-        """An uninitialised full tensor to read into."""
-        return local_tensor(value).new_empty(self._stored_shape(value))
+        """An uninitialised full tensor in host memory to read into."""
+        return torch.empty(self._stored_shape(value), dtype=value.dtype, device="cpu")
 
     def cut(self, full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of `full`, in the local layout of `value`."""
-        piece = full[self._index(value)]
+        """This rank's piece of `full`, in the layout of `value`."""
+        piece = full[self._index(value, full.device)]
         return piece.t() if self._transposed else piece
 
     @property
@@ -199,10 +199,10 @@ class StoredWhole:
         shape = _full_shape(value, self.spec, self.spec3d, self.tp, self.grid)
         return shape[::-1] if self._transposed else shape
 
-    def _index(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Index tensors, broadcast against each other, of the positions of the rank's piece."""
+    def _index(self, value: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Index tensors on `device`, broadcast against each other, of the positions of the
+        rank's piece."""
         runs = _runs(value, self.spec, self.spec3d, self.tp, self.grid)
-        device = local_tensor(value).device
         return tuple(
             torch.cat([torch.arange(a, b, device=device) for a, b in dim_runs]).view(
                 [-1 if k == d else 1 for k in range(len(runs))]
@@ -210,23 +210,11 @@ class StoredWhole:
             for d, dim_runs in enumerate(runs)
         )
 
-    def _groups(self, value: torch.Tensor) -> list[Group]:
-        """The split's groups, then those of the mesh dimensions FSDP2 shards `value` along."""
+    def _groups(self) -> list[Group]:
+        """The split's groups of more than one rank."""
         groups = [] if self.tp is None else [self.tp]
         if self.grid is not None:
             groups += [self.grid.x, self.grid.y, self.grid.z]
-        if isinstance(value, DTensor):
-            mesh, names = value.device_mesh, value.device_mesh.mesh_dim_names or ()
-            groups += [
-                Group(
-                    names[i] if i < len(names) else "dp_shard",
-                    mesh.get_group(i),
-                    mesh.size(i),
-                    mesh.get_local_rank(i),
-                )
-                for i, placement in enumerate(value.placements)
-                if placement.is_shard()
-            ]
         return [g for g in groups if g.size > 1]
 
 
