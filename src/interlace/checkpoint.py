@@ -88,7 +88,8 @@ class _Cut:
 
     def apply(self) -> None:
         """Copy this rank's part of the full tensor read into the piece, in place."""
-        local_tensor(self.piece).copy_(self.whole.cut(self.full, self.piece))
+        with torch.no_grad():
+            self.piece.copy_(self.whole.cut(self.full, self.piece))
 
 
 def _stored(

@@ -176,7 +176,8 @@ class StoredWhole:
     def full(self, value: torch.Tensor) -> torch.Tensor:
         """The full tensor, in host memory (collective over the split's groups)."""
         full = value.new_full(self._stored_shape(value), float("-inf"))
-        full[self._index(value, full.device)] = value.t() if self._transposed else value
+        piece = value.detach()
+        full[self._index(value, full.device)] = piece.t() if self._transposed else piece
         for group in self._groups():
             comm.all_reduce(full, group, op=dist.ReduceOp.MAX)
         return full.cpu()

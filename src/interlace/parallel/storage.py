@@ -18,8 +18,8 @@ placement along each of the mesh's dimensions."""
 
 class Whole(Protocol):
     """How a split parameter's piece that is not one block of its full tensor is stored as the
-    full tensor (`pieces.StoredWhole`), for a parameter or an optimizer state of its
-    shape, `value` as the state dict holds it (a plain piece, or FSDP2's DTensor of it)."""
+    full tensor (`pieces.StoredWhole`), for a parameter or an optimizer state of its shape,
+    `value` as the state dict holds it (a plain piece: FSDP2's shards keep their own keys)."""
 
     def full(self, value: torch.Tensor) -> torch.Tensor:
         """The full tensor, gathered from every rank's piece (collective)."""

@@ -77,10 +77,10 @@ class Layer3DCost:
     `exposed` that a recomputation replays and `replay_hidden` the gather seconds it hides.
     Under sub-batches, `split` are the x and y all-reduces issued on the sub-batch threads
     (hidden or not by `tensor3d_terms`), `split_forward` their share a recomputation replays
-    and `boundary` one sub-batch's last forward reduction (where the last sub-batch parks). With
-    prefetch, `first_forward` /
-    `first_backward` are the seconds `hidden` credits to the first linear's forward gather and
-    the last linear's backward gather, which a pass starting there cannot hide."""
+    and `boundary` one sub-batch's last forward reduction (where the last sub-batch parks).
+    With prefetch, `first_forward` / `first_backward` are the seconds `hidden` credits to the
+    first linear's forward gather and the last linear's backward gather, which a pass
+    starting there cannot hide."""
 
     exposed: dict[str, float]
     hidden: dict[str, float]
@@ -131,7 +131,6 @@ def layer_cost(
     split: dict[str, float] = {}
     split_forward: dict[str, float] = {}
     scatter = boundary = 0.0
-    sub = subbatches
     linears = block_linears(config)
     gathers = prefetched_gathers(
         linears, tp3d, t, act_bytes, rate, hardware, prefetch, not scatter_in_backward
@@ -145,7 +144,7 @@ def layer_cost(
             return collective_seconds(op, payload, size[axis], inside[axis], hardware)
 
         def pieces(payload: float, axis: str) -> float:  # one all-reduce per sub-batch
-            return sub * seconds("all_reduce", payload / sub, axis)
+            return subbatches * seconds("all_reduce", payload / subbatches, axis)
 
         output = t * lin.n_out / p_out * act_bytes
         for into in (exposed, forward):
@@ -160,17 +159,17 @@ def layer_cost(
                 _add(into, "tp_y.all_gather", gather_y)
             _add(exposed, "tp_y.all_gather", gather_y)  # their backward
             _add(exposed, "tp_y.reduce_scatter", scatter_y)
-        elif sub > 1:  # on the sub-batch threads
+        elif subbatches > 1:  # on the sub-batch threads
             for into in (split, split_forward):
                 _add(into, f"tp_{in_axis}.all_reduce", pieces(output, in_axis))
             if size[in_axis] > 1:  # the layer's last hand-over in the forward so far
-                boundary = seconds("all_reduce", output / sub, in_axis)
+                boundary = seconds("all_reduce", output / subbatches, in_axis)
         else:
             out_reduce = seconds("all_reduce", output, in_axis)
             for into in (exposed, forward):
                 _add(into, f"tp_{in_axis}.all_reduce", out_reduce)
         grad_in = t * lin.n_in / p_in * act_bytes
-        if sub > 1:
+        if subbatches > 1:
             _add(split, f"tp_{out_axis}.all_reduce", pieces(grad_in, out_axis))
         elif not (sequence_parallel and out_axis == "y"):  # else the block entry's scatter
             dx = seconds("all_reduce", grad_in, out_axis)
@@ -188,8 +187,8 @@ def layer_cost(
     _add(exposed, "tp_z.reduce_scatter", scatter_exposed)
     _add(hidden, "tp_z.reduce_scatter", scatter - scatter_exposed)
     rows = t / y if sequence_parallel else t
-    stats = rows / sub * 2 * act_bytes  # each sub-batch's, waited on its thread
-    norms = 2 * sub * collective_seconds("all_reduce", stats, x, inside["x"], hardware)
+    stats = rows / subbatches * 2 * act_bytes  # each sub-batch's, waited on its thread
+    norms = 2 * subbatches * collective_seconds("all_reduce", stats, x, inside["x"], hardware)
     _add(exposed, "tp_x.all_reduce", 2 * norms)
     _add(forward, "tp_x.all_reduce", norms)
     first, last = gathers[0], gathers[-1]

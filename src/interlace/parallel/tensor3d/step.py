@@ -66,15 +66,10 @@ def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None
         result.scores = score
     result.norm_shares += tensor3d_norm_shares(grid)
     grid_mesh = mesh.device_mesh["tp_z", "tp_y", "tp_x"]
+    specs = parameters_split_by(model, shard3d_spec)
     result.storage = Storage(
         keys=shard3d_keys(model, grid),
-        whole={
-            name: StoredWhole(None, grid, spec3d=spec)
-            for name, spec in parameters_split_by(model, shard3d_spec).items()
-        },
+        whole={name: StoredWhole(None, grid, spec3d=spec) for name, spec in specs.items()},
         layouts={name: (grid_mesh, p) for name, p in tensor3d_layouts(model, grid).items()},
-        assembly={
-            name: dataclasses.asdict(spec)
-            for name, spec in parameters_split_by(model, shard3d_spec).items()
-        },
+        assembly={name: dataclasses.asdict(spec) for name, spec in specs.items()},
     )
