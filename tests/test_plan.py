@@ -127,7 +127,8 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(tp3d=(1, 1, 2), overlap=Overlap(tp_subbatches=2)), "(z > 1) with tp_subbatches=2"),
+        (Plan(cp=2, tp=2, overlap=Overlap(tp_subbatches=2)), "cp=2 with tp_subbatches=2"),
+        (Plan(cp=2, tp3d=(1, 2, 1)), "cp=2 with tp3d=1x2x1"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):

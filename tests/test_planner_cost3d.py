@@ -148,12 +148,29 @@ def test_sub_batches_hide_the_grids_all_reduces_as_1d_does(boundary):
     assert "tp_y.all_reduce" not in cost.breakdown
 
 
-def test_sub_batched_grids_are_searched_where_z_is_one():
+def test_sub_batched_grids_are_searched_without_sequence_parallelism():
     hardware = local(1e12, BANDWIDTH, latency=1e-5, devices_per_node=8)
     found = [c.plan for c in search(CONFIG, hardware, 4, global_batch=8, dtype="fp32")]
-    assert {"tp3d=2x2x1,tp_subbatches=2", "tp3d=2x2x1"} <= {str(p) for p in found}
+    expected = {"tp3d=2x2x1,tp_subbatches=2", "tp3d=2x2x1", "tp3d=1x2x2,tp_subbatches=2"}
+    assert expected <= {str(p) for p in found}
     sub_batched = [p for p in found if p.tp3d is not None and p.overlap.tp_subbatches > 1]
-    assert sub_batched and all(p.tp3d[2] == 1 and not p.sequence_parallel for p in sub_batched)
+    assert not any(p.sequence_parallel for p in sub_batched)
+
+
+def test_sub_batches_share_each_gathered_block_over_z():
+    # the sub-batches of a layer share one Z gather per pass half and one reduce-scatter of
+    # their summed dW: Z's seconds are those of the unsplit layer
+    slow = local(1e8, BANDWIDTH, latency=1e-5, devices_per_node=2)
+    costs = [
+        estimate(
+            Plan(tp3d=(2, 1, 2), overlap=Overlap(tp_subbatches=s)), CONFIG, slow, 4, dtype="fp32"
+        )
+        for s in (1, 2)
+    ]
+    for kind in ("all_gather", "reduce_scatter"):
+        key = f"tp_z.{kind}"
+        plain, sub = (c.breakdown.get(key, 0.0) + c.hidden.get(key, 0.0) for c in costs)
+        assert sub == pytest.approx(plain) and plain > 0, key
 
 
 def test_recomputed_sub_batches_issue_their_forward_reductions_again():

@@ -1,7 +1,8 @@
 """3D tensor parallelism inside pipeline stages (z = 1, and z > 1: the last stage's copy of the
 tied embedding summed over z), under sharded data parallelism (z = 1) and with recomputed blocks
 (z > 1), each also with the sequence split over y (`sequence_parallel`) or in overlapped
-sub-batches (`tp_subbatches`, z = 1): the Trainer's losses
+sub-batches (`tp_subbatches`; with z > 1 one gathered block per linear shared by
+the sub-batches): the Trainer's losses
 and gradient norms over four steps equal one process's; under FSDP2 with z > 1 the weight
 prefetch over z serves each block's linears but its first."""
 
@@ -51,6 +52,9 @@ def test_3d_tensor_parallel_stages_equal_serial(serial, plan_text):
         pytest.param(
             "dp_shard=2,tp3d=2x1x1,tp_subbatches=2,recompute=selective", marks=pytest.mark.slow
         ),
+        "dp_shard=2,tp3d=1x1x2,tp_subbatches=2,recompute=selective",
+        pytest.param("pp=2,tp3d=1x1x2,micro_batches=2,tp_subbatches=2", marks=pytest.mark.slow),
+        pytest.param("tp3d=2x1x2,tp_subbatches=2,recompute=full", marks=pytest.mark.slow),
         pytest.param(
             "pp=2,tp3d=1x2x1,micro_batches=2,tp_subbatches=2,schedule=shifted,recompute=full",
             marks=pytest.mark.slow,

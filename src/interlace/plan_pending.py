@@ -18,12 +18,4 @@ def fmt_tp3d(dims: tuple[int, ...]) -> str:
 def pending_rows(plan: Any) -> list[tuple[bool, str, str]]:
     """Every row of the table for `plan` (a Plan): (active, what, fix)."""
     tp3d = f"tp3d={fmt_tp3d(plan.tp3d)}" if plan.tp3d is not None else ""
-    return [
-        (
-            bool(tp3d) and plan.tp3d[2] > 1 and plan.overlap.tp_subbatches > 1,
-            f"{tp3d} (z > 1) with tp_subbatches={plan.overlap.tp_subbatches} (each sub-batch "
-            "would gather the weights over z again)",
-            "a grid with z = 1 (tp3d=XxYx1), or tp_subbatches=1",
-        ),
-        *context_options.pending_with(plan, tp3d),
-    ]
+    return context_options.pending_with(plan, tp3d)

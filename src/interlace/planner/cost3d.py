@@ -33,13 +33,15 @@ for every linear n_in → n_out (normal: q, k, v, up; transposed: out projection
   tokens; the ends' gathers also cross Y ([T/y, d/x] of the embedding's gradient, [T/y, d]
   before the final norm). The y all-reduce of the norms' and transposed biases' gradients
   ([d/x] each) is not priced, as the z one of the blocks' norms;
-- overlapped sub-batches (`tp_subbatches` s > 1, z = 1): a layer without an MoE layer runs s
+- overlapped sub-batches (`tp_subbatches` s > 1): a layer without an MoE layer runs s
   sub-batches taking turns, handing over at each linear's output all-reduce and input-gradient
   all-reduce. Those become s all-reduces of 1/s the payload each, pooled with the replayed
   forward's, and hide under the other sub-batches' compute as 1D's do
   (`cost_tensor.exposed_under_subbatches`; each layer's last forward reduction, but the
   stage's last, under the next layer when `defers_block_boundary`); the norms' statistics are
-  all-reduced once per sub-batch, exposed;
+  all-reduced once per sub-batch, exposed. With z > 1 the sub-batches share each linear's
+  gathered block and reduce-scatter their summed dW once (`tensor3d.shared`): Z is priced
+  as without sub-batches;
 - the embedding and the LM head are split by vocabulary rows over the x·y ranks (`tp_xy`):
   the embedding's output [T, d] all-reduced there in the forward, the head's input gradient
   in the backward (the cross-entropy's [T] reductions are not priced, as under 1D); with

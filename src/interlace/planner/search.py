@@ -201,8 +201,8 @@ def _grid_plans(
 
 def _grid_subbatches(grid: tuple[int, int, int], sp: bool, rows: int) -> tuple[int, ...]:
     """`tp_subbatches` to try on a 3D grid: 1, and 2 (overlapped x and y all-reduces) where
-    z = 1, the sequence is not split over y and a micro-batch's `rows` halve."""
-    return (1, 2) if grid[2] == 1 and not sp and rows % 2 == 0 else (1,)
+    the sequence is not split over y and a rank's rows of a micro-batch (`rows` / z) halve."""
+    return (1, 2) if not sp and rows // grid[2] % 2 == 0 else (1,)
 
 
 def _pipeline_options(pp: int, per_dp: int) -> Iterator[dict]:

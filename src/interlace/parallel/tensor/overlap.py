@@ -31,6 +31,12 @@ parameters by the outer graph, so their hooks (DDP buckets, replica sums) fire o
 parameter per backward, as without sub-batches. Without autograd recording (evaluation) only
 the forward is interleaved.
 
+A weight the layer gathers before using it (a 3D linear's block over Z, z > 1) is gathered
+once for all the sub-batches in each half of the pass, and their summed gradient is reduced
+once: the module answers `shared_block()` with an object the sub-batches share
+(`tensor3d.shared.SharedBlock`, `_shared_blocks`), so the gathers and reduce-scatters are
+those of an unsplit run.
+
 A layer holding a Mixture-of-Experts layer runs whole, between the sub-batched ones: routing
 (capacity, the aux loss) takes the whole batch, and the expert-parallel layer's collectives
 stay out of the threads. Its all-reduces are then not overlapped.
@@ -259,7 +265,11 @@ class _SubBatchRun:
             outs, gs = zip(*pairs, strict=True)
             return torch.autograd.grad(outs, self.leaves[i] + wrt, gs, allow_unused=True)
 
-        results = run_interleaved([lambda i=i: differentiate(i) for i in range(self.k)])
+        self.aliases.share()
+        try:
+            results = run_interleaved([lambda i=i: differentiate(i) for i in range(self.k)])
+        finally:
+            self.aliases.unshare()
         n = len(self.inputs)
         input_grads = []
         for j, split in enumerate(self.split):
@@ -273,7 +283,8 @@ class _SubBatchRun:
                 input_grads.append(torch.cat(parts, 0))
             else:
                 input_grads.append(_sum(parts))
-        return input_grads + [_sum([r[n + j] for r in results]) for j in range(len(wrt))]
+        summed = [_sum([r[n + j] for r in results]) for j in range(len(wrt))]
+        return input_grads + self.aliases.gradients(summed)
 
 
 def _sum(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -284,17 +295,35 @@ def _sum(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.stack(present).sum(0) if len(present) > 1 else present[0]
 
 
+def _shared_blocks(layer: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(module, its shared block) for each module of `layer` that shares one weight block
+    among the sub-batches: those with a `shared_block()` answering one (a 3D linear with
+    z > 1, `tensor3d.shared.SharedBlock`: a `param` it stands for, a `leaf` the sub-batches
+    differentiate for, `gradient(summed)` the param's gradient, `release()`). The module
+    uses its `shared` attribute while the sub-batches run."""
+    found = [(m, getattr(m, "shared_block", None)) for m in layer.modules()]
+    pairs = [(m, share()) for m, share in found if callable(share)]
+    return [(m, block) for m, block in pairs if block is not None]
+
+
 class _ParameterAliases:
     """Detached aliases standing in for a layer's trainable parameters while its sub-batches
     run, so that each sub-batch's graph ends at leaves of its own (see `_SubBatchRun`); tied
-    parameters share one alias. Written by hand rather than with `torch.func.functional_call`,
-    whose swap lasts one call: a parked tail goes on running the layer's code after that call
-    has returned, and must see the aliases until it finishes."""
+    parameters share one alias. A parameter served by a shared block (`_shared_blocks`) is
+    stood in for by the block's `leaf`, its gradient the block's `gradient` of the sub-batches'
+    sum. Written by hand rather than with `torch.func.functional_call`, whose swap lasts one
+    call: a parked tail goes on running the layer's code after that call has returned, and
+    must see the aliases until it finishes."""
 
     def __init__(self, layer: nn.Module):
-        self.params = [p for p in layer.parameters() if p.requires_grad]
-        self.aliases = [p.detach().requires_grad_() for p in self.params]
-        by_id = {id(p): a for p, a in zip(self.params, self.aliases, strict=True)}
+        self.shared = _shared_blocks(layer)
+        served = {id(block.param) for _, block in self.shared}
+        own = [p for p in layer.parameters() if p.requires_grad and id(p) not in served]
+        trained = [block for _, block in self.shared if block.param.requires_grad]
+        self.params = own + [block.param for block in trained]
+        self.aliases = [p.detach().requires_grad_() for p in own] + [b.leaf for b in trained]
+        self._finish = [None] * len(own) + [block.gradient for block in trained]
+        by_id = {id(p): a for p, a in zip(own, self.aliases[: len(own)], strict=True)}
         self._slots = [
             (module, name, param, by_id[id(param)])
             for module in layer.modules()
@@ -303,14 +332,34 @@ class _ParameterAliases:
         ]
 
     def swap_in(self) -> None:
-        """Put the aliases in the parameters' places."""
+        """Put the aliases in the parameters' places, and the shared blocks in use."""
         for module, name, _, alias in self._slots:
             module._parameters[name] = alias
+        self.share()
 
     def swap_out(self) -> None:
-        """Put the parameters back."""
+        """Put the parameters back; the shared blocks out of use."""
         for module, name, param, _ in self._slots:
             module._parameters[name] = param
+        self.unshare()
+
+    def share(self) -> None:
+        """Put the shared blocks in use (the forward, and the backward's recomputation)."""
+        for module, block in self.shared:
+            module.shared = block
+
+    def unshare(self) -> None:
+        """Put the shared blocks out of use, their gathered data released."""
+        for module, block in self.shared:
+            module.shared = None
+            block.release()
+
+    def gradients(self, summed: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The parameters' gradients from the sub-batches' `summed` gradients of the aliases."""
+        return [
+            grad if finish is None else finish(grad)
+            for grad, finish in zip(summed, self._finish, strict=True)
+        ]
 
 
 def _row_sizes(batch: int, k: int) -> list[int]:
@@ -416,8 +465,16 @@ class _SubBatched:
         if not torch.is_grad_enabled():
             pieces = _split((args, kwargs), batch, k)
             calls = [lambda p=p: base_forward(*p[0], **p[1]) for p in pieces]
-            outputs, parked = interleave(calls, tail, may_park)
-            merged, parked = _merge_or_defer(outputs, parked, batch, None)
+            aliases = _ParameterAliases(self)  # type: ignore[arg-type]
+            aliases.share()
+            try:
+                outputs, parked = interleave(calls, tail, may_park)
+            except BaseException:
+                aliases.unshare()
+                raise
+            if parked is None:
+                aliases.unshare()
+            merged, parked = _merge_or_defer(outputs, parked, batch, lambda _: aliases.unshare())
             return _leave_tail(merged, parked, batch, k)
         run = _SubBatchRun(self, base_forward, args, kwargs, tail, may_park)  # type: ignore[arg-type]
         joined = _InterleavedBackward.apply(run, *run.inputs, *run.params)

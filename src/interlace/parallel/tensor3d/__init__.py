@@ -55,6 +55,7 @@ without it, as are parameterised modules in the layers that are neither blocks n
 
 Modules: `comm` (the collectives as autograd functions), `shard` (the grid, `Shard3D`, the runs
 a piece holds, checkpoint keys and the gradient norm of 3D pieces), `layers` (`Linear3D`,
-`LayerNorm3D`, `RMSNorm3D`), `prefetch` (the next layer's weight gathered ahead), `apply`
+`LayerNorm3D`, `RMSNorm3D`), `prefetch` (the next layer's weight gathered ahead), `shared`
+(one gathered block per linear for a layer's overlapped sub-batches), `apply`
 (`apply_tensor3d`, `check_tensor3d`).
 """

@@ -75,6 +75,27 @@ def _reduce_scatter_weight_grad(grad: torch.Tensor, param: torch.nn.Parameter, z
     torch.autograd.Variable._execution_engine.queue_callback(finish)
 
 
+def weight_grad_over_z(
+    grad: torch.Tensor,
+    weight: torch.nn.Parameter,
+    z: Group,
+    block_grad_hook: Callable[[torch.Tensor], torch.Tensor] | None,
+    in_backward: bool,
+) -> torch.Tensor | None:
+    """The gradient of a whole block `grad` [rows, cols] (through `block_grad_hook` first, if
+    given) → what autograd receives for `weight`, this rank's piece [rows/z, cols]: with z = 1
+    the block's gradient itself; else its reduce-scatter over Z, returned when `in_backward`
+    (FSDP2), otherwise added to `weight.grad` when the backward pass ends (None returned)."""
+    if block_grad_hook is not None:
+        grad = block_grad_hook(grad)
+    if z.size == 1:
+        return grad
+    if in_backward:
+        return _reduce_scattered(grad, weight, z)[0]
+    _reduce_scatter_weight_grad(grad, weight, z)
+    return None
+
+
 def _add_reduced_gradient(work: dist.Work, shard: torch.Tensor, param: torch.nn.Parameter) -> None:
     """Wait for a Z reduce-scatter and add its result `shard` to `param`'s `.grad`."""
     work.wait()
@@ -120,7 +141,7 @@ def summed(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def _accumulates(weight_edge: GradientEdge | None) -> bool:
+def accumulates(weight_edge: GradientEdge | None) -> bool:
     """Whether the running backward accumulates the weight's gradient (None: returned to
     autograd, which decides). Not when it computes only other inputs' gradients, as
     `torch.autograd.grad` over a pipeline stage's inputs does when torch's pipelining infers
@@ -164,15 +185,9 @@ class _Linear3D(torch.autograd.Function):
         if out_group.size > 1:
             work = comm.all_reduce(grad_x, out_group, async_op=True)
         grad_w = None
-        if weight.requires_grad and _accumulates(ctx.weight_edge):  # overlaps the dX all-reduce
+        if weight.requires_grad and accumulates(ctx.weight_edge):  # overlaps the dX all-reduce
             grad_w = ctx.matmul.weight_grad(grad_out, x)
-            if ctx.block_grad_hook is not None:
-                grad_w = ctx.block_grad_hook(grad_w)
-            if z.size > 1 and ctx.z_in_backward:
-                grad_w = _reduce_scattered(grad_w, weight, z)[0]
-            elif z.size > 1:
-                _reduce_scatter_weight_grad(grad_w, weight, z)
-                grad_w = None
+            grad_w = weight_grad_over_z(grad_w, weight, z, ctx.block_grad_hook, ctx.z_in_backward)
         if work is not None:
             hand_over()  # other sub-batches compute while it flies (`tp_subbatches`)
             work.wait()

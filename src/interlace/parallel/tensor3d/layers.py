@@ -17,6 +17,7 @@ from interlace.parallel.tensor.shard import ShardSpec, replica_slots
 from interlace.parallel.tensor3d.comm import ALONE, linear3d, summed
 from interlace.parallel.tensor3d.prefetch import WeightPrefetcher
 from interlace.parallel.tensor3d.shard import Grid, Shard3D, shard3d_parameter
+from interlace.parallel.tensor3d.shared import SharedBlock
 
 EPS_ATTRS = ("eps", "variance_epsilon")
 """Norm attributes holding epsilon (by convention, not by model)."""
@@ -46,6 +47,9 @@ class Linear3D(nn.Module):
     all-gathered, leaves its input gradient's sum over Y to that entry's reduce-scatter; a
     transposed layer reduce-scatters its output along the sequence over Y, [..., T/y, out/x],
     instead of all-reducing it (backward: all-gather)."""
+    shared: SharedBlock | None = None
+    """The block its layer's sub-batches share while they run (`tp_subbatches`, z > 1; set
+    by `parallel.tensor.overlap` from `shared_block`)."""
 
     def __init__(
         self,
@@ -75,24 +79,34 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in/|in_group|] → [..., out/|out_group|] ([B, T/y, out/x] from a transposed
         layer under `sequence`)."""
-        gather = None if self.prefetcher is None else self.gather_block
         in_group, out_group = self.in_group, self.out_group
         if self.sequence is not None:  # Y's sum done by the sequence's collectives
             in_group, out_group = (ALONE, out_group) if self.transposed else (in_group, ALONE)
-        y = linear3d(
-            x,
-            self.weight,
-            in_group,
-            out_group,
-            self.z,
-            self.block_grad_hook,
-            gather,
-            self.matmul,
-            self.z_grad_in_backward,
-        )
+        shared = self.shared
+        if shared is not None:  # the block and its Z collectives are the SharedBlock's
+            y = linear3d(x, shared.leaf, in_group, out_group, ALONE, None, shared.get, self.matmul)
+        else:
+            y = linear3d(
+                x,
+                self.weight,
+                in_group,
+                out_group,
+                self.z,
+                self.block_grad_hook,
+                None if self.prefetcher is None else self.gather_block,
+                self.matmul,
+                self.z_grad_in_backward,
+            )
         if self.sequence is not None and self.transposed:
             y = reduce_scatter_sequence(y, self.sequence)
         return y if self.bias is None else y + self.bias
+
+    def shared_block(self) -> SharedBlock | None:
+        """With z > 1, a `SharedBlock` of this layer's weight for one sub-batched call of its
+        layer (`parallel.tensor.overlap`): one Z gather per half of the pass and one
+        reduce-scatter of the summed gradient, whatever the number of sub-batches; None with
+        z = 1."""
+        return SharedBlock(self) if self.z.size > 1 else None
 
     def gather_block(self) -> torch.Tensor:
         """The whole weight block [out/|out_group|, in/|in_group|], from the prefetcher."""

@@ -29,7 +29,7 @@ from interlace.parallel.tensor3d.shard import (
 
 def tensor3d_step(result: Parallelized, mesh: Mesh, gather_logits: bool) -> None:
     """Step 1 of `parallelize` under `tp3d`: 3D tensor parallelism over "tp_x", "tp_y",
-    "tp_z" (with sub-batch overlap, z = 1), the vocabulary over "tp_xy"; the loss scored from
+    "tp_z" (with sub-batch overlap), the vocabulary over "tp_xy"; the loss scored from
     this rank's vocabulary slice (unless `gather_logits`); with z > 1 each rank's rows of a
     batch and the loss averaged over z; the norm's shares and the checkpoint layout of the
     split parameters."""
