@@ -148,11 +148,13 @@ def test_hf_sequence_parallel_3d_equals_serial(kind, tp3d, kv_heads):
     [
         pytest.param("llama", (2, 1, 1), 2, marks=pytest.mark.slow),
         pytest.param("gpt2", (1, 2, 1), 2, marks=pytest.mark.slow),
+        pytest.param("llama", (1, 2, 2), 1, marks=pytest.mark.slow),
     ],
 )
 def test_hf_overlapped_3d_sub_batches_equal_serial(kind, tp3d, kv_heads):
     # the decoder layers take [B, T, d/x] in two interleaved halves of the batch (Llama's
-    # rotary tables split with them)
+    # rotary tables split with them); with z = 2 the halves share each gathered block, and a
+    # kv head held by both y ranks has its summed gradient added over them once
     results = _assert_equal_to_serial(_build(kind, kv_heads), tp3d, subbatches=2)
     assert any("2 interleaved sub-batches" in line for line in results[0]["report"])
 
