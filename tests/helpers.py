@@ -16,6 +16,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from interlace import checkpoint
 from interlace.mesh import build_mesh
@@ -158,11 +159,19 @@ def train_steps(
 @contextlib.contextmanager
 def pieces_under_own_keys() -> Iterator[None]:
     """Checkpoints written inside hold each rank's tensor parallel pieces under keys of their
-    own, as checkpoints were written before such pieces were stored whole."""
+    own where they are not one block of the full tensor or FSDP2 shards them, as checkpoints
+    were written before such pieces were stored as full tensors."""
     write = checkpoint._write_folder
 
     def as_before(tmp, step, model, optimizer, meta, storage):
-        return write(tmp, step, model, optimizer, meta, dataclasses.replace(storage, whole={}))
+        sharded = {
+            name
+            for name, param in model.named_parameters(remove_duplicate=False)
+            if isinstance(param, DTensor)
+        }
+        layouts = {name: lay for name, lay in storage.layouts.items() if name not in sharded}
+        kept = dataclasses.replace(storage, whole={}, layouts=layouts)
+        return write(tmp, step, model, optimizer, meta, kept)
 
     with mock.patch.object(checkpoint, "_write_folder", as_before):
         yield

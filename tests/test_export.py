@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from helpers import TINY_RUN, pieces_under_own_keys
 from hf_models import saved_tiny_model
+from interlace.checkpoint import checkpoint_name
 from interlace.cli import main
 from interlace.data.corpus import load_corpus
 from interlace.data.tokenizer import get_tokenizer
@@ -105,15 +107,28 @@ def test_exported_gpt2_gives_the_trained_models_logits(plan_text, tmp_path, caps
 
 
 def test_tensor_parallel_pieces_under_dp_shard_are_joined(tmp_path, capsys):
-    # dp_shard with tp keeps each rank's piece under its own key (`.tp<rank>`); the run follows
-    # the tp=2 run's trajectory, whose weights agree with it to float rounding after 2 steps
+    # dp_shard with tp stores each rank's shard as its place in the full tensor; a checkpoint
+    # written before keeps each rank's piece under its own key (`.tp<rank>`), joined on export.
+    # The runs follow the tp=2 run's trajectory, whose weights agree with theirs to float
+    # rounding after 2 steps
     idx = _tokens(256, 64)
     logits = {}
-    for plan_text in ("dp_shard=2,tp=2", "tp=2"):
-        run = _trained(tmp_path / plan_text, plan_text)
-        _export(capsys, run, tmp_path / f"hf-{plan_text}")
-        logits[plan_text] = _hf_logits(tmp_path / f"hf-{plan_text}", idx)
-    assert (logits["dp_shard=2,tp=2"] - logits["tp=2"]).abs().max() <= 1e-4
+    runs = {
+        "dp_shard=2,tp=2": lambda folder: _trained(folder, "dp_shard=2,tp=2"),
+        "as before": lambda folder: run_ranks(
+            4, _fit_written_as_before, dataclasses.replace(BASE, out=str(folder)), "dp_shard=2,tp=2"
+        ),
+        "tp=2": lambda folder: _trained(folder, "tp=2"),
+    }
+    for name, train in runs.items():
+        train(tmp_path / name)
+        _export(capsys, tmp_path / name, tmp_path / f"hf-{name}")
+        logits[name] = _hf_logits(tmp_path / f"hf-{name}", idx)
+    for name, own_keys in (("dp_shard=2,tp=2", False), ("as before", True)):
+        assert (logits[name] - logits["tp=2"]).abs().max() <= 1e-4, name
+        checkpoint = tmp_path / name / "checkpoints" / checkpoint_name(BASE.steps)
+        keys = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+        assert any(".tp1" in key for key in keys) == own_keys, name
 
 
 def test_an_untied_head_is_exported_as_its_own_weight(tmp_path, capsys):

@@ -148,17 +148,26 @@ def _losses_written_as_before(config: TrainConfig, plan_text: str) -> list[float
         return _losses(config, plan_text)
 
 
+def test_fsdp2_shards_of_tensor_parallel_pieces_resume_elsewhere_and_back(tmp_path):
+    # dp_shard=2 with tp=2: each rank's FSDP2 shard of its tp piece is stored as its place in
+    # the full tensor, FSDP2's cut after tp's (a wrong order of the two fails this)
+    _check_matrix(tmp_path, BASE, ["dp_shard=2,tp=2"], ["dp=2", "dp=1"])
+    _check_matrix(tmp_path, BASE, ["dp=2"], ["dp_shard=2,tp=2"])
+
+
+@needs_hf
 @pytest.mark.slow
-def test_pieces_fsdp2_shards_again_resume_under_their_own_plan(tmp_path):
-    # dp_shard=2 with tp=2: each rank's FSDP2 shard of its tp piece stays under its own key
-    # (gathering them whole would hold the sharded model whole on every rank)
+def test_fsdp2_shards_of_fused_pieces_resume_under_their_own_plan(tmp_path):
+    # GPT-2's fused q|k|v pieces sharded again by FSDP2 stay under their own keys (gathering
+    # them whole would hold the sharded model whole on every rank)
+    config = dataclasses.replace(BASE, model=saved_tiny_model("gpt2", tmp_path / "model", 320))
     sharded = "dp_shard=2,tp=2"
-    saved = dataclasses.replace(BASE, out=str(tmp_path / "a"))
+    saved = dataclasses.replace(config, out=str(tmp_path / "a"))
     continued = _run(saved, sharded)[SAVED_AT:]
     checkpoint = tmp_path / "a" / "checkpoints" / checkpoint_name(SAVED_AT)
-    assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5)
+    assert _run(config, sharded, checkpoint) == pytest.approx(continued, abs=1e-5)
     with pytest.raises(RankFailed, match=r"\(plan dp_shard=2,tp=2\) cannot be read"):
-        _run(BASE, "dp=2", checkpoint)
+        _run(config, "dp=2", checkpoint)
 
 
 @needs_hf
@@ -190,8 +199,8 @@ def test_context_parallel_checkpoints_resume_under_other_plans_and_back(tmp_path
 def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
     # MoE layers in pipeline stages (with experts over ep), sequences split inside stages, 3D
     # tensor parallel stages (z = 1, and z > 1: rows over z), a 3D grid's sequence split over y
-    # (dense, and with experts over ep); 3D pieces sharded by FSDP2 (z = 1 and z > 1) resume
-    # under their own plan (each rank's shard under its own key)
+    # (dense, and with experts over ep); 3D pieces sharded by FSDP2 (z = 1 and z > 1: the
+    # shards of row pieces stored with FSDP2's cut after z's)
     moe = dataclasses.replace(BASE, model=_moe_file(tmp_path))
     moe_plans = ["dp=2,ep=2,pp=2,micro_batches=2", "dp=2,ep=2,tp3d=1x2x1,sequence_parallel=true"]
     _check_matrix(tmp_path, moe, moe_plans, ["dp=1", "dp=2,ep=2"])
@@ -200,14 +209,11 @@ def test_the_newer_layouts_resume_under_one_process_and_back(tmp_path):
         "pp=2,tp3d=2x1x1,micro_batches=2",
         "pp=2,tp3d=1x1x2,micro_batches=2",
         "tp3d=1x2x1,sequence_parallel=true",
+        "dp_shard=2,tp3d=2x1x1",
+        "dp_shard=2,tp3d=1x1x2",
     ]
     _check_matrix(tmp_path, BASE, dense, ["dp=1"])
     _check_matrix(tmp_path, BASE, ["dp=1"], dense)
-    for sharded in ("dp_shard=2,tp3d=2x1x1", "dp_shard=2,tp3d=1x1x2"):
-        saved = dataclasses.replace(BASE, out=str(tmp_path / sharded))
-        continued = _run(saved, sharded)[SAVED_AT:]
-        checkpoint = tmp_path / sharded / "checkpoints" / checkpoint_name(SAVED_AT)
-        assert _run(BASE, sharded, checkpoint) == pytest.approx(continued, abs=1e-5), sharded
 
 
 @pytest.mark.slow

@@ -80,26 +80,29 @@ def _barrier() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Cut:
-    """A piece stored whole, on loading: the full tensor read, how it is cut, the piece."""
+    """A piece stored as its full tensor, on loading: the full tensor read (or a DTensor view
+    of it sharing the piece's storage, read in place), how it is cut (None for a view), the
+    piece as the state dict holds it."""
 
     full: torch.Tensor
-    whole: Whole
+    whole: Whole | None
     piece: torch.Tensor
 
     def apply(self) -> None:
         """Copy this rank's part of the full tensor read into the piece, in place."""
-        with torch.no_grad():
-            self.piece.copy_(self.whole.cut(self.full, self.piece))
+        if self.whole is not None:
+            with torch.no_grad():
+                self.piece.copy_(self.whole.cut(self.full, self.piece))
 
 
 def _stored(
     state: dict[str, Any], optim: dict[str, Any], storage: Storage, reading: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any], set[str], list[_Cut]]:
-    """Model and optimizer state dicts as DCP stores them, the names stored as DTensor views,
+    """Model and optimizer state dicts as DCP stores them, the names stored as full tensors,
     and (`reading`) what goes back from the full tensors read into each piece. A piece of a
-    parameter in `storage.layouts` (and not already a DTensor) becomes a DTensor view of the
-    full tensor, sharing its storage: the checkpoint holds the full tensor, which any other
-    split can read. One in `storage.whole` (not sharded again by FSDP2) is stored as its full
+    parameter in `storage.layouts` (its local tensor, under FSDP2: `data.stored_shards`)
+    becomes a DTensor view of the full tensor, sharing its storage: the checkpoint holds the
+    full tensor, which any other split can read. One in `storage.whole` is stored as its full
     tensor too, gathered on saving (collective); on `reading`, an empty full tensor is read in
     its place. Another
     parameter in `storage.keys` is stored under its own key: a piece only the same split can
@@ -111,15 +114,9 @@ def _stored(
     layouts = {aliases.get(k, k): v for k, v in storage.layouts.items()}
     state = {aliases.get(k, k): v for k, v in state.items()}
     optim = {**optim, "state": {aliases.get(k, k): v for k, v in optim["state"].items()}}
-    viewed = {n for n in layouts if n in state and not isinstance(state[n], DTensor)}
-    # FSDP2's shards of a piece stay under their own key: gathering them whole on every rank
-    # would hold the sharded model whole
+    viewed = {n for n in layouts if n in state}
     whole = {aliases.get(k, k): v for k, v in storage.whole.items()}
-    whole = {
-        n: w
-        for n, w in whole.items()
-        if n in state and n not in viewed and not isinstance(state[n], DTensor)
-    }
+    whole = {n: w for n, w in whole.items() if n in state and n not in viewed}
     cuts: list[_Cut] = []
 
     def view(name: str, value: Any) -> Any:
@@ -127,7 +124,11 @@ def _stored(
             return value  # AdamW's step count stays as it is
         if name in viewed:
             mesh, placements = layouts[name]
-            return DTensor.from_local(value, mesh, placements, run_check=False)
+            local = value.to_local() if isinstance(value, DTensor) else value
+            full = DTensor.from_local(local, mesh, placements, run_check=False)
+            if reading:
+                cuts.append(_Cut(full, None, value))
+            return full
         if name not in whole:
             return value
         if not reading:
@@ -174,26 +175,22 @@ def _restored(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Inverse of `_stored`: this rank's pieces under the parameter names, `full` the names
     stored as full tensors; each of `cuts` copies its part of a full tensor read into its
-    piece, which takes the full tensor's place."""
+    piece (a DTensor view was read in place), which takes the full tensor's place."""
     back = {stored: name for name, stored in storage.keys.items() if name not in full}
     unalias = {stored: name for name, stored in storage.aliases.items()}
     for cut in cuts:
         cut.apply()
     pieces = {id(cut.full): cut.piece for cut in cuts}
 
-    def local(name: str, value: Any) -> Any:
-        if id(value) in pieces:
-            return pieces[id(value)]
-        return value.to_local() if name in full and isinstance(value, DTensor) else value
+    def local(value: Any) -> Any:
+        return pieces.get(id(value), value)
 
     def name(key: str) -> str:
         stored = back.get(key, key)
         return unalias.get(stored, stored)
 
-    model = {name(k): local(k, v) for k, v in model_state.items()}
-    state = {
-        name(k): {n: local(k, t) for n, t in s.items()} for k, s in optim_state["state"].items()
-    }
+    model = {name(k): local(v) for k, v in model_state.items()}
+    state = {name(k): {n: local(t) for n, t in s.items()} for k, s in optim_state["state"].items()}
     return model, {**optim_state, "state": state}
 
 
@@ -433,9 +430,10 @@ def load_checkpoint(
     except (CheckpointException, RuntimeError) as exc:
         raise CheckpointError(
             f"checkpoint '{path}' (plan {Plan.from_dict(meta['plan'])}) cannot be read under "
-            f"this split: {_first_line(exc)}; FSDP2's shards of tensor parallel pieces (dp_shard "
-            "with tp or tp3d), and pieces in checkpoints written before they were stored "
-            "whole, are stored as their split had them: resume under the checkpoint's plan"
+            f"this split: {_first_line(exc)}; FSDP2's shards of fused or shared tensor parallel "
+            "pieces (dp_shard with tp or tp3d), and pieces in checkpoints written before they "
+            "were stored whole, are stored as their split had them: resume under the "
+            "checkpoint's plan"
         ) from None
     state["optim"]["param_groups"] = param_groups
     loaded = rejoined(state["model"], state["optim"], model_state, optim_state, sliced)

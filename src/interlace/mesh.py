@@ -80,7 +80,10 @@ class Mesh:
     """The DeviceMesh of a plan plus its named groups. `group('dp')` etc. give `comm.Group`s.
     `data_mesh`: with sharded data parallelism, `dp` split into `dp_replicate` × `dp_shard`
     (only `dp_shard` when dp = 1), the mesh FSDP2 shards over (under cp its `dp_shard` spans
-    dp_shard × cp ranks); else None. `flattened`: meshes of
+    dp_shard × cp ranks); else None. `split_mesh`: the mesh `data_mesh` is sliced from, whose
+    other dimensions are the plan's (under cp, dp × cp alone), from which FSDP2's dimensions
+    and a tensor split's are sliced together (the checkpoint layout of FSDP2's shards of
+    tensor parallel pieces); None with `data_mesh`. `flattened`: meshes of
     several dimensions as one, by name (`dp_cp` under context parallelism, `tp_xy` under 3D
     tensor parallelism)."""
 
@@ -89,6 +92,7 @@ class Mesh:
     device: torch.device
     data_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
+    split_mesh: DeviceMesh | None = None
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -153,7 +157,7 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
         flattened["dp_cp"] = device_mesh[FLATTENED["dp_cp"]]._flatten("dp_cp")
     if plan.tensor3d_parallel:
         flattened["tp_xy"] = device_mesh[FLATTENED["tp_xy"]]._flatten("tp_xy")
-    data_mesh = None
+    data_mesh = split = None
     if plan.sharded_data_parallel:  # torch has no public way to split a mesh dimension
         # by index: torch 2.11's check of a named dimension is inverted and refuses "dp".
         # Under cp, FSDP2 shards over dp_shard × cp, ranks that hold the same parameters.
@@ -161,4 +165,4 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> Mesh:
         dim = 0 if plan.context_parallel else names.index("dp")
         split = source._unflatten(dim, (plan.dp, plan.shard_ranks), SHARDED_DIMS)
         data_mesh = split[SHARDED_DIMS] if plan.dp > 1 else split["dp_shard"]
-    return Mesh(plan, device_mesh, device, data_mesh, flattened)
+    return Mesh(plan, device_mesh, device, data_mesh, flattened, split)

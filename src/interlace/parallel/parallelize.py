@@ -61,6 +61,7 @@ from interlace.parallel.data.fsdp import (
     sharded_norm_share,
 )
 from interlace.parallel.data.ring import ring_group
+from interlace.parallel.data.stored_shards import sharded_storage
 from interlace.parallel.detect import Structure, find_structure
 from interlace.parallel.expert.apply import link_within
 from interlace.parallel.expert.grads import (
@@ -243,6 +244,7 @@ def _apply_data_split(
             ring=ring_group(mesh.rows(replicas.name)) if overlap else None,
         )
         _load(result, mesh, weights)
+        result.storage = sharded_storage(result.storage, result.model, mesh.split_mesh)
         if result.executor is not None:
             result.executor.rebind_parameters()
         plan = result.plan

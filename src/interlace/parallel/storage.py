@@ -19,7 +19,8 @@ placement along each of the mesh's dimensions."""
 class Whole(Protocol):
     """How a split parameter's piece that is not one block of its full tensor is stored as the
     full tensor (`pieces.StoredWhole`), for a parameter or an optimizer state of its shape,
-    `value` as the state dict holds it (a plain piece: FSDP2's shards keep their own keys)."""
+    `value` as the state dict holds it (a plain piece: FSDP2's shards keep their own keys,
+    `data.stored_shards`)."""
 
     def full(self, value: torch.Tensor) -> torch.Tensor:
         """The full tensor, gathered from every rank's piece (collective)."""
@@ -39,7 +40,8 @@ class Storage:
     """How this rank's parameters are named and placed in a checkpoint: `aliases` {name: the
     name it is stored as} (a pipeline's copy of the tied embedding, stored as the embedding);
     `keys` {name: key of this rank's piece} for pieces only the same split can read; `layouts`
-    {name: where its piece lies in the full tensor} for pieces stored as full tensors, which
+    {name: where its piece (its local tensor; under FSDP2 its shard) lies in the full tensor}
+    for pieces stored as full tensors, which
     any split can read; `whole` {name: `Whole`} for pieces stored as full tensors gathered on
     saving and cut on loading, which any split can read too (`keys` still names where
     checkpoints written before them hold such a piece). `keys`, `layouts` and `whole` are looked
