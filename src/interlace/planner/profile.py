@@ -274,9 +274,10 @@ def stage_memory(
     part (parameters with gradients and optimizer state, AdamW's moments in `optimizer_state`'s
     dtype; saved activations of the micro-batches in flight, a recomputation's working set, the
     parameters sharded data parallelism gathers and the block gradients it holds before their
-    reduce-scatter) and their `total`. Under etp each tp rank keeps the rows its tp group
-    received, gathered for its expert pieces, and their results (2 · top_k · d a token and
-    layer), not 1/tp of them."""
+    reduce-scatter) and their `total`. Under `tp_subbatches` each sub-batched layer keeps one
+    more copy of its output, [tokens, d] (3D: [tokens/z, d/x]). Under etp each tp rank keeps
+    the rows its tp group received, gathered for its expert pieces, and their results
+    (2 · top_k · d a token and layer), not 1/tp of them."""
     tp = plan.tp_size
     boundary = d / tp if plan.sequence_parallel and plan.tp3d is None else d
 
@@ -306,6 +307,10 @@ def stage_memory(
 
         pairs = zip(stage.shards, stage.checkpointed, strict=True)
         saved = sum(saved3d(shard, ckpt) for shard, ckpt in pairs) / z
+    if plan.overlap.tp_subbatches > 1:  # a sub-batched layer's output: its sub-batches' rows
+        # stay with their graphs, the next layer reads them concatenated, one more copy
+        x, z = (plan.tp3d[0], plan.tp3d[2]) if plan.tp3d is not None else (1, 1)
+        saved += (stage.n_layers - stage.n_moe) * d / (x * z)
     if plan.pipelined:
         in_flight = micro_batches_in_flight(plan.schedule, s, plan.pp, plan.micro_batches, v)
     else:
