@@ -430,10 +430,11 @@ def load_checkpoint(
     except (CheckpointException, RuntimeError) as exc:
         raise CheckpointError(
             f"checkpoint '{path}' (plan {Plan.from_dict(meta['plan'])}) cannot be read under "
-            f"this split: {_first_line(exc)}; FSDP2's shards of fused or shared tensor parallel "
-            "pieces (dp_shard with tp or tp3d), and pieces in checkpoints written before they "
-            "were stored whole, are stored as their split had them: resume under the "
-            "checkpoint's plan"
+            f"this split: {_first_line(exc)}; FSDP2's shards of tensor parallel pieces that are "
+            "not one block of the full tensor (fused, shared or twice-cut ones), that it cut "
+            "unevenly or over a mesh of their own (experts over ep_dp), and pieces in "
+            "checkpoints written before they were stored whole, are stored as their split had "
+            "them: resume under the checkpoint's plan"
         ) from None
     state["optim"]["param_groups"] = param_groups
     loaded = rejoined(state["model"], state["optim"], model_state, optim_state, sliced)

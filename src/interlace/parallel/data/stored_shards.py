@@ -13,8 +13,9 @@ torch itself gives FSDP2 over tensor parallel DTensors; private, and the only on
 the full tensor, which DCP reshards to any other split, and loads into the shard in place.
 
 Where FSDP2's cut is uneven (it pads the last shard) or its mesh is not sliced from the same
-mesh as the split's (context parallelism's flattened dp × cp, experts' ep_dp), the layout
-is dropped and the piece keeps its own key (resumed under its own plan). Pieces that are not
+mesh as the split's (context parallelism's flattened dp × cp; the experts' ep_dp, a mesh
+made from that group, as under `dp_shard=4,ep=2,tp=2,etp=2`), the layout is dropped and the
+piece keeps its own key (resumed under its own plan). Pieces that are not
 one block (fused q|k|v, kv heads held by several ranks, rows cut twice), stored whole
 otherwise (`pieces.StoredWhole`), keep their own keys too once FSDP2 shards them: gathering
 them whole would hold the sharded model whole on every rank.
