@@ -321,8 +321,8 @@ def test_unimplemented_plan_feature_is_refused_before_launching(capsys, tmp_path
     out = tmp_path / "never"
     expect_usage_error(
         capsys,
-        train_args(out, 4, "--plan", "cp=2,tp=2,tp_subbatches=2", "--nproc", "4"),
-        "cp=2 with tp_subbatches=2",
+        train_args(out, 4, "--plan", "cp=2,tp3d=1x2x1", "--nproc", "4"),
+        "cp=2 with tp3d=1x2x1",
         "not implemented yet",
     )
     assert not out.exists()

@@ -83,9 +83,13 @@ def test_context_parallel_training_equals_serial(serial, plan_text):
         "cp=2,tp=2,sequence_parallel=true",
         pytest.param("cp=2,tp=2", marks=SLOW),
         pytest.param("cp=2,tp=2,cp_mode=alltoall", marks=SLOW),
+        "cp=2,tp=2,tp_subbatches=2",
+        pytest.param("cp=2,tp=2,tp_subbatches=2,cp_mode=alltoall,recompute=full", marks=SLOW),
     ],
 )
 def test_context_parallel_with_tensor_parallel_equals_serial(serial, plan_text):
+    # with tp_subbatches each sub-batch's attention runs its own ring (or all-to-all) on its
+    # thread, in the same order on every rank
     results = run_ranks(4, _steps, plan_text, 4)
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(serial["losses"], abs=2e-5), rank
@@ -155,6 +159,27 @@ def test_hugging_face_decoders_train_under_cp_as_in_one_process(tmp_path, kind, 
     serial = _hf_losses(model, "dp=1", 1)
     for rank, losses in enumerate(run_ranks(2, _hf_losses, model, plan_text, 2, timeout=120)):
         assert losses == pytest.approx(serial, abs=2e-5), rank
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    "plan_text", ["cp=2,tp=2", pytest.param("cp=2,tp=2,tp_subbatches=2", marks=SLOW)]
+)
+def test_hugging_face_decoders_under_cp_and_tp_train_as_in_one_process(tmp_path, plan_text):
+    # the attention modules are found in the structure read before tensor parallelism split
+    # the embedding (an nn.Embedding no longer: found after it, none was)
+    model = saved_tiny_model("llama", tmp_path / "llama", vocab=320)
+    serial = _hf_losses(model, "dp=1", 1)
+    for rank, losses in enumerate(run_ranks(4, _hf_losses, model, plan_text, 4, timeout=180)):
+        assert losses == pytest.approx(serial, abs=2e-5), rank
+
+
+def test_alltoall_over_too_few_key_value_heads_is_refused_before_launch():
+    # Llama-style 2 kv heads over tp=2: one per rank, which cp=2 cannot split
+    spec = dataclasses.replace(get_preset("tiny"), n_kv_heads=2)
+    with pytest.raises(PlanError, match=r"splits a rank's 1 key/value heads"):
+        Plan.parse("cp=2,tp=2,cp_mode=alltoall").validate(4, spec)
+    Plan.parse("cp=2,tp=2").validate(4, spec)  # the ring has no such limit
 
 
 def _hf_losses(model: str, plan_text: str, world_size: int) -> list[float]:

@@ -127,8 +127,8 @@ def test_invalid_values_are_rejected(plan, words):
 @pytest.mark.parametrize(
     "plan, word",
     [
-        (Plan(cp=2, tp=2, overlap=Overlap(tp_subbatches=2)), "cp=2 with tp_subbatches=2"),
         (Plan(cp=2, tp3d=(1, 2, 1)), "cp=2 with tp3d=1x2x1"),
+        (Plan(cp=2, dp=2, ep=2), "cp=2 with expert parallelism (ep=2"),
     ],
 )
 def test_features_of_later_modules_say_not_implemented(plan, word):

@@ -140,7 +140,7 @@ def parallelize(
     if plan.tensor3d_parallel:
         tensor3d_step(result, mesh, gather_logits)
     if plan.context_parallel:
-        context_step(result, mesh)
+        context_step(result, mesh, structure)
     experts = expert_step(result, mesh, None if structure is None else structure.expert_blocks)
     apply_recompute(result)
     apply_precision(result, precision, mesh.device.type, moe_layers)

@@ -22,7 +22,7 @@ from interlace.parallel.context.alltoall import alltoall_attention
 from interlace.parallel.context.hf import apply_context_hf, is_hf_model
 from interlace.parallel.context.ring import ring_attention
 from interlace.parallel.context.zigzag import zigzag_positions
-from interlace.parallel.detect import find_structure
+from interlace.parallel.detect import Structure, find_structure
 
 ATTENTIONS = {"ring": ring_attention, "alltoall": alltoall_attention}
 """Context-parallel attention by `cp_mode`: (q, k, v, group) → this rank's output."""
@@ -50,11 +50,15 @@ def share_positions(length: int, device: torch.device, group: Group) -> torch.Te
     return zigzag_positions(length * group.size, group.size, group.rank, device)
 
 
-def apply_context(model: nn.Module, cp: Group, mode: str = "ring") -> list[str]:
+def apply_context(
+    model: nn.Module, cp: Group, mode: str = "ring", structure: Structure | None = None
+) -> list[str]:
     """Make `model` attend (`mode`: "ring" or "alltoall") and place its tokens as one rank of
-    the context parallel group `cp`, in place; returns the report lines. PlanError, before
-    changing anything, when the model has neither the built-in seams (`attend`, `positions`)
-    nor is a Hugging Face decoder whose attention modules are found by structure."""
+    the context parallel group `cp`, in place; returns the report lines. `structure`: the
+    model's, found before tensor parallelism split it (its embedding no longer an
+    nn.Embedding then); None: found here. PlanError, before changing anything, when the model
+    has neither the built-in seams (`attend`, `positions`) nor is a Hugging Face decoder
+    whose attention modules are found by structure."""
     positions = functools.partial(share_positions, group=cp)
     attentions = [m for m in model.modules() if hasattr(m, "attend")]
     if attentions and hasattr(model, "positions"):
@@ -65,7 +69,7 @@ def apply_context(model: nn.Module, cp: Group, mode: str = "ring") -> list[str]:
         model.positions = positions
     elif is_hf_model(model):
         try:
-            found = find_structure(model).attentions
+            found = (structure or find_structure(model)).attentions
         except ValueError as exc:
             raise PlanError(f"cp={cp.size}: {exc}") from None
         attentions = [model.get_submodule(a.name) for a in found]

@@ -48,11 +48,6 @@ def pending_with(plan: Any, tp3d: str) -> list[tuple[bool, str, str]]:
             f"{cp} with expert parallelism (ep={plan.ep}, moe_balance={plan.moe_balance})",
             "ep=1 and moe_balance=none, or cp=1",
         ),
-        (
-            plan.overlap.tp_subbatches > 1,
-            f"{cp} with tp_subbatches={plan.overlap.tp_subbatches}",
-            "tp_subbatches=1",
-        ),
     ]
 
 
@@ -74,6 +69,14 @@ def check_model(plan: Any, spec: Any) -> None:
         raise PlanError(
             f"cp_mode=alltoall splits a rank's {heads} attention heads (n_heads="
             f"{spec.n_heads} / tp={plan.tp}) over cp={plan.cp}; use cp dividing {heads}, "
+            "or cp_mode=ring"
+        )
+    kv_heads = getattr(spec, "n_kv_heads", None) or spec.n_heads
+    local_kv = max(1, kv_heads // plan.tp)  # fewer kv heads than tp ranks: one each
+    if plan.cp_mode == "alltoall" and local_kv % plan.cp:
+        raise PlanError(
+            f"cp_mode=alltoall splits a rank's {local_kv} key/value heads (n_kv_heads="
+            f"{kv_heads} over tp={plan.tp}) over cp={plan.cp}; use cp dividing {local_kv}, "
             "or cp_mode=ring"
         )
     if spec.n_experts:
