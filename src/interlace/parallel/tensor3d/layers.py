@@ -14,7 +14,7 @@ from interlace.parallel.detect import linear_shape
 from interlace.parallel.grad_sums import sum_gradient_among
 from interlace.parallel.tensor.comm import reduce_scatter_sequence
 from interlace.parallel.tensor.shard import ShardSpec, replica_slots
-from interlace.parallel.tensor3d.comm import ALONE, linear3d, summed
+from interlace.parallel.tensor3d.comm import ALONE, gather_weight, linear3d, summed
 from interlace.parallel.tensor3d.prefetch import WeightPrefetcher
 from interlace.parallel.tensor3d.shard import Grid, Shard3D, shard3d_parameter
 from interlace.parallel.tensor3d.shared import SharedBlock
@@ -109,8 +109,10 @@ class Linear3D(nn.Module):
         return SharedBlock(self) if self.z.size > 1 else None
 
     def gather_block(self) -> torch.Tensor:
-        """The whole weight block [out/|out_group|, in/|in_group|], from the prefetcher."""
-        assert self.prefetcher is not None
+        """The whole weight block [out/|out_group|, in/|in_group|]: from the prefetcher if
+        there is one, else all-gathered over Z now."""
+        if self.prefetcher is None:
+            return gather_weight(self.weight, self.z)
         return self.prefetcher.gather(self)
 
     def extra_repr(self) -> str:

@@ -22,25 +22,22 @@ Only one sub-batch computes at a time, so the cache needs no lock.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from interlace.parallel.tensor3d.comm import accumulates, gather_weight, weight_grad_over_z
+from interlace.parallel.tensor3d.comm import accumulates, weight_grad_over_z
 from interlace.parallel.tensor3d.prefetch import in_backward
-
-if TYPE_CHECKING:
-    from interlace.parallel.tensor3d.layers import Linear3D
 
 
 class SharedBlock:
-    """The whole weight block [rows, cols] of `linear` (its `weight` the piece [rows/z, cols])
-    for one sub-batched call of its layer: `get` gathers it once per half of the pass, `leaf`
-    is what the sub-batches differentiate for, `gradient` turns their summed block gradient
-    into the weight's."""
+    """The whole weight block [rows, cols] of `linear` (a `layers.Linear3D`: its `weight` the
+    piece [rows/z, cols], its `z` group, `gather_block`, `block_grad_hook` and
+    `z_grad_in_backward`) for one sub-batched call of its layer: `get` gathers it once per
+    half of the pass, `leaf` is what the sub-batches differentiate for, `gradient` turns
+    their summed block gradient into the weight's."""
 
-    def __init__(self, linear: Linear3D):
+    def __init__(self, linear: nn.Module):
         self.linear = linear
         self.param = linear.weight
         rows, cols = self.param.shape
@@ -56,11 +53,7 @@ class SharedBlock:
         pass (forward, or backward with its recomputation)."""
         half = in_backward()
         if self._block is None or self._in_backward != half:
-            linear = self.linear
-            if linear.prefetcher is not None:
-                self._block = linear.prefetcher.gather(linear)
-            else:
-                self._block = gather_weight(self.param, linear.z)
+            self._block = self.linear.gather_block()
             self._in_backward = half
         return self._block
 
